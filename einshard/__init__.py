@@ -1,0 +1,17 @@
+"""einshard: shard JAX arrays, and whole models, from einsum-like expressions.
+
+>>> import jax.numpy as jnp
+>>> from einshard import einshard
+>>> w1 = einshard(jnp.zeros((128, 256)), 'x y -> x y*')  # split y over all devices
+"""
+
+from ._arrays import einshard as einshard
+from ._arrays import make_sharding as make_sharding
+from ._devices import use_devices as use_devices
+from ._errors import EinshardError as EinshardError
+from ._expression import Expression as Expression
+from ._expression import parse as parse
+from ._layout import Layout as Layout
+from ._layout import layout as layout
+
+__version__ = "0.3.0.dev0"

@@ -1,0 +1,105 @@
+"""The einshard device order: one flat order of devices per process.
+
+Every sharding einshard makes lays its mesh out row-major over this order, so
+arrays sharded by different expressions meet in one ``jit``. The order is, by
+precedence: ``devices=`` on the call; the ambient ``jax.set_mesh`` mesh (its
+flat device order); a :func:`use_devices` block; all devices of the default
+backend in ``jax.devices()`` order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+
+import jax
+from jax.sharding import Mesh
+
+from ._errors import EinshardError
+
+__all__ = ["DeviceOrder", "resolve_devices", "use_devices"]
+
+DeviceOrder = tuple[jax.Device, ...]
+"""A flat device order: the devices an einshard mesh is laid out over, in order."""
+
+_block_devices: contextvars.ContextVar[DeviceOrder | None] = contextvars.ContextVar(
+    "einshard_devices", default=None
+)
+
+
+@contextlib.contextmanager
+def use_devices(devices: Sequence[jax.Device] | Mesh) -> Iterator[DeviceOrder]:
+    """Sets the einshard device order for a block of code.
+
+    Inside the block, calls without ``devices=`` lay their meshes out over
+    these devices, in this order. Blocks nest; the innermost wins.
+
+    Args:
+        devices: A sequence of devices, or a :class:`jax.sharding.Mesh`
+            (meaning its devices in flat, row-major order).
+
+    Yields:
+        The device order as a tuple.
+
+    >>> import jax, einshard
+    >>> with einshard.use_devices(jax.devices()[:2]):
+    ...     einshard.make_sharding('x -> x*').num_devices
+    2
+    """
+    order = resolve_devices(devices)
+    token = _block_devices.set(order)
+    try:
+        yield order
+    finally:
+        _block_devices.reset(token)
+
+
+def resolve_devices(devices: Sequence[jax.Device] | Mesh | None) -> DeviceOrder:
+    """The device order for a call: ``devices`` if given, else the block's or the default.
+
+    Args:
+        devices: ``None``, a sequence of devices, or a mesh.
+
+    Returns:
+        The devices as a tuple, in order.
+
+    Raises:
+        EinshardError: If ``devices`` is empty, repeats a device, or holds
+            something that is not a device.
+    """
+    if devices is None:
+        block = _block_devices.get()
+        return block if block is not None else tuple(jax.devices())
+    if isinstance(devices, Mesh):
+        return tuple(devices.devices.flat)
+    if isinstance(devices, tuple) and devices and all(isinstance(d, jax.Device) for d in devices):
+        if len(set(devices)) == len(devices):
+            return devices
+    return _checked_order(devices)
+
+
+def _checked_order(devices: object) -> DeviceOrder:
+    try:
+        order = tuple(devices)  # type: ignore[arg-type]
+    except TypeError:
+        raise EinshardError(
+            f"devices= must be a sequence of devices or a jax.sharding.Mesh, "
+            f"not {type(devices).__name__}",
+            hint="For example devices=jax.devices()[:4], or devices=mesh.",
+        ) from None
+    if not order:
+        raise EinshardError("devices= is empty", hint="Pass at least one device, e.g. jax.devices().")
+    for device in order:
+        if not isinstance(device, jax.Device):
+            raise EinshardError(
+                f"devices= holds {device!r}, which is not a jax.Device",
+                hint="Pass devices themselves (jax.devices()[i]), not their ids.",
+            )
+    if len(set(order)) != len(order):
+        repeated = next(d for d in order if order.count(d) > 1)
+        raise EinshardError(
+            f"devices= lists {repeated} more than once",
+            hint="List every device once; the order of the list is the order of the mesh.",
+        )
+    return order

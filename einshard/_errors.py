@@ -1,0 +1,109 @@
+"""The one exception einshard raises for user mistakes, and how it is drawn."""
+
+from __future__ import annotations
+
+import unicodedata
+
+__all__ = ["EinshardError"]
+
+
+class EinshardError(ValueError):
+    """A mistake in an einshard expression, rule or call.
+
+    The message has up to four parts, in this order:
+
+    * a headline saying what is wrong;
+    * the expression, with a caret under the part at fault;
+    * a hint saying how to fix it (ideally a corrected expression);
+    * context lines, added by each layer the error passes through on its way
+      out (the path, shape and rule being applied, the device count).
+
+    It is a :class:`ValueError`, so ``except ValueError`` keeps working for
+    code written against einshard 0.2.0.
+
+    Attributes:
+        headline: What is wrong, in one sentence.
+        expression: The expression at fault, or ``None``.
+        span: ``(start, end)`` character offsets of the fault in
+            ``expression``, or ``None``.
+        hint: How to fix it, or ``None``.
+        context: Lines of context, outermost last.
+    """
+
+    def __init__(
+        self,
+        headline: str,
+        *,
+        expression: str | None = None,
+        span: tuple[int, int] | None = None,
+        hint: str | None = None,
+        context: tuple[str, ...] | list[str] = (),
+    ) -> None:
+        super().__init__(headline)
+        self.headline = headline
+        self.expression = expression
+        self.span = span
+        self.hint = hint
+        self.context = list(context)
+
+    def add_context(self, line: str) -> EinshardError:
+        """Appends a context line and returns the error, for ``raise e.add_context(...)``."""
+        self.context.append(line)
+        return self
+
+    def __str__(self) -> str:
+        lines = [self.headline]
+        if self.expression is not None:
+            shown, caret = _underline(self.expression, self.span)
+            lines.append("    " + shown)
+            if caret:
+                lines.append("    " + caret)
+        if self.hint:
+            lines.append(self.hint)
+        lines.extend("  " + line for line in self.context)
+        return "\n".join(lines)
+
+    def __reduce__(self):  # keeps the parts when pickled (multiprocessing, pytest-xdist)
+        kwargs = dict(
+            expression=self.expression, span=self.span, hint=self.hint, context=tuple(self.context)
+        )
+        return (_rebuild, (self.headline, kwargs))
+
+
+def _rebuild(headline: str, kwargs: dict) -> EinshardError:
+    return EinshardError(headline, **kwargs)
+
+
+# The error's public home is the package, so tracebacks read `einshard.EinshardError`.
+EinshardError.__module__ = "einshard"
+
+
+def _shown(char: str) -> str:
+    """How one character of an expression is printed: escaped if it would not show."""
+    if char == "'":
+        return "\\'"
+    if char == "\\":
+        return "\\\\"
+    if not char.isprintable() or unicodedata.category(char) in ("Mn", "Me", "Cf"):
+        return repr(char)[1:-1] if char.isascii() else f"\\u{ord(char):04x}"
+    return char
+
+
+def _width(text: str) -> int:
+    """Terminal columns taken by ``text`` (wide East Asian characters take two)."""
+    return sum(2 if unicodedata.east_asian_width(c) in ("W", "F") else 1 for c in text)
+
+
+def _underline(expression: str, span: tuple[int, int] | None) -> tuple[str, str]:
+    """Returns the quoted expression and a caret line under ``span`` (character offsets)."""
+    pieces = [_shown(c) for c in expression]
+    shown = "'" + "".join(pieces) + "'"
+    if span is None:
+        return shown, ""
+    start, end = span
+    start = max(0, min(start, len(expression)))
+    end = max(start, min(end, len(expression)))
+    before = 1 + _width("".join(pieces[:start]))  # 1 for the opening quote
+    under = _width("".join(pieces[start:end]))
+    # A fault at the very end (a missing part) gets one caret just past the text.
+    return shown, " " * before + "^" * max(under, 1)

@@ -1,0 +1,5 @@
+"""Framework integrations (Flax, Equinox, optax).
+
+Each lives in its own module and imports its framework itself, so that
+``import einshard`` imports none of them.
+"""
