@@ -135,7 +135,6 @@ _SYNTAX_HINT = (
 )
 
 
-@functools.lru_cache(maxsize=4096)
 def parse(text: str) -> Expression:
     """Parses an einshard expression.
 
@@ -162,6 +161,11 @@ def parse(text: str) -> Expression:
             f"an einshard expression must be a string, not {type(text).__name__}",
             hint="Write it like 'x y -> x y*'.",
         )
+    return _parse(text)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse(text: str) -> Expression:
     arrow = _find_arrow(text)
     left = tuple(_parse_left(text, start, end) for start, end in _words(text, 0, arrow))
     right = tuple(
@@ -222,7 +226,7 @@ def _check_ellipsis_word(text: str, start: int, end: int) -> None:
     word = text[start:end]
     if "." in word and word != _ELLIPSIS:
         dots = word.index(".")
-        run = len(word) - len(word[dots:].lstrip("."))
+        run = len(word[dots:]) - len(word[dots:].lstrip("."))
         if run != 3:
             raise _error(
                 text,
@@ -395,7 +399,11 @@ def _check_names(expression: Expression) -> None:
             hint = f"The left-hand side names the array's axes: {names}."
             close = difflib.get_close_matches(element.name, list(seen), n=1)
             if close:
-                hint += f" Did you mean {close[0]!r}?"
+                fixed = [
+                    str(dataclasses.replace(e, name=close[0])) if e is element else str(e)
+                    for e in expression.right
+                ]
+                hint += f" Did you mean {close[0]!r}? {expression.with_right(fixed)!r}"
             raise _error(
                 text,
                 f"axis {element.name!r} is on the right-hand side but not on the left",

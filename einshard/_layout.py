@@ -374,6 +374,7 @@ def layout(expression: str, shape: Sequence[int], *, n_devices: int) -> Layout:
     >>> plan.shard_shape((128, 256)), plan.replication
     ((128, 1), 1)
     """
+    parse(expression)  # a clear error for a non-string before the cache sees it
     try:
         shape = tuple(int(size) for size in shape)
     except (TypeError, ValueError):
