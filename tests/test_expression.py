@@ -361,3 +361,22 @@ def test_valid_expressions_round_trip(text):
         (e.name, e.count, e.star, e.is_ellipsis) for e in expression.right
     ]
     assert again.left_names == expression.left_names
+
+
+@settings(max_examples=500, deadline=None)
+@given(text=expressions(), data=st.data())
+def test_caret_points_at_an_inserted_fault(text, data):
+    """Insert one stray character into a valid expression: the caret lands on it."""
+    safe = [
+        i
+        for i in range(len(text) + 1)
+        if not any(c in "->." for c in text[max(0, i - 1) : i + 1])
+    ]
+    assume(safe)
+    position = data.draw(st.sampled_from(safe))
+    stray = data.draw(st.sampled_from("#,;!?()[]{}%$&@+=~^"))
+    broken = text[:position] + stray + text[position:]
+    with pytest.raises(EinshardError) as info:
+        einshard.parse(broken)
+    start, end = info.value.span
+    assert start <= position < end, (broken, info.value.span, str(info.value))
