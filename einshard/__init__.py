@@ -13,5 +13,7 @@ from ._expression import Expression as Expression
 from ._expression import parse as parse
 from ._layout import Layout as Layout
 from ._layout import layout as layout
+from ._picture import picture as picture
+from ._picture import visualize as visualize
 
 __version__ = "0.3.0.dev0"

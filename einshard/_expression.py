@@ -230,7 +230,7 @@ def _check_ellipsis_word(text: str, start: int, end: int) -> None:
         if run != 3:
             raise _error(
                 text,
-                f"'{word[dots:dots + run]}' is not '...'",
+                f"'{word[dots : dots + run]}' is not '...'",
                 (start + dots, start + dots + run),
                 "Write exactly three dots, '...', for the axes you leave unnamed and unsharded.",
             )
@@ -258,8 +258,8 @@ def _parse_left(text: str, start: int, end: int) -> LeftElement:
                 "axis names cannot contain digits",
                 (at, at + run),
                 "Digits are shard counts, and counts go on the right-hand side "
-                f"('{word[:i]}{word[i:i + run]}*' there means axis '{word[:i]}', count "
-                f"{word[i:i + run]}, star). Rename the axis with letters only.",
+                f"('{word[:i]}{word[i : i + run]}*' there means axis '{word[:i]}', count "
+                f"{word[i : i + run]}, star). Rename the axis with letters only.",
             )
         if char == "*":
             raise _error(
@@ -298,7 +298,9 @@ def _parse_right(text: str, start: int, end: int) -> RightElement:
     if i == len(word):
         if digits.startswith("0"):
             fixed = digits.lstrip("0")
-            fix = f"write '{word[:digits_start]}{fixed}{'*' if star else ''}'" if fixed else "counts start at 1"
+            fix = (
+                f"write '{word[:digits_start]}{fixed}{'*' if star else ''}'" if fixed else "counts start at 1"
+            )
             raise _error(
                 text,
                 f"count {digits!r} is not a positive integer without leading zeros",
@@ -318,7 +320,7 @@ def _parse_right(text: str, start: int, end: int) -> RightElement:
             text,
             "the count must come before '*'",
             (at - 1, at + run),
-            f"Write the name, then the count, then the star: '{word[:i - 1]}{rest[:run]}*'.",
+            f"Write the name, then the count, then the star: '{word[: i - 1]}{rest[:run]}*'.",
         )
     if _is_name_char(char):
         raise _error(
@@ -362,8 +364,7 @@ def _check_ellipses(expression: Expression) -> None:
             text,
             "'...' is on the right-hand side but not on the left",
             right[0].span,
-            "Put '...' on both sides or on neither; on the left it stands for the axes you do "
-            "not name.",
+            "Put '...' on both sides or on neither; on the left it stands for the axes you do not name.",
         )
 
 
@@ -410,13 +411,23 @@ def _check_names(expression: Expression) -> None:
                 element.span,
                 hint,
             )
-    for name, element in seen.items():
-        if name not in placed:
-            right = [*map(str, expression.right), name]
+    missing = [name for name in seen if name not in placed]
+    if missing:
+        name = missing[0]
+        element = seen[name]
+        right = [*map(str, expression.right), *missing]
+        if len(missing) > 1:
             raise _error(
                 text,
-                f"axis {name!r} is on the left-hand side but not on the right",
+                f"axes {', '.join(map(repr, missing))} are on the left-hand side but not on the right",
                 element.span,
                 f"Every axis must appear on the right; write it alone to leave it unsharded: "
                 f"{expression.with_right(right)!r}",
             )
+        raise _error(
+            text,
+            f"axis {name!r} is on the left-hand side but not on the right",
+            element.span,
+            f"Every axis must appear on the right; write it alone to leave it unsharded: "
+            f"{expression.with_right(right)!r}",
+        )

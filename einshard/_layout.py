@@ -374,12 +374,12 @@ def layout(expression: str, shape: Sequence[int], *, n_devices: int) -> Layout:
     >>> plan.shard_shape((128, 256)), plan.replication
     ((128, 1), 1)
     """
-    parse(expression)  # a clear error for a non-string before the cache sees it
     try:
         shape = tuple(int(size) for size in shape)
     except (TypeError, ValueError):
         raise EinshardError(f"shape must be a sequence of integers, not {shape!r}") from None
     try:
+        parse(expression)  # a clear error for a non-string before the cache sees it
         result = compile_layout(expression, len(shape), n_devices)
         result.check_shape(shape)
     except EinshardError as error:
