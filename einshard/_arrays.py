@@ -13,9 +13,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.core import Tracer
+from jax.sharding import AxisType, NamedSharding
 
-from ._devices import resolve_devices
+from ._devices import Devices, resolve_devices
 from ._errors import EinshardError
 from ._layout import Layout
 from ._sharding import ambient_mesh, ambient_spec, layout_sharding
@@ -28,7 +29,7 @@ def make_sharding(
     *,
     n_dims: int | None = None,
     shape: Sequence[int] | None = None,
-    devices: Sequence[jax.Device] | Mesh | None = None,
+    devices: Devices | None = None,
 ) -> NamedSharding:
     """Makes the ``NamedSharding`` an einshard expression describes.
 
@@ -68,7 +69,7 @@ def make_sharding(
     return sharding
 
 
-def einshard(x: Any, expression: str, *, devices: Sequence[jax.Device] | Mesh | None = None) -> Any:
+def einshard(x: Any, expression: str, *, devices: Devices | None = None) -> Any:
     """Shards an array as an einshard expression says.
 
     Args:
@@ -94,7 +95,7 @@ def einshard(x: Any, expression: str, *, devices: Sequence[jax.Device] | Mesh | 
     >>> w.sharding.shard_shape(w.shape)
     (128, 32)
     """
-    if isinstance(x, jax.core.Tracer):
+    if isinstance(x, Tracer):
         return _constrain(x, expression, devices)
     if isinstance(x, jax.ShapeDtypeStruct):
         _, sharding = _resolve(expression, len(x.shape), devices, tuple(x.shape))
@@ -120,7 +121,7 @@ def einshard(x: Any, expression: str, *, devices: Sequence[jax.Device] | Mesh | 
 def _resolve(
     expression: str,
     n_dims: int | None,
-    devices: Sequence[jax.Device] | Mesh | None,
+    devices: Devices | None,
     shape: tuple[int, ...] | None,
 ) -> tuple[Layout, NamedSharding]:
     """The layout and concrete sharding, with the divisibility check and error context."""
@@ -147,7 +148,7 @@ def _resolve(
         raise error.add_context(_context(shape, devices)) from None
 
 
-def _constrain(x: jax.core.Tracer, expression: str, devices: Sequence[jax.Device] | Mesh | None) -> Any:
+def _constrain(x: Tracer, expression: str, devices: Devices | None) -> Any:
     """Inside a trace: a sharding constraint, or a reshard under an Explicit mesh."""
     shape = tuple(x.shape)
     ambient = ambient_mesh() if devices is None else None
@@ -179,7 +180,7 @@ def _checked_shape(shape: Any) -> tuple[int, ...]:
     return result
 
 
-def _context(shape: tuple[int, ...] | None, devices: Sequence[jax.Device] | Mesh | None) -> str:
+def _context(shape: tuple[int, ...] | None, devices: Devices | None) -> str:
     ambient = ambient_mesh() if devices is None else None
     if ambient is not None:
         abstract, _ = ambient

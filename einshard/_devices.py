@@ -12,16 +12,25 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 from jax.sharding import Mesh
 
 from ._errors import EinshardError
 
-__all__ = ["DeviceOrder", "resolve_devices", "use_devices"]
+__all__ = ["Device", "DeviceOrder", "Devices", "resolve_devices", "use_devices"]
 
-DeviceOrder = tuple[jax.Device, ...]
+if TYPE_CHECKING:  # jax.Device is an alias that type checkers do not accept as a type
+    from jaxlib._jax import Device
+else:
+    Device = jax.Device
+
+DeviceOrder = tuple[Device, ...]
 """A flat device order: the devices an einshard mesh is laid out over, in order."""
+
+Devices = Sequence[Device] | Mesh
+"""What ``devices=`` takes: devices in order, or a mesh meaning its flat device order."""
 
 _block_devices: contextvars.ContextVar[DeviceOrder | None] = contextvars.ContextVar(
     "einshard_devices", default=None
@@ -29,7 +38,7 @@ _block_devices: contextvars.ContextVar[DeviceOrder | None] = contextvars.Context
 
 
 @contextlib.contextmanager
-def use_devices(devices: Sequence[jax.Device] | Mesh) -> Iterator[DeviceOrder]:
+def use_devices(devices: Devices) -> Iterator[DeviceOrder]:
     """Sets the einshard device order for a block of code.
 
     Inside the block, calls without ``devices=`` lay their meshes out over
@@ -55,7 +64,7 @@ def use_devices(devices: Sequence[jax.Device] | Mesh) -> Iterator[DeviceOrder]:
         _block_devices.reset(token)
 
 
-def resolve_devices(devices: Sequence[jax.Device] | Mesh | None) -> DeviceOrder:
+def resolve_devices(devices: Devices | None) -> DeviceOrder:
     """The device order for a call: ``devices`` if given, else the block's or the default.
 
     Args:
@@ -73,9 +82,13 @@ def resolve_devices(devices: Sequence[jax.Device] | Mesh | None) -> DeviceOrder:
         return block if block is not None else tuple(jax.devices())
     if isinstance(devices, Mesh):
         return tuple(devices.devices.flat)
-    if isinstance(devices, tuple) and devices and all(isinstance(d, jax.Device) for d in devices):
-        if len(set(devices)) == len(devices):
-            return devices
+    if (  # the fast path: an already valid order
+        isinstance(devices, tuple)
+        and devices
+        and all(isinstance(d, Device) for d in devices)
+        and len(set(devices)) == len(devices)
+    ):
+        return devices
     return _checked_order(devices)
 
 
@@ -84,14 +97,13 @@ def _checked_order(devices: object) -> DeviceOrder:
         order = tuple(devices)  # type: ignore[arg-type]
     except TypeError:
         raise EinshardError(
-            f"devices= must be a sequence of devices or a jax.sharding.Mesh, "
-            f"not {type(devices).__name__}",
+            f"devices= must be a sequence of devices or a jax.sharding.Mesh, not {type(devices).__name__}",
             hint="For example devices=jax.devices()[:4], or devices=mesh.",
         ) from None
     if not order:
         raise EinshardError("devices= is empty", hint="Pass at least one device, e.g. jax.devices().")
     for device in order:
-        if not isinstance(device, jax.Device):
+        if not isinstance(device, Device):
             raise EinshardError(
                 f"devices= holds {device!r}, which is not a jax.Device",
                 hint="Pass devices themselves (jax.devices()[i]), not their ids.",

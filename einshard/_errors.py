@@ -64,9 +64,7 @@ class EinshardError(ValueError):
         return "\n".join(lines)
 
     def __reduce__(self):  # keeps the parts when pickled (multiprocessing, pytest-xdist)
-        kwargs = dict(
-            expression=self.expression, span=self.span, hint=self.hint, context=tuple(self.context)
-        )
+        kwargs = dict(expression=self.expression, span=self.span, hint=self.hint, context=tuple(self.context))
         return (_rebuild, (self.headline, kwargs))
 
 

@@ -63,14 +63,14 @@ class Layout:
         shape = tuple(shape)
         if len(shape) != self.n_dims:
             raise _rank_error(self.expression, len(shape), shape)
-        for axis, (size, count, element) in enumerate(zip(shape, self.shards, self.axis_elements)):
+        for axis, (size, count, element) in enumerate(
+            zip(shape, self.shards, self.axis_elements, strict=True)
+        ):
             if size % count == 0:
                 continue
             assert element is not None  # axes under '...' are never split
             right = self.expression.right[element]
-            resolved = (
-                f" ('{right}' resolves to {count} on {self.n_devices} devices)" if right.star else ""
-            )
+            resolved = f" ('{right}' resolves to {count} on {self.n_devices} devices)" if right.star else ""
             divisors = _divisors(math.gcd(size, self.n_devices))
             raise EinshardError(
                 f"axis {right.name!r} (axis {axis} of shape {shape}) has size {size}, "
@@ -84,7 +84,7 @@ class Layout:
     def shard_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
         """The shape of the block each device holds."""
         self.check_shape(shape)
-        return tuple(size // count for size, count in zip(shape, self.shards))
+        return tuple(size // count for size, count in zip(shape, self.shards, strict=True))
 
     def mesh_coordinates(self, position: int) -> tuple[int, ...]:
         """The canonical mesh coordinates of the device at ``position`` in the device order."""
@@ -111,7 +111,7 @@ class Layout:
             index = self.block_index(position)
             result[position] = tuple(
                 slice(None) if count == 1 else slice(i * b, (i + 1) * b)
-                for i, b, count in zip(index, block, self.shards)
+                for i, b, count in zip(index, block, self.shards, strict=True)
             )
         return result
 
@@ -170,7 +170,7 @@ def compile_layout(text: str, n_dims: int | None, n_devices: int) -> Layout:
     element_of = {e.name: i for i, e in enumerate(expression.right) if e.name is not None}
     axis_elements: list[int | None] = []
     for element in expression.left:
-        if element.is_ellipsis:
+        if element.name is None:  # '...'
             axis_elements.extend([None] * (n_dims - len(expression.left) + 1))
         else:
             axis_elements.append(element_of[element.name])
@@ -238,18 +238,14 @@ def _rank_error(expression: Expression, n_dims: int, shape: tuple[int, ...] | No
     of_shape = f" (shape {shape})" if shape is not None else ""
     if expression.has_ellipsis:
         headline = (
-            f"the expression names {len(names)} axes besides '...', "
-            f"but the array has {n_dims}{of_shape}"
+            f"the expression names {len(names)} axes besides '...', but the array has {n_dims}{of_shape}"
         )
     else:
         headline = f"the expression names {len(names)} axes, but the array has {n_dims}{of_shape}"
     if n_dims > len(names) and not expression.has_ellipsis:
         left = " ".join([*map(str, expression.left), "..."])
         right = " ".join([*map(str, expression.right), "..."])
-        hint = (
-            f"Name every axis of the array, or let '...' stand for the unsharded rest: "
-            f"'{left} -> {right}'"
-        )
+        hint = f"Name every axis of the array, or let '...' stand for the unsharded rest: '{left} -> {right}'"
     else:
         hint = "Name exactly the array's axes on the left-hand side, in order."
     return EinshardError(headline, expression=expression.text, span=expression.left_span, hint=hint)
@@ -290,8 +286,7 @@ def _resolve_counts(expression: Expression, n_devices: int) -> tuple[int, ...]:
     if root is None:
         share = f"{n_devices} devices leave a factor of {rest}"
         raise EinshardError(
-            f"{share} for {len(starred)} starred elements, which is not a whole "
-            f"{_power_name(len(starred))}",
+            f"{share} for {len(starred)} starred elements, which is not a whole {_power_name(len(starred))}",
             expression=text,
             span=_cover_spans([e.span for e in starred]),
             hint="Starred elements grow by the same factor. "

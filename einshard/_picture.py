@@ -18,11 +18,8 @@ import sys
 from collections.abc import Sequence
 from typing import IO, Any
 
-import jax
-from jax.sharding import Mesh
-
 from ._arrays import _checked_shape as checked_shape
-from ._devices import resolve_devices
+from ._devices import Devices, resolve_devices
 from ._errors import EinshardError
 from ._layout import Layout, layout
 from ._sharding import ambient_mesh
@@ -40,7 +37,7 @@ def picture(
     shape: Sequence[int],
     *,
     n_devices: int | None = None,
-    devices: Sequence[jax.Device] | Mesh | None = None,
+    devices: Devices | None = None,
     platform: str | None = None,
     scale: float = 1.0,
     min_width: int = 9,
@@ -126,7 +123,7 @@ def visualize(
     shape: Sequence[int],
     *,
     n_devices: int | None = None,
-    devices: Sequence[jax.Device] | Mesh | None = None,
+    devices: Devices | None = None,
     platform: str | None = None,
     scale: float = 1.0,
     min_width: int = 9,
@@ -193,7 +190,7 @@ def _resolve(
     expression: str,
     shape: Sequence[int],
     n_devices: int | None,
-    devices: Sequence[jax.Device] | Mesh | None,
+    devices: Devices | None,
     platform: str | None,
 ) -> tuple[Layout, tuple[int, ...], tuple[int, ...], str]:
     """The layout, the checked shape, the label (device id) of each position, and the platform."""

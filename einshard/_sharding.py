@@ -22,13 +22,13 @@ from ._devices import DeviceOrder
 from ._errors import EinshardError
 from ._layout import Layout, compile_layout
 
-__all__ = ["ambient_mesh", "layout_sharding", "ambient_spec", "mesh_axis_names"]
+__all__ = ["ambient_mesh", "ambient_spec", "layout_sharding", "mesh_axis_names"]
 
 AxisRuns = tuple[tuple[str, ...], ...]
 
 
 def mesh_axis_names(n: int) -> tuple[str, ...]:
-    """The names of einshard's own mesh axes: ``a0``, ``a1``, …"""
+    """The names of einshard's own mesh axes: ``a0``, ``a1`` and so on."""
     return tuple(f"a{i}" for i in range(n))
 
 
@@ -64,11 +64,6 @@ def ambient_mesh() -> tuple[AbstractMesh, Mesh | None] | None:
     if concrete is not None and concrete.empty:
         concrete = None
     return abstract, concrete
-
-
-def describe_mesh(mesh: AbstractMesh | Mesh) -> str:
-    axes = ", ".join(f"{name!r}: {size}" for name, size in mesh.shape.items())
-    return f"Mesh({axes})"
 
 
 @functools.lru_cache(maxsize=4096)
@@ -143,9 +138,15 @@ def suggest_for_mesh(layout: Layout, sizes: Sequence[int]) -> str | None:
     sizes = [s for s in sizes if s > 1]
     right = [e for e in expression.right if not e.is_ellipsis]
     sharded = [
-        (e.name, size) for e, size in zip(right, layout.element_sizes) if e.name is not None and size > 1
+        (e.name, size)
+        for e, size in zip(right, layout.element_sizes, strict=True)
+        if e.name is not None and size > 1
     ]
-    unsharded = [e.name for e, size in zip(right, layout.element_sizes) if e.name is not None and size == 1]
+    unsharded = [
+        e.name
+        for e, size in zip(right, layout.element_sizes, strict=True)
+        if e.name is not None and size == 1
+    ]
     parts: list[str] = []
     j = 0
     for name, count in sharded:
@@ -163,7 +164,7 @@ def suggest_for_mesh(layout: Layout, sizes: Sequence[int]) -> str | None:
         if rest > 1:
             parts.append(str(rest))
     if not parts and sharded:
-        for (name, _), size in zip(sharded, sizes):
+        for (name, _), size in zip(sharded, sizes, strict=False):
             parts.append(f"{name}{size}")
         rest = math.prod(sizes[len(sharded) :])
         if rest > 1:

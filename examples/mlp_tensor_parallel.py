@@ -14,14 +14,14 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
-from typing import NamedTuple  # noqa: E402
+from typing import NamedTuple
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import einshard  # noqa: E402
-from einshard import einshard as shard  # noqa: E402
+import einshard
+from einshard import einshard as shard
 
 
 class Params(NamedTuple):

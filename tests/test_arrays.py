@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import N_DEVICES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import AxisType, NamedSharding
@@ -12,13 +11,14 @@ from jax.sharding import PartitionSpec as P
 from reference_v020 import make_sharding_v020
 
 import einshard
+from conftest import N_DEVICES
 from einshard import EinshardError
 
 
 def index_map(sharding, shape):
     """Device id -> the block it holds, as (start, stop) pairs."""
     return {
-        device.id: tuple(s.indices(size)[:2] for s, size in zip(slices, shape))
+        device.id: tuple(s.indices(size)[:2] for s, size in zip(slices, shape, strict=True))
         for device, slices in sharding.devices_indices_map(tuple(shape)).items()
     }
 
@@ -28,7 +28,7 @@ def expected_map(expression, shape, devices=None):
     devices = list(devices or jax.devices())
     layout = einshard.layout(expression, shape, n_devices=len(devices))
     return {
-        devices[position].id: tuple(s.indices(size)[:2] for s, size in zip(slices, shape))
+        devices[position].id: tuple(s.indices(size)[:2] for s, size in zip(slices, shape, strict=True))
         for position, slices in layout.indices(shape).items()
     }
 
@@ -193,7 +193,9 @@ class TestDeviceOrder:
     def test_different_expressions_meet_in_one_jit(self):
         a = einshard.einshard(jnp.ones((N_DEVICES, 2 * N_DEVICES)), "x y -> x* y")
         b = einshard.einshard(jnp.ones((N_DEVICES, 2 * N_DEVICES)), "x y -> x y*")
-        c = einshard.einshard(jnp.ones((N_DEVICES, 2 * N_DEVICES)), "x y -> 2 x y*" if N_DEVICES % 2 == 0 else "x y -> * x y")
+        c = einshard.einshard(
+            jnp.ones((N_DEVICES, 2 * N_DEVICES)), "x y -> 2 x y*" if N_DEVICES % 2 == 0 else "x y -> * x y"
+        )
         out = jax.jit(lambda a, b, c: a + b + c)(a, b, c)
         np.testing.assert_array_equal(np.asarray(out), 3)
 
@@ -219,7 +221,7 @@ class TestDeviceOrder:
         assert index_map(x.sharding, (4, 6)) == expected_map("x y -> x* y", (4, 6), devices)
 
     def test_mesh_means_its_flat_order(self):
-        mesh = jax.make_mesh((N_DEVICES,), ("i",), devices=jax.devices()[::-1])
+        mesh = jax.make_mesh((N_DEVICES,), ("i",), devices=jax.devices()[::-1], axis_types=(AxisType.Auto,))
         x = einshard.einshard(np.zeros((N_DEVICES, 3)), "x y -> x* y", devices=mesh)
         assert index_map(x.sharding, x.shape) == expected_map("x y -> x* y", x.shape, jax.devices()[::-1])
 

@@ -21,7 +21,11 @@ class TestGrammar:
 
     def test_standalone_count_and_star(self):
         right = einshard.parse("x -> 2 x *").right
-        assert [(e.name, e.number, e.star) for e in right] == [(None, 2, False), ("x", 1, False), (None, 1, True)]
+        assert [(e.name, e.number, e.star) for e in right] == [
+            (None, 2, False),
+            ("x", 1, False),
+            (None, 1, True),
+        ]
 
     def test_spans_point_at_source_text(self):
         text = "a  ...  d ->  4 a2  ... d2"
@@ -367,11 +371,7 @@ def test_valid_expressions_round_trip(text):
 @given(text=expressions(), data=st.data())
 def test_caret_points_at_an_inserted_fault(text, data):
     """Insert one stray character into a valid expression: the caret lands on it."""
-    safe = [
-        i
-        for i in range(len(text) + 1)
-        if not any(c in "->." for c in text[max(0, i - 1) : i + 1])
-    ]
+    safe = [i for i in range(len(text) + 1) if not any(c in "->." for c in text[max(0, i - 1) : i + 1])]
     assume(safe)
     position = data.draw(st.sampled_from(safe))
     stray = data.draw(st.sampled_from("#,;!?()[]{}%$&@+=~^"))

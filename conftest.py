@@ -1,0 +1,53 @@
+"""Pytest set-up for the whole repository: tests/ and the doctests in einshard/.
+
+JAX simulates ``EINSHARD_TEST_DEVICES`` CPU devices (default 8); the nox
+``tests`` session runs the suite with 8, 16 and 6. The count must be set before
+JAX starts its backend, hence here, at import time, before anything is
+collected. The doctests are written for 8 devices and are skipped at other
+counts. Doctests of an integration whose framework is not installed are not
+collected (its module would fail to import).
+"""
+
+import importlib.util
+import os
+
+import jax
+import pytest
+
+N_DEVICES = int(os.environ.get("EINSHARD_TEST_DEVICES", "8"))
+DOCTEST_DEVICES = 8
+
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", N_DEVICES)
+
+collect_ignore = [
+    f"einshard/integrations/{framework}.py"
+    for framework in ("flax", "equinox", "optax")
+    if importlib.util.find_spec(framework) is None
+]
+
+try:
+    import hypothesis
+except ImportError:
+    pass
+else:
+    # The first examples of a property trace and compile; a deadline would make them flaky.
+    hypothesis.settings.register_profile("einshard", deadline=None)
+    hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "einshard"))
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Shows the simulated device count and the JAX version at the top of the run."""
+    return f"einshard: {N_DEVICES} simulated CPU devices, jax {jax.__version__}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skips the doctests unless there are the 8 devices their outputs assume."""
+    if N_DEVICES == DOCTEST_DEVICES:
+        return
+    skip = pytest.mark.skip(
+        reason=f"doctests assume {DOCTEST_DEVICES} devices; EINSHARD_TEST_DEVICES={N_DEVICES}"
+    )
+    for item in items:
+        if type(item).__name__ == "DoctestItem":
+            item.add_marker(skip)

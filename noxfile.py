@@ -1,0 +1,198 @@
+"""Development tasks: ``python3 -m pip install 'nox[uv]' && python3 -m nox -s <session>``.
+
+Sessions: ``lint`` (ruff), ``types`` (pyright), ``tests`` (Python 3.11 and 3.12,
+each with the newest JAX it can get, on 8, 16 and 6 simulated CPU devices),
+``tests_oldest_jax`` (the JAX floor of pyproject.toml), ``examples`` (every
+``examples/*.py``) and ``benchmarks`` (every ``benchmarks/bench_*.py``). Every
+session installs what it needs itself; bare ``nox`` runs lint, types and tests.
+
+Interpreters: a ``pythonX.Y`` that is not on ``PATH`` (or is only a pyenv shim
+that does not run) is looked up under ``$(pyenv root)/versions/X.Y*/bin`` and
+exposed to nox through a directory of links, so that ``-s tests`` works where
+3.12 is installed by pyenv but is not the active version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import nox
+
+nox.needs_version = ">=2025.2.9"
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.error_on_missing_interpreters = True  # a missing Python fails, never skips
+nox.options.sessions = ["lint", "types", "tests"]
+
+ROOT = Path(__file__).parent
+PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
+PYTHONS = ["3.11", "3.12"]
+NEWEST_PYTHON = PYTHONS[-1]
+TEST_DEVICE_COUNTS = [8, 16, 6]
+CPU_ONLY = {"JAX_PLATFORMS": "cpu"}  # no probing for accelerators
+
+
+def _runs(executable: str, version: str) -> bool:
+    """Whether ``executable`` starts and is Python ``version`` (a pyenv shim may not start)."""
+    try:
+        result = subprocess.run(
+            [executable, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return result.returncode == 0 and result.stdout.strip() == version
+
+
+def _pyenv_roots() -> list[Path]:
+    roots = [os.environ.get("PYENV_ROOT", "")]
+    if pyenv := shutil.which("pyenv"):
+        with contextlib.suppress(OSError):
+            roots.append(subprocess.run([pyenv, "root"], capture_output=True, text=True).stdout.strip())
+    roots.append(str(Path.home() / ".pyenv"))
+    return [Path(root) for root in dict.fromkeys(roots) if root]
+
+
+def _release(path: Path) -> tuple[int, ...]:
+    """``.../versions/3.12.10/bin/python3.12`` -> (3, 12, 10), for picking the newest patch release."""
+    return tuple(int(n) for n in re.findall(r"\d+", path.parents[1].name))
+
+
+def _pyenv_interpreter(version: str) -> str | None:
+    """The newest working ``$(pyenv root)/versions/X.Y.*/bin/pythonX.Y``, if any."""
+    name = f"python{version}"
+    candidates = {
+        candidate
+        for root in _pyenv_roots()
+        for pattern in (f"{version}.*", version)
+        for candidate in (root / "versions").glob(f"{pattern}/bin/{name}")
+    }
+    for candidate in sorted(candidates, key=_release, reverse=True):
+        if _runs(str(candidate), version):
+            return str(candidate)
+    return None
+
+
+def _expose_interpreters(versions: list[str]) -> None:
+    """Puts a working ``pythonX.Y`` first on ``PATH`` for every version that lacks one there."""
+    links = ROOT / ".nox" / "_interpreters"
+    for version in versions:
+        name = f"python{version}"
+        on_path = shutil.which(name)
+        if on_path and _runs(on_path, version):
+            continue
+        found = _pyenv_interpreter(version)
+        if found is None:
+            continue  # not installed: nox reports it and fails the session
+        links.mkdir(parents=True, exist_ok=True)
+        (links / name).unlink(missing_ok=True)
+        (links / name).symlink_to(found)
+    if links.is_dir() and str(links) not in os.environ["PATH"].split(os.pathsep):
+        os.environ["PATH"] = f"{links}{os.pathsep}{os.environ['PATH']}"
+
+
+_expose_interpreters(PYTHONS)
+
+
+def _group(name: str) -> list[str]:
+    """The requirements of a PEP 735 dependency group in pyproject.toml."""
+    return list(nox.project.dependency_groups(PYPROJECT, name))
+
+
+def _dev(tool: str) -> str:
+    """The ``dev`` group's requirement for one tool, e.g. ``ruff>=0.9``."""
+    for requirement in _group("dev"):
+        if re.match(rf"{re.escape(tool)}\b", requirement):
+            return requirement
+    raise ValueError(f"{tool} is not in the dev dependency group")
+
+
+def _show_versions(session: nox.Session, *packages: str) -> None:
+    """Logs the Python and package versions the session runs with (all must be installed)."""
+    code = (
+        "import importlib.metadata as m, platform; "
+        f"print('Python', platform.python_version(), *(p + ' ' + m.version(p) for p in {packages!r}))"
+    )
+    session.run("python", "-c", code, silent=False)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Ruff: lint rules and formatting (``ruff format`` fixes the latter)."""
+    session.install(_dev("ruff"))
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=NEWEST_PYTHON)
+def types(session: nox.Session) -> None:
+    """Pyright (basic) on the package, with every optional framework installed."""
+    session.install("--upgrade", "-e", ".[all]", _dev("pyright"))
+    session.run("pyright", "einshard")
+
+
+@nox.session(python=PYTHONS)
+def tests(session: nox.Session) -> None:
+    """The test suite and the doctests, on 8, 16 and 6 simulated CPU devices.
+
+    Installs the newest JAX this Python can get (``--upgrade``), with every
+    optional framework, so the integrations are tested too. Extra arguments go
+    to pytest: ``nox -s tests -- -k picture -x``.
+    """
+    session.install("--upgrade", "-e", ".[all]", "jax", *_group("test"))
+    _show_versions(session, "jax", "jaxlib", "numpy", "flax", "equinox", "optax", "chex", "hypothesis")
+    for count in TEST_DEVICE_COUNTS:
+        session.log(f"--- {count} simulated CPU devices ---")
+        session.run(
+            "pytest",
+            *session.posargs,
+            env={"EINSHARD_TEST_DEVICES": str(count), **CPU_ONLY},
+        )
+
+
+@nox.session(python=PYTHONS[0])
+def tests_oldest_jax(session: nox.Session) -> None:
+    """The suite on 8 devices with the oldest JAX pyproject.toml allows (not run by default)."""
+    floor = next(
+        match.group(1)
+        for requirement in PYPROJECT["project"]["dependencies"]
+        if (match := re.fullmatch(r"jax\s*>=\s*([\w.]+)", requirement))
+    )
+    session.install("-e", ".[all]", f"jax=={floor}", f"jaxlib=={floor}", *_group("test"))
+    _show_versions(session, "jax", "jaxlib", "numpy", "flax", "equinox", "optax")
+    session.run("pytest", *session.posargs, env={"EINSHARD_TEST_DEVICES": "8", **CPU_ONLY})
+
+
+@nox.session(python=NEWEST_PYTHON)
+def examples(session: nox.Session) -> None:
+    """Runs every ``examples/*.py`` as a script (JAX sees 8 CPU devices unless the example says otherwise)."""
+    scripts = sorted((ROOT / "examples").glob("*.py"))
+    if not scripts:
+        session.error("no examples/*.py to run")
+    session.install("--upgrade", "-e", ".[all]", "jax")
+    _show_versions(session, "jax", "flax", "equinox", "optax")
+    for script in scripts:
+        session.log(f"--- {script.relative_to(ROOT)} ---")
+        session.run("python", str(script), env={"JAX_NUM_CPU_DEVICES": "8", **CPU_ONLY})
+
+
+@nox.session(python=NEWEST_PYTHON)
+def benchmarks(session: nox.Session) -> None:
+    """Runs every ``benchmarks/bench_*.py``; fails if a benchmark misses its bar.
+
+    Extra arguments go to every script: ``nox -s benchmarks -- --no-fail``.
+    """
+    scripts = sorted((ROOT / "benchmarks").glob("bench_*.py"))
+    if not scripts:
+        session.error("no benchmarks/bench_*.py to run")
+    session.install("--upgrade", "-e", ".[all]", "jax")
+    _show_versions(session, "jax", "jaxlib", "numpy")
+    for script in scripts:
+        session.log(f"--- {script.relative_to(ROOT)} ---")
+        session.run("python", str(script), *session.posargs, env=CPU_ONLY)
