@@ -413,21 +413,16 @@ def _check_names(expression: Expression) -> None:
             )
     missing = [name for name in seen if name not in placed]
     if missing:
-        name = missing[0]
-        element = seen[name]
         right = [*map(str, expression.right), *missing]
-        if len(missing) > 1:
-            raise _error(
-                text,
-                f"axes {', '.join(map(repr, missing))} are on the left-hand side but not on the right",
-                element.span,
-                f"Every axis must appear on the right; write it alone to leave it unsharded: "
-                f"{expression.with_right(right)!r}",
-            )
+        headline = (
+            f"axis {missing[0]!r} is on the left-hand side but not on the right"
+            if len(missing) == 1
+            else f"axes {', '.join(map(repr, missing))} are on the left-hand side but not on the right"
+        )
         raise _error(
             text,
-            f"axis {name!r} is on the left-hand side but not on the right",
-            element.span,
-            f"Every axis must appear on the right; write it alone to leave it unsharded: "
+            headline,
+            seen[missing[0]].span,
+            "Every axis must appear on the right; write it alone to leave it unsharded: "
             f"{expression.with_right(right)!r}",
         )

@@ -315,3 +315,17 @@ def test_tutorial_mlp_is_one_all_reduce():
     assert hlo.count("all-reduce(") + hlo.count("all-reduce-start(") == 1
     assert "all-gather" not in hlo
     assert isinstance(out.sharding, NamedSharding) or out.sharding.is_fully_replicated
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="xyab .*->0123456789", max_size=16),
+    shape=st.lists(st.integers(0, 2 * N_DEVICES), max_size=3).map(tuple),
+)
+def test_any_string_gives_a_sharding_or_an_einshard_error(text, shape):
+    """Through JAX, too: never an AssertionError, KeyError or a failure inside JAX."""
+    try:
+        sharding = einshard.make_sharding(text, shape=shape)
+    except EinshardError:
+        return
+    assert index_map(sharding, shape) == expected_map(text, shape)

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from test_picture import README_PICTURES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,32 +24,6 @@ os.environ['XLA_FLAGS'] = os.environ.get('XLA_FLAGS', '') + f' --xla_force_host_
 from einshard import einshard 
 import jax
 import jax.numpy as jnp
-"""
-
-README_PICTURE_REPLICATED = """
-┌────────────────────────────────────────────────┐
-│                                                │
-│             CPU 0,2,4,6,8,10,12,14             │
-│                                                │
-│                                                │
-├────────────────────────────────────────────────┤
-│                                                │
-│             CPU 1,3,5,7,9,11,13,15             │
-│                                                │
-│                                                │
-└────────────────────────────────────────────────┘
-"""
-
-README_PICTURE_TWO_STARS = """
-┌───────────────────────┬───────────────────────┐
-│        CPU 0,8        │        CPU 1,9        │
-├───────────────────────┼───────────────────────┤
-│       CPU 2,10        │       CPU 3,11        │
-├───────────────────────┼───────────────────────┤
-│       CPU 4,12        │       CPU 5,13        │
-├───────────────────────┼───────────────────────┤
-│       CPU 6,14        │       CPU 7,15        │
-└───────────────────────┴───────────────────────┘
 """
 
 TUTORIAL = """
@@ -130,7 +105,7 @@ def run(code: str) -> str:
 
 
 def lines(picture: str) -> list[str]:
-    return [line.rstrip() for line in picture.strip("\n").split("\n")]
+    return [line.strip() for line in picture.strip("\n").split("\n")]
 
 
 def test_readme_numbers():
@@ -164,10 +139,7 @@ def test_readme_ellipsis_is_the_same_as_naming():
     assert out.strip() == "True (2, 8, 20, 5)"
 
 
-@pytest.mark.parametrize(
-    ("expression", "picture"),
-    [("a b -> * a2 b", README_PICTURE_REPLICATED), ("a b -> 2 a2* b*", README_PICTURE_TWO_STARS)],
-)
+@pytest.mark.parametrize(("expression", "picture"), README_PICTURES)
 def test_readme_pictures(expression, picture):
     pytest.importorskip("rich")
     out = run(
