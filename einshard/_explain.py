@@ -1,0 +1,215 @@
+"""``explain``: what a rule table does to a tree, on any device count."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+from typing import Any
+
+from ._devices import Devices
+from ._pytrees import _device_count, _settings, plan_tree
+from ._rules import Indivisible, Rule, RulesLike, Unmatched
+
+__all__ = ["Report", "ReportRow", "explain"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportRow:
+    """One array leaf of an :func:`explain` report.
+
+    Attributes:
+        path: The leaf's path.
+        shape: Its shape.
+        dtype: Its dtype.
+        rule: The deciding rule's regex, or ``None``.
+        expression: The expression applied.
+        shard_shape: The shape of the block each device holds.
+        bytes: The leaf's size in bytes.
+        bytes_per_device: The bytes each device holds of it.
+        note: A fallback taken (scalar, no rule matched, next rule), or ``None``.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    rule: str | None
+    expression: str
+    shard_shape: tuple[int, ...]
+    bytes: int
+    bytes_per_device: int
+    note: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What a rule table does to a tree: one row per array leaf, and totals.
+
+    ``str(report)`` is a table (drawn with ``rich`` when it is installed).
+
+    Attributes:
+        rows: One :class:`ReportRow` per array leaf, in tree order.
+        n_devices: The device count planned for.
+        total_bytes: The bytes of all array leaves (the model, once).
+        max_bytes_per_device: The bytes the busiest device holds.
+        unused_rules: The rules that decided no leaf.
+    """
+
+    rows: tuple[ReportRow, ...]
+    n_devices: int
+    total_bytes: int
+    max_bytes_per_device: int
+    unused_rules: tuple[Rule, ...]
+
+    @property
+    def replication_overhead(self) -> float:
+        """Bytes held over all devices, as a multiple of the model's bytes (1.0: no copies)."""
+        if not self.total_bytes:
+            return 1.0
+        return self.max_bytes_per_device * self.n_devices / self.total_bytes
+
+    def __str__(self) -> str:
+        try:
+            return _rich_table(self)
+        except ImportError:
+            return _plain_table(self)
+
+
+def explain(
+    tree: Any,
+    rules: RulesLike,
+    *,
+    n_devices: int | None = None,
+    devices: Devices | None = None,
+    unmatched: Unmatched | None = None,
+    indivisible: Indivisible | None = None,
+) -> Report:
+    """Explains how a rule table lays out a tree, for any device count.
+
+    Needs no devices when ``n_devices`` is given: plan a 256-device run on a
+    laptop. Works on concrete trees and on ``jax.eval_shape`` output alike.
+
+    Args:
+        tree: A pytree of arrays or ``ShapeDtypeStruct`` leaves.
+        rules: The rule table (see :func:`~einshard.shard_pytree`).
+        n_devices: The device count to plan for; defaults to that of ``devices``
+            or of the einshard device order.
+        devices: The devices, when ``n_devices`` is not given.
+        unmatched: See :func:`~einshard.shard_pytree`.
+        indivisible: See :func:`~einshard.shard_pytree`.
+
+    Returns:
+        A :class:`Report`.
+
+    Raises:
+        EinshardError: As :func:`~einshard.shard_pytree` would.
+
+    >>> import jax, jax.numpy as jnp, einshard
+    >>> tree = {'w': jax.ShapeDtypeStruct((1024, 1024), jnp.float32), 'b': jnp.zeros(1024)}
+    >>> report = einshard.explain(tree, [('w', 'x y -> x y*'), ('.*', '... -> * ...')], n_devices=256)
+    >>> report.total_bytes, report.max_bytes_per_device
+    (4198400, 20480)
+    """
+    table, unmatched_, indivisible_, _ = _settings(rules, unmatched, indivisible, None)
+    count = n_devices if n_devices is not None else _device_count(devices)
+    planned, _, unused = plan_tree(
+        tree, table, n_devices=count, unmatched=unmatched_, indivisible=indivisible_
+    )
+    rows = []
+    for _, plan in planned:
+        if plan is None:
+            continue
+        shard_shape = plan.layout.shard_shape(plan.shape)
+        itemsize = _itemsize(plan.dtype)
+        rows.append(
+            ReportRow(
+                path=plan.path,
+                shape=plan.shape,
+                dtype=str(plan.dtype),
+                rule=None if plan.rule is None else plan.rule.pattern,
+                expression=plan.expression,
+                shard_shape=shard_shape,
+                bytes=math.prod(plan.shape) * itemsize,
+                bytes_per_device=math.prod(shard_shape) * itemsize,
+                note=plan.note,
+            )
+        )
+    # einshard lays every array over all devices, one block each, so every device holds the same.
+    per_device = sum(row.bytes_per_device for row in rows)
+    return Report(
+        rows=tuple(rows),
+        n_devices=count,
+        total_bytes=sum(row.bytes for row in rows),
+        max_bytes_per_device=per_device,
+        unused_rules=unused,
+    )
+
+
+def _itemsize(dtype: Any) -> int:
+    try:
+        return int(dtype.itemsize)
+    except (AttributeError, TypeError):
+        return 0
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _columns(report: Report) -> tuple[list[str], list[list[str]], list[str]]:
+    header = ["path", "shape", "dtype", "rule", "expression", "shard shape", "per device"]
+    body = []
+    for row in report.rows:
+        rule = repr(row.rule) if row.rule is not None else f"({row.note})"
+        if row.rule is not None and row.note:
+            rule += f" ({row.note})"
+        body.append(
+            [
+                row.path,
+                str(row.shape),
+                row.dtype,
+                rule,
+                row.expression,
+                str(row.shard_shape),
+                _size(row.bytes_per_device),
+            ]
+        )
+    footer = [
+        f"{len(report.rows)} array{'' if len(report.rows) == 1 else 's'}, {_size(report.total_bytes)} on {report.n_devices} devices: "
+        f"{_size(report.max_bytes_per_device)} per device, "
+        f"replication overhead {report.replication_overhead:.2f}x",
+    ]
+    if report.unused_rules:
+        footer.append("unused rules: " + ", ".join(str(rule) for rule in report.unused_rules))
+    return header, body, footer
+
+
+def _rich_table(report: Report) -> str:
+    import rich.box
+    import rich.console
+    import rich.table
+
+    header, body, footer = _columns(report)
+    table = rich.table.Table(*header, box=rich.box.SIMPLE_HEAD, show_edge=False)
+    for line in body:
+        table.add_row(*line)
+    buffer = io.StringIO()
+    console = rich.console.Console(file=buffer, width=200, color_system=None, force_terminal=False)
+    console.print(table)
+    for line in footer:
+        console.print(line, highlight=False, soft_wrap=True)
+    return "\n".join(line.rstrip() for line in buffer.getvalue().rstrip().splitlines())
+
+
+def _plain_table(report: Report) -> str:
+    header, body, footer = _columns(report)
+    widths = [max(len(cell) for cell in column) for column in zip(header, *body, strict=True)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(header, widths, strict=True)).rstrip()]
+    lines.append("  ".join("-" * width for width in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in body]
+    return "\n".join([*lines, *footer])

@@ -1,0 +1,368 @@
+"""Whole pytrees from a rule table: ``shard_pytree``, ``pytree_shardings``, ``init_sharded``.
+
+Each array leaf gets the expression of the first rule whose regex matches its
+path. Planning (which rule, which expression, does it divide) is pure and
+needs only a device count, so :func:`~einshard.explain` can plan for devices
+the machine does not have; placing goes through the arrays layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.core import Tracer
+
+from ._arrays import _resolve, einshard
+from ._devices import Devices, resolve_devices
+from ._errors import EinshardError
+from ._layout import Layout, compile_layout
+from ._rules import Indivisible, Rule, Rules, RulesLike, Unmatched, _check_policies, path_string
+from ._sharding import ambient_mesh
+
+__all__ = [
+    "EinshardWarning",
+    "LeafPlan",
+    "init_sharded",
+    "plan_tree",
+    "pytree_shardings",
+    "shard_pytree",
+]
+
+REPLICATE = "... -> * ..."
+
+
+class EinshardWarning(UserWarning):
+    """A rule-table problem that is not an error: in strict mode, rules that matched nothing."""
+
+
+EinshardWarning.__module__ = "einshard"
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+    """How one array leaf is laid out.
+
+    Attributes:
+        path: The leaf's path, e.g. ``'layers/0/mlp/w1/kernel'``.
+        shape: The leaf's shape.
+        dtype: The leaf's dtype.
+        rule: The rule that decided it, or ``None`` (a scalar, or no rule
+            matched and the policy replicates).
+        expression: The expression applied.
+        layout: The resolved layout.
+        note: Why the leaf did not simply follow its first matching rule, or ``None``.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: Any
+    rule: Rule | None
+    expression: str
+    layout: Layout
+    note: str | None = None
+
+
+def is_array_leaf(leaf: Any) -> bool:
+    """Whether a leaf is an array to place: ``jax.Array``, NumPy array or scalar, ``ShapeDtypeStruct``.
+
+    Python scalars, strings, functions and other objects pass through untouched.
+    """
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+def plan_tree(
+    tree: Any,
+    rules: RulesLike,
+    *,
+    n_devices: int,
+    unmatched: Unmatched = "error",
+    indivisible: Indivisible = "error",
+) -> tuple[list[tuple[Any, LeafPlan | None]], Any, tuple[Rule, ...]]:
+    """Plans every leaf of ``tree``: pure, for any device count.
+
+    Returns:
+        ``(leaves, treedef, unused)``: each leaf with its plan (``None`` for
+        leaves that pass through), the tree structure, and the rules that
+        decided no leaf.
+    """
+    table = rules if isinstance(rules, Rules) else Rules(rules)
+    _check_policies(unmatched, indivisible)
+    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    used: set[int] = set()
+    planned = []
+    for key_path, leaf in path_leaves:
+        if not is_array_leaf(leaf):
+            planned.append((leaf, None))
+            continue
+        plan = _plan_leaf(path_string(key_path), leaf, table, n_devices, unmatched, indivisible)
+        if plan.rule is not None:
+            used.add(plan.rule.index)
+        planned.append((leaf, plan))
+    unused = tuple(rule for rule in table if rule.index not in used)
+    return planned, treedef, unused
+
+
+def _describe(path: str, shape: tuple[int, ...]) -> str:
+    return f"{path!r} (shape {shape})"
+
+
+def _plan_leaf(
+    path: str, leaf: Any, rules: Rules, n_devices: int, unmatched: Unmatched, indivisible: Indivisible
+) -> LeafPlan:
+    shape = tuple(leaf.shape)
+    dtype = leaf.dtype
+    if not shape:  # scalars are replicated whatever the rules say
+        return LeafPlan(
+            path, shape, dtype, None, REPLICATE, compile_layout(REPLICATE, 0, n_devices), "scalar"
+        )
+    rule = rules.match(path)
+    if rule is None:
+        if unmatched == "replicate":
+            layout = compile_layout(REPLICATE, len(shape), n_devices)
+            return LeafPlan(path, shape, dtype, None, REPLICATE, layout, "no rule matched: replicated")
+        tried = ", ".join(repr(r.pattern) for r in rules) or "(the table is empty)"
+        raise EinshardError(
+            f"no rule matches {_describe(path, shape)}",
+            hint=f"Add a rule for it, e.g. (r'{_suggest_pattern(path)}', '{_replicate_for(len(shape))}'), "
+            f"end the table with "
+            f"(r'.*', '{REPLICATE}') to replicate the rest, or pass unmatched='replicate'.",
+            context=[f"rules tried: {tried}"],
+        )
+    skipped: list[Rule] = []
+    candidates = rules.matches(path) if indivisible == "next" else iter([rule])
+    for candidate in candidates:
+        context = f"while sharding {_describe(path, shape)} with rule {candidate} on {n_devices} devices"
+        try:
+            layout = compile_layout(candidate.expression, len(shape), n_devices)
+        except EinshardError as error:
+            raise error.add_context(context) from None
+        try:
+            layout.check_shape(shape)
+        except EinshardError as error:
+            if indivisible == "error":
+                raise error.add_context(context) from None
+            if indivisible == "replicate":
+                layout = compile_layout(REPLICATE, len(shape), n_devices)
+                note = f"rule {candidate.index} does not divide {shape}: replicated"
+                return LeafPlan(path, shape, dtype, None, REPLICATE, layout, note)
+            skipped.append(candidate)
+            continue
+        note = None
+        if skipped:
+            note = f"rule{'s' if len(skipped) > 1 else ''} {', '.join(str(r.index) for r in skipped)} "
+            note += f"did not divide {shape}: rule {candidate.index} used"
+        return LeafPlan(path, shape, dtype, candidate, candidate.expression, layout, note)
+    tried = ", ".join(str(r) for r in skipped)
+    raise EinshardError(
+        f"no matching rule divides {_describe(path, shape)} on {n_devices} devices",
+        hint=f"Add a rule that fits, or end the table with (r'.*', '{REPLICATE}').",
+        context=[f"rules tried: {tried}"],
+    )
+
+
+def _suggest_pattern(path: str) -> str:
+    """A regex for one leaf's kind: its last two path parts, unless one is a layer index."""
+    parts = [part for part in path.split("/") if part and not part.isdigit()]
+    return "/".join(parts[-2:]) + "$" if parts else ".*"
+
+
+def _replicate_for(rank: int) -> str:
+    names = " ".join("abcdefghijklmnopqrstuvwxyz"[:rank]) if rank <= 26 else "..."
+    return f"{names} -> * {names}"
+
+
+def _device_count(devices: Devices | None) -> int:
+    if devices is None:
+        ambient = ambient_mesh()
+        if ambient is not None:
+            return ambient[0].size
+    return len(resolve_devices(devices))
+
+
+def _settings(
+    rules: RulesLike, unmatched: Unmatched | None, indivisible: Indivisible | None, strict: bool | None
+) -> tuple[Rules, Unmatched, Indivisible, bool]:
+    table = rules if isinstance(rules, Rules) else Rules(rules)
+    return (
+        table,
+        table.unmatched if unmatched is None else unmatched,
+        table.indivisible if indivisible is None else indivisible,
+        table.strict if strict is None else strict,
+    )
+
+
+def _warn_unused(unused: Sequence[Rule], strict: bool) -> None:
+    if strict and unused:
+        listed = ", ".join(str(rule) for rule in unused)
+        warnings.warn(f"rules that matched no leaf: {listed}", EinshardWarning, stacklevel=3)
+
+
+def shard_pytree(
+    tree: Any,
+    rules: RulesLike,
+    *,
+    devices: Devices | None = None,
+    unmatched: Unmatched | None = None,
+    indivisible: Indivisible | None = None,
+    strict: bool | None = None,
+) -> Any:
+    """Places every array leaf of a pytree by the first rule that matches its path.
+
+    Array leaves (``jax.Array``, NumPy arrays, ``ShapeDtypeStruct``, traced
+    values inside ``jit``) are placed as :func:`~einshard.einshard` places
+    one array; scalar arrays are replicated; other leaves (``None``, Python
+    numbers, strings, functions) pass through untouched.
+
+    Args:
+        tree: Any pytree: nested dicts, lists, tuples, dataclasses, modules.
+        rules: A :class:`~einshard.Rules` or what builds one: ``(regex,
+            expression)`` pairs, or a dict. The first rule whose regex
+            ``re.search``-matches a leaf's path (``layers/0/mlp/w1/kernel``) wins.
+        devices: The devices, in order (see :func:`~einshard.make_sharding`).
+        unmatched: A leaf no rule matches: ``'error'`` (the default) or ``'replicate'``.
+        indivisible: A leaf whose axis does not divide by its shard count:
+            ``'error'`` (the default), ``'replicate'``, or ``'next'`` (the next
+            matching rule that fits).
+        strict: Warn (:class:`~einshard.EinshardWarning`) about rules that matched nothing.
+
+    The policies default to those of the :class:`~einshard.Rules` table.
+
+    Returns:
+        The tree, with the same structure and values, every array leaf placed.
+
+    Raises:
+        EinshardError: A leaf no rule matches, or one its rule does not fit;
+            the message names the path, the shape and the rule.
+
+    >>> import jax.numpy as jnp, einshard
+    >>> params = {'w1': jnp.zeros((128, 256)), 'b1': jnp.zeros(256), 'step': 3}
+    >>> rules = [(r'w1$', 'x y -> x y*'), (r'.*', '... -> * ...')]
+    >>> placed = einshard.shard_pytree(params, rules)
+    >>> placed['w1'].sharding.shard_shape((128, 256)), placed['step']
+    ((128, 32), 3)
+    """
+    table, unmatched_, indivisible_, strict_ = _settings(rules, unmatched, indivisible, strict)
+    planned, treedef, unused = plan_tree(
+        tree, table, n_devices=_device_count(devices), unmatched=unmatched_, indivisible=indivisible_
+    )
+    _warn_unused(unused, strict_)
+    out: list[Any] = [leaf for leaf, _ in planned]
+    batch_at, batch_leaves, batch_shardings = [], [], []
+    for i, (leaf, plan) in enumerate(planned):
+        if plan is None:
+            continue
+        if isinstance(leaf, (Tracer, jax.ShapeDtypeStruct)):
+            out[i] = _with_context(plan, einshard, leaf, plan.expression, devices=devices)
+            continue
+        _, sharding = _with_context(plan, _resolve, plan.expression, len(plan.shape), devices, None)
+        batch_at.append(i)
+        batch_leaves.append(leaf)
+        batch_shardings.append(sharding)
+    if batch_leaves:  # one call places them all, as jax.device_put(tree, shardings) would
+        for i, placed in zip(batch_at, jax.device_put(batch_leaves, batch_shardings), strict=True):
+            out[i] = placed
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def pytree_shardings(
+    tree: Any,
+    rules: RulesLike,
+    *,
+    devices: Devices | None = None,
+    unmatched: Unmatched | None = None,
+    indivisible: Indivisible | None = None,
+    strict: bool | None = None,
+) -> Any:
+    """The tree of ``NamedSharding`` objects the rules give, for a concrete or an abstract tree.
+
+    For ``jax.eval_shape`` output (``ShapeDtypeStruct`` leaves) this is what
+    ``jax.jit(..., out_shardings=...)`` needs to create a model already
+    sharded; a concrete tree with the same shapes gives equal shardings.
+    Leaves that are not arrays become ``None``.
+
+    Args:
+        tree: A pytree of arrays or ``ShapeDtypeStruct`` leaves.
+        rules: The rule table (see :func:`shard_pytree`).
+        devices: The devices, in order.
+        unmatched: See :func:`shard_pytree`.
+        indivisible: See :func:`shard_pytree`.
+        strict: See :func:`shard_pytree`.
+
+    Returns:
+        A tree of the same structure with a ``jax.sharding.NamedSharding`` at
+        every array leaf.
+
+    >>> import jax, jax.numpy as jnp, einshard
+    >>> abstract = jax.eval_shape(lambda: {'w': jnp.zeros((16, 8))})
+    >>> einshard.pytree_shardings(abstract, {'w': 'x y -> x* y'})['w'].shard_shape((16, 8))
+    (2, 8)
+    """
+    table, unmatched_, indivisible_, strict_ = _settings(rules, unmatched, indivisible, strict)
+    planned, treedef, unused = plan_tree(
+        tree, table, n_devices=_device_count(devices), unmatched=unmatched_, indivisible=indivisible_
+    )
+    _warn_unused(unused, strict_)
+    out = []
+    for _, plan in planned:
+        if plan is None:
+            out.append(None)
+            continue
+        _, sharding = _with_context(plan, _resolve, plan.expression, len(plan.shape), devices, None)
+        out.append(sharding)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _with_context(plan: LeafPlan, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    try:
+        return call(*args, **kwargs)
+    except EinshardError as error:
+        rule = f" with rule {plan.rule}" if plan.rule is not None else ""
+        raise error.add_context(f"while sharding {_describe(plan.path, plan.shape)}{rule}") from None
+
+
+def init_sharded(init_fn: Callable[..., Any], rules: RulesLike, *args: Any, **kwargs: Any) -> Any:
+    """Runs ``init_fn(*args, **kwargs)`` so that its result is born sharded.
+
+    The result's shapes are found abstractly (``jax.eval_shape``), the rules
+    give their shardings, and ``init_fn`` is compiled with those as
+    ``out_shardings``: every device computes only its own shards, and the
+    model never exists whole on one device. Array arguments are traced; other
+    arguments are passed as they are. The policies are the table's (build a
+    :class:`~einshard.Rules` with ``unmatched=`` etc. to change them) and the
+    devices those of the call (:func:`~einshard.use_devices` sets them).
+
+    Args:
+        init_fn: A function returning a pytree of arrays.
+        rules: The rule table (see :func:`shard_pytree`).
+        *args: Positional arguments for ``init_fn``.
+        **kwargs: Keyword arguments for ``init_fn``.
+
+    Returns:
+        ``init_fn(*args, **kwargs)``, value for value, each array placed by its rule.
+
+    >>> import jax, einshard
+    >>> def init(key):
+    ...     return {'w': jax.random.normal(key, (8, 64))}
+    >>> params = einshard.init_sharded(init, [('w', 'x y -> x y*')], jax.random.key(0))
+    >>> params['w'].sharding.shard_shape((8, 64))
+    (8, 8)
+    """
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
+
+    def run(*arrays: Any) -> Any:
+        filled = list(leaves)
+        for i, array in zip(dynamic, arrays, strict=True):
+            filled[i] = array
+        call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, filled)
+        return init_fn(*call_args, **call_kwargs)
+
+    arrays = [leaves[i] for i in dynamic]
+    abstract = jax.eval_shape(run, *arrays)
+    shardings = pytree_shardings(abstract, rules)
+    return jax.jit(run, out_shardings=shardings)(*arrays)

@@ -1,0 +1,266 @@
+"""Rule tables: ordered ``(regex, expression)`` pairs, and leaf paths to match them against.
+
+Pure Python, no JAX. A leaf's path is its key path joined with ``/``
+(``layers/0/attn/q_proj/kernel``); a rule matches when ``re.search(regex,
+path)`` succeeds, and the first matching rule wins (the EasyLM / scalax
+convention, so their tables port directly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal, Union
+
+from ._errors import EinshardError
+from ._expression import parse
+
+__all__ = ["Indivisible", "Rule", "Rules", "RulesLike", "Unmatched", "path_string"]
+
+Unmatched = Literal["error", "replicate"]
+"""What to do with an array leaf no rule matches."""
+
+Indivisible = Literal["error", "replicate", "next"]
+"""What to do with a leaf whose axis does not divide by its rule's shard count."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One row of a rule table.
+
+    Attributes:
+        pattern: The regular expression, as written.
+        expression: The einshard expression for the leaves it matches.
+        index: The rule's position in its table.
+    """
+
+    pattern: str
+    expression: str
+    index: int
+
+    def __str__(self) -> str:
+        return f"({self.pattern!r}, {self.expression!r})"
+
+
+RulesLike = Union["Rules", Sequence[tuple[str, str]], Mapping[str, str]]
+"""What a rule table may be given as: a :class:`Rules`, a list of pairs, or a dict."""
+
+
+class Rules:
+    """An ordered table of ``(regex, expression)`` pairs, compiled once.
+
+    The first rule whose regex ``re.search``-matches a leaf's path decides the
+    leaf's expression. Every regex and expression is checked when the table is
+    built, so a typo fails at once, naming the rule.
+
+    Tables combine with ``+`` (the left table's rules come first), so a
+    general table can be refined by putting specific rules before it.
+
+    Args:
+        rules: A list of ``(regex, expression)`` pairs, a dict from regex to
+            expression (in insertion order), or another ``Rules``.
+        unmatched: What to do with an array leaf no rule matches: ``'error'``
+            (the default) or ``'replicate'``.
+        indivisible: What to do when a leaf's axis does not divide by its
+            shard count: ``'error'`` (the default), ``'replicate'``, or
+            ``'next'`` (use the next matching rule that fits).
+        strict: Warn about rules that matched no leaf (default ``False``).
+
+    Raises:
+        EinshardError: If a regex does not compile or an expression does not
+            parse, with a caret under the fault and the rule named.
+
+    >>> import einshard
+    >>> rules = einshard.Rules([(r'w1/kernel$', 'x y -> x y*'), (r'.*', '... -> * ...')])
+    >>> rules.match('mlp/w1/kernel').expression
+    'x y -> x y*'
+    >>> rules.match('mlp/w1/bias').expression
+    '... -> * ...'
+    """
+
+    __slots__ = ("_combined", "_compiled", "_memo", "indivisible", "rules", "strict", "unmatched")
+
+    def __init__(
+        self,
+        rules: RulesLike = (),
+        *,
+        unmatched: Unmatched | None = None,
+        indivisible: Indivisible | None = None,
+        strict: bool | None = None,
+    ) -> None:
+        base = rules if isinstance(rules, Rules) else None
+        self.unmatched: Unmatched = unmatched or (base.unmatched if base else "error")
+        self.indivisible: Indivisible = indivisible or (base.indivisible if base else "error")
+        self.strict = strict if strict is not None else (base.strict if base else False)
+        _check_policies(self.unmatched, self.indivisible)
+        if base is not None:
+            self.rules: tuple[Rule, ...] = base.rules
+            self._compiled: tuple[re.Pattern[str], ...] = base._compiled
+            self._combined: re.Pattern[str] | None = base._combined
+            self._memo: dict[str, int] = base._memo
+            return
+        pairs = _pairs(rules)
+        self.rules = tuple(Rule(pattern, expression, i) for i, (pattern, expression) in enumerate(pairs))
+        self._compiled = tuple(_compile_rule(rule) for rule in self.rules)
+        self._combined = _combine(self.rules)
+        self._memo = {}
+
+    def __len__(self) -> int:
+        return len(self.rules)
+
+    def __iter__(self) -> Iterator[Rule]:
+        return iter(self.rules)
+
+    def __getitem__(self, index: int) -> Rule:
+        return self.rules[index]
+
+    def __add__(self, other: RulesLike) -> Rules:
+        return Rules([*self.pairs(), *Rules(other).pairs()], **self._policies())
+
+    def __radd__(self, other: RulesLike) -> Rules:
+        return Rules([*Rules(other).pairs(), *self.pairs()], **self._policies())
+
+    def _policies(self) -> dict[str, Any]:
+        return {"unmatched": self.unmatched, "indivisible": self.indivisible, "strict": self.strict}
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Rules)
+            and self.pairs() == other.pairs()
+            and self._policies() == other._policies()
+        )
+
+    def __hash__(self) -> int:
+        return hash(self.pairs())
+
+    def __repr__(self) -> str:
+        rows = "".join(f"\n    ({r.pattern!r}, {r.expression!r})," for r in self.rules)
+        return f"Rules([{rows}\n])" if rows else "Rules([])"
+
+    def pairs(self) -> tuple[tuple[str, str], ...]:
+        """The table as ``(regex, expression)`` pairs."""
+        return tuple((rule.pattern, rule.expression) for rule in self.rules)
+
+    def match(self, path: str) -> Rule | None:
+        """The first rule whose regex matches ``path``, or ``None``."""
+        index = self._memo.get(path)
+        if index is None:
+            index = self._first(path, 0)
+            if len(self._memo) < 1_000_000:  # paths of one model are few; bound it anyway
+                self._memo[path] = index
+        return None if index < 0 else self.rules[index]
+
+    def matches(self, path: str) -> Iterator[Rule]:
+        """Every rule whose regex matches ``path``, in table order."""
+        for rule, regex in zip(self.rules, self._compiled, strict=True):
+            if regex.search(path):
+                yield rule
+
+    def _first(self, path: str, start: int) -> int:
+        if self._combined is not None and start == 0:
+            found = self._combined.match(path)
+            return -1 if found is None or found.lastgroup is None else int(found.lastgroup[1:])
+        for i in range(start, len(self.rules)):
+            if self._compiled[i].search(path):
+                return i
+        return -1
+
+
+def _check_policies(unmatched: str, indivisible: str) -> None:
+    if unmatched not in ("error", "replicate"):
+        raise EinshardError(
+            f"unmatched={unmatched!r} is not a policy", hint="Use unmatched='error' or 'replicate'."
+        )
+    if indivisible not in ("error", "replicate", "next"):
+        raise EinshardError(
+            f"indivisible={indivisible!r} is not a policy",
+            hint="Use indivisible='error', 'replicate' or 'next'.",
+        )
+
+
+def _pairs(rules: object) -> list[tuple[str, str]]:
+    if isinstance(rules, Mapping):
+        items: Iterable[Any] = rules.items()
+    elif isinstance(rules, (str, bytes)) or not isinstance(rules, Iterable):
+        raise EinshardError(
+            f"a rule table must be a list of (regex, expression) pairs, a dict or Rules, "
+            f"not {type(rules).__name__}",
+            hint="For example [(r'mlp/w1/kernel$', 'x y -> x y*'), (r'.*', '... -> * ...')].",
+        )
+    else:
+        items = rules
+    pairs = []
+    for i, item in enumerate(items):
+        if (
+            not isinstance(item, (tuple, list))
+            or len(item) != 2
+            or not isinstance(item[0], str)
+            or not isinstance(item[1], str)
+        ):
+            raise EinshardError(
+                f"rule {i} is {item!r}, not a (regex, expression) pair of strings",
+                hint="Write each rule as (r'regex', 'expression'), e.g. (r'w1/kernel$', 'x y -> x y*').",
+            )
+        pairs.append((item[0], item[1]))
+    return pairs
+
+
+def _compile_rule(rule: Rule) -> re.Pattern[str]:
+    try:
+        regex = re.compile(rule.pattern)
+    except re.error as error:
+        at = error.pos if error.pos is not None else len(rule.pattern)
+        raise EinshardError(
+            f"the regex of rule {rule.index} does not compile: {error.msg}",
+            expression=rule.pattern,
+            span=(at, at + 1),
+            hint="Rule regexes are Python regular expressions, matched with re.search against "
+            "paths like 'layers/0/mlp/w1/kernel'.",
+            context=[f"in rule {rule.index} {rule}"],
+        ) from None
+    try:
+        parse(rule.expression)
+    except EinshardError as error:
+        raise error.add_context(f"in rule {rule.index} {rule}") from None
+    return regex
+
+
+def _combine(rules: Sequence[Rule]) -> re.Pattern[str] | None:
+    """One regex that finds the first matching rule in a single scan, or ``None``.
+
+    Each rule becomes a branch ``(?=.*?REGEX)(?P<gI>)`` tried at the start of
+    the path: a lookahead that succeeds exactly when ``re.search(REGEX, path)``
+    would, and alternation tries the branches in table order. Regexes whose
+    meaning could change inside a larger pattern (groups referred to by
+    number or name, inline flags) keep the rule-by-rule search.
+    """
+    if not rules or len(rules) > 90:  # Python caps a pattern at 100 named groups
+        return None
+    for rule in rules:
+        if re.search(r"\\\d|\(\?P[=<]|\(\?[aiLmsux-]|\(\?<\w|\\g<", rule.pattern):
+            return None
+    branches = "|".join(f"(?=[\\s\\S]*?(?:{rule.pattern}))(?P<g{rule.index}>)" for rule in rules)
+    try:
+        return re.compile(f"(?:{branches})")
+    except re.error:
+        return None
+
+
+def path_string(path: Sequence[Any]) -> str:
+    """Joins a JAX key path with ``/``: dict keys, attribute names and indices.
+
+    >>> import jax
+    >>> [path_string(p) for p, _ in jax.tree_util.tree_flatten_with_path({'a': [1, {'b': 2}]})[0]]
+    ['a/0', 'a/1/b']
+    """
+    return "/".join(_key_string(key) for key in path)
+
+
+def _key_string(key: Any) -> str:
+    # DictKey.key, GetAttrKey.name, SequenceKey.idx, FlattenedIndexKey.key
+    for attribute in ("key", "name", "idx"):
+        value = getattr(key, attribute, None)
+        if value is not None:
+            return str(value)
+    return str(key)
