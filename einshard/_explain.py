@@ -180,7 +180,8 @@ def _columns(report: Report) -> tuple[list[str], list[list[str]], list[str]]:
             ]
         )
     footer = [
-        f"{len(report.rows)} array{'' if len(report.rows) == 1 else 's'}, {_size(report.total_bytes)} on {report.n_devices} devices: "
+        f"{len(report.rows)} array{'' if len(report.rows) == 1 else 's'}, "
+        f"{_size(report.total_bytes)} on {report.n_devices} devices: "
         f"{_size(report.max_bytes_per_device)} per device, "
         f"replication overhead {report.replication_overhead:.2f}x",
     ]
