@@ -1,0 +1,393 @@
+"""Rule tables over pytrees: paths, precedence, policies, born-sharded init and explain."""
+
+import dataclasses
+import functools
+import re
+import warnings
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import einshard
+from conftest import N_DEVICES
+from einshard import EinshardError, EinshardWarning, Rules
+
+REPLICATE = "... -> * ..."
+
+
+def index_map(sharding, shape):
+    return {
+        device.id: tuple(s.indices(size)[:2] for s, size in zip(slices, shape, strict=True))
+        for device, slices in sharding.devices_indices_map(tuple(shape)).items()
+    }
+
+
+def same_layout(array, expression):
+    expected = einshard.make_sharding(expression, shape=array.shape)
+    return index_map(array.sharding, array.shape) == index_map(expected, array.shape)
+
+
+class Block(NamedTuple):
+    kernel: jax.Array
+    bias: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Layer:
+    attn: Block
+    scale: jax.Array
+    activation: str = dataclasses.field(default="relu", metadata={"static": True})
+
+
+def paths_of(tree):
+    planned, _, _ = einshard._pytrees.plan_tree(
+        tree, [(".*", REPLICATE)], n_devices=N_DEVICES, unmatched="error", indivisible="error"
+    )
+    return [plan.path for _, plan in planned if plan is not None]
+
+
+class TestPaths:
+    def test_dicts_lists_tuples(self):
+        tree = {"layers": [{"w": np.zeros(2)}, ({"w": np.zeros(2)}, np.zeros(2))], "head": np.zeros(2)}
+        assert paths_of(tree) == ["head", "layers/0/w", "layers/1/0/w", "layers/1/1"]
+
+    def test_namedtuples_and_dataclasses(self):
+        layer = Layer(attn=Block(kernel=np.zeros((2, 2)), bias=np.zeros(2)), scale=np.zeros(2))
+        assert paths_of({"layers": [layer]}) == [
+            "layers/0/attn/kernel",
+            "layers/0/attn/bias",
+            "layers/0/scale",
+        ]
+
+    def test_none_and_non_array_leaves_pass_through(self):
+        tree = {"w": np.ones((2, N_DEVICES)), "none": None, "n": 3, "s": "text", "f": len, "x": 1.5}
+        out = einshard.shard_pytree(tree, [("w", "a b -> a b*")])
+        assert out["none"] is None and out["n"] == 3 and out["s"] == "text" and out["f"] is len
+        assert out["x"] == 1.5 and isinstance(out["x"], float)
+        assert same_layout(out["w"], "a b -> a b*")
+
+
+class TestRulesTable:
+    def test_first_match_wins(self):
+        tree = {"mlp": {"w1": np.ones((4, 2 * N_DEVICES)), "w2": np.ones((2 * N_DEVICES, 4))}}
+        rules = [(r"w1$", "x y -> x y*"), (r"mlp/w", "y z -> y* z"), (r".*", REPLICATE)]
+        out = einshard.shard_pytree(tree, rules)
+        assert same_layout(out["mlp"]["w1"], "x y -> x y*")
+        assert same_layout(out["mlp"]["w2"], "y z -> y* z")
+
+    def test_search_not_match(self):
+        rules = Rules([("kernel", "a b -> a b*")])
+        assert rules.match("layers/0/kernel") is not None
+        assert rules.match("kern") is None
+
+    def test_built_from_list_dict_and_rules_alike(self):
+        pairs = [("a$", "x -> x*"), ("b$", REPLICATE)]
+        assert Rules(pairs) == Rules(dict(pairs)) == Rules(Rules(pairs))
+        assert Rules(pairs).pairs() == tuple(pairs)
+
+    def test_combine(self):
+        specific = Rules([("w1$", "x y -> x y*")])
+        general = [(".*", REPLICATE)]
+        combined = specific + general
+        assert combined.pairs() == (("w1$", "x y -> x y*"), (".*", REPLICATE))
+        assert (general + specific).pairs()[0] == (".*", REPLICATE)
+
+    def test_policies_travel_with_the_table(self):
+        rules = Rules([("a", "x -> x*")], unmatched="replicate", indivisible="next", strict=True)
+        again = Rules(rules) + Rules([("b", REPLICATE)])
+        assert (again.unmatched, again.indivisible, again.strict) == ("replicate", "next", True)
+
+    def test_bad_regex_caret(self):
+        with pytest.raises(EinshardError) as info:
+            Rules([("ok", REPLICATE), ("mlp/(w1", "x y -> x y*")])
+        lines = str(info.value).split("\n")
+        assert lines[0] == "the regex of rule 1 does not compile: missing ), unterminated subpattern"
+        assert lines[1:3] == ["    'mlp/(w1'", "         ^"]
+        assert lines[-1] == "  in rule 1 ('mlp/(w1', 'x y -> x y*')"
+
+    def test_bad_expression_names_the_rule(self):
+        with pytest.raises(EinshardError) as info:
+            Rules([("w1/kernel$", "x y -> x z*")])
+        assert str(info.value).split("\n") == [
+            "axis 'z' is on the right-hand side but not on the left",
+            "    'x y -> x z*'",
+            "              ^^",
+            "The left-hand side names the array's axes: x, y.",
+            "  in rule 0 ('w1/kernel$', 'x y -> x z*')",
+        ]
+
+    @pytest.mark.parametrize("bad", ["x -> x*", [("a",)], [("a", 3)], 5])
+    def test_bad_tables(self, bad):
+        with pytest.raises(EinshardError, match="rule"):
+            Rules(bad)
+
+    def test_bad_policy(self):
+        with pytest.raises(EinshardError, match="unmatched='skip' is not a policy"):
+            Rules([], unmatched="skip")  # type: ignore[arg-type]
+
+
+PATTERNS = ["a", "b$", "^a", "a/b", "(a|c)/", ".*", "x", "b/\\d+", "c$", "^$", "a.*c", "[bc]+$"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    patterns=st.lists(st.sampled_from(PATTERNS), min_size=1, max_size=6),
+    path=st.text(alphabet="abcx/0123", max_size=8),
+)
+def test_combined_regex_is_first_search(patterns, path):
+    """The one-scan matcher gives the rule a loop of re.search would."""
+    rules = Rules([(p, REPLICATE) for p in patterns])
+    expected = next((i for i, p in enumerate(patterns) if re.search(p, path)), None)
+    found = rules.match(path)
+    assert (found.index if found else None) == expected
+    assert [r.index for r in rules.matches(path)] == [i for i, p in enumerate(patterns) if re.search(p, path)]
+
+
+class TestPolicies:
+    tree = {"w": np.ones((3, 2 * N_DEVICES), np.float32), "norm": np.ones(4, np.float32)}
+
+    def test_unmatched_error(self):
+        with pytest.raises(EinshardError) as info:
+            einshard.shard_pytree(self.tree, [("w", "x y -> x y*")])
+        assert str(info.value).split("\n") == [
+            "no rule matches 'norm' (shape (4,))",
+            "Add a rule for it, e.g. (r'norm$', 'a -> * a'), end the table with "
+            "(r'.*', '... -> * ...') to replicate the rest, or pass unmatched='replicate'.",
+            "  rules tried: 'w'",
+        ]
+
+    def test_unmatched_replicate(self):
+        out = einshard.shard_pytree(self.tree, [("w", "x y -> x y*")], unmatched="replicate")
+        assert out["norm"].sharding.is_fully_replicated
+        assert len(out["norm"].sharding.device_set) == N_DEVICES
+
+    def test_indivisible_error(self):
+        with pytest.raises(EinshardError) as info:
+            einshard.shard_pytree(self.tree, [("w", "x y -> x* y"), (".*", REPLICATE)])
+        lines = str(info.value).split("\n")
+        assert lines[0] == (
+            f"axis 'x' (axis 0 of shape (3, {2 * N_DEVICES})) has size 3, which does not split into "
+            f"{N_DEVICES} shards ('x*' resolves to {N_DEVICES} on {N_DEVICES} devices)"
+        )
+        assert lines[1:3] == ["    'x y -> x* y'", "            ^^"]
+        assert lines[-1] == (
+            f"  while sharding 'w' (shape (3, {2 * N_DEVICES})) with rule ('w', 'x y -> x* y') "
+            f"on {N_DEVICES} devices"
+        )
+
+    def test_indivisible_replicate_is_reported(self):
+        rules = [("w", "x y -> x* y"), (".*", REPLICATE)]
+        out = einshard.shard_pytree(self.tree, rules, indivisible="replicate")
+        assert out["w"].sharding.is_fully_replicated
+        row = einshard.explain(self.tree, rules, indivisible="replicate").rows[1]
+        assert row.path == "w" and row.rule is None and "does not divide" in row.note
+
+    def test_indivisible_next(self):
+        rules = [("w", "x y -> x* y"), ("w", "x y -> x y*"), (".*", REPLICATE)]
+        out = einshard.shard_pytree(self.tree, rules, indivisible="next")
+        assert same_layout(out["w"], "x y -> x y*")
+        row = einshard.explain(self.tree, rules, indivisible="next").rows[1]
+        assert row.rule == "w" and row.note == f"rule 0 did not divide (3, {2 * N_DEVICES}): rule 1 used"
+
+    def test_indivisible_next_with_nothing_left(self):
+        with pytest.raises(EinshardError, match=r"no matching rule divides 'w'"):
+            einshard.shard_pytree({"w": self.tree["w"]}, [("w", "x y -> x* y")], indivisible="next")
+
+    def test_rank_mismatch_names_the_leaf(self):
+        with pytest.raises(EinshardError) as info:
+            einshard.shard_pytree(self.tree, [(".*", "x y -> x y*")])
+        assert str(info.value).split("\n")[-1] == (
+            f"  while sharding 'norm' (shape (4,)) with rule ('.*', 'x y -> x y*') on {N_DEVICES} devices"
+        )
+
+    def test_strict_warns_about_unused_rules(self):
+        rules = Rules([(".*", REPLICATE), ("never", "x -> x*")], strict=True)
+        with pytest.warns(EinshardWarning, match=r"rules that matched no leaf: \('never', 'x -> x\*'\)"):
+            einshard.shard_pytree(self.tree, rules)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            einshard.shard_pytree(self.tree, rules, strict=False)
+
+    def test_scalars_are_replicated_whatever_the_rules(self):
+        out = einshard.shard_pytree({"step": jnp.int32(3)}, [(".*", "x -> x*")])
+        assert out["step"].sharding.is_fully_replicated and int(out["step"]) == 3
+
+
+class TestAbstractAndBorn:
+    @staticmethod
+    def init(key, width):
+        k1, k2 = jax.random.split(key)
+        return {
+            "w1": jax.random.normal(k1, (16, width)),
+            "w2": jax.random.normal(k2, (width, 16)),
+            "b": jnp.zeros(width),
+        }
+
+    rules = [("w1", "x y -> x y*"), ("w2", "y z -> y* z"), (".*", REPLICATE)]
+
+    def test_concrete_and_abstract_give_equal_shardings(self):
+        key = jax.random.key(0)
+        concrete = self.init(key, 4 * N_DEVICES)
+        abstract = jax.eval_shape(functools.partial(self.init, width=4 * N_DEVICES), key)
+        assert einshard.pytree_shardings(concrete, self.rules) == einshard.pytree_shardings(
+            abstract, self.rules
+        )
+
+    def test_init_sharded_is_born_sharded(self):
+        key = jax.random.key(1)
+        params = einshard.init_sharded(self.init, self.rules, key, 4 * N_DEVICES)
+        plain = self.init(key, 4 * N_DEVICES)
+        for name in plain:
+            np.testing.assert_allclose(np.asarray(params[name]), np.asarray(plain[name]), rtol=1e-6)
+        assert same_layout(params["w1"], "x y -> x y*")
+        assert same_layout(params["w2"], "y z -> y* z")
+        assert params["b"].sharding.is_fully_replicated
+
+    def test_init_sharded_never_materialises_whole(self):
+        # The compiled init's outputs are sharded: no device holds a whole w1.
+        key = jax.random.key(2)
+        params = einshard.init_sharded(self.init, self.rules, key, 4 * N_DEVICES)
+        assert {shard.data.shape for shard in params["w1"].addressable_shards} == {(16, 4)}
+
+    def test_shape_dtype_structs_get_their_sharding(self):
+        abstract = jax.eval_shape(functools.partial(self.init, width=4 * N_DEVICES), jax.random.key(0))
+        placed = einshard.shard_pytree(abstract, self.rules)
+        assert isinstance(placed["w1"], jax.ShapeDtypeStruct)
+        assert placed["w1"].sharding == einshard.make_sharding("x y -> x y*", n_dims=2)
+
+    def test_inside_jit(self):
+        @jax.jit
+        def step(params):
+            params = jax.tree.map(lambda p: p * 2, params)
+            return einshard.shard_pytree(params, self.rules)
+
+        params = self.init(jax.random.key(3), 4 * N_DEVICES)
+        out = step(params)
+        assert same_layout(out["w1"], "x y -> x y*")
+        np.testing.assert_allclose(np.asarray(out["w2"]), 2 * np.asarray(params["w2"]))
+
+
+class TestExplain:
+    tree = {
+        "embed": jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16),
+        "layers": [
+            {
+                "w": jax.ShapeDtypeStruct((512, 2048), jnp.float32),
+                "n": jax.ShapeDtypeStruct((512,), jnp.float32),
+            }
+        ],
+        "config": {"depth": 1},
+    }
+    rules = [("embed", "v d -> v* d"), ("w$", "x y -> x y*"), ("norm", "x -> x*"), (".*", REPLICATE)]
+
+    def test_rows_and_totals_for_256_devices(self):
+        report = einshard.explain(self.tree, self.rules, n_devices=256)
+        assert [row.path for row in report.rows] == ["embed", "layers/0/n", "layers/0/w"]
+        embed, norm, w = report.rows
+        assert (embed.shard_shape, embed.bytes_per_device, embed.dtype) == ((4, 512), 4 * 512 * 2, "bfloat16")
+        assert (w.rule, w.expression, w.shard_shape) == ("w$", "x y -> x y*", (512, 8))
+        assert norm.rule == ".*" and norm.bytes_per_device == 512 * 4
+        assert report.total_bytes == 1024 * 512 * 2 + 512 * 4 + 512 * 2048 * 4
+        assert report.max_bytes_per_device == 4 * 512 * 2 + 512 * 4 + 512 * 8 * 4
+        assert [rule.pattern for rule in report.unused_rules] == ["norm"]
+        assert report.replication_overhead == pytest.approx(
+            256 * report.max_bytes_per_device / report.total_bytes
+        )
+
+    def test_table(self):
+        text = str(einshard.explain(self.tree, self.rules, n_devices=256))
+        assert "layers/0/w" in text and "(512, 8)" in text
+        assert "3 arrays, 5.0 MiB on 256 devices" in text
+        assert "unused rules: ('norm', 'x -> x*')" in text
+
+    def test_plain_table_without_rich(self, monkeypatch):
+        import builtins
+
+        real_import = builtins.__import__
+
+        def no_rich(name, *args, **kwargs):
+            if name.startswith("rich"):
+                raise ImportError(name)
+            return real_import(name, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "__import__", no_rich)
+        lines = str(einshard.explain(self.tree, self.rules, n_devices=8)).split("\n")
+        assert lines[0].split() == [
+            "path",
+            "shape",
+            "dtype",
+            "rule",
+            "expression",
+            "shard",
+            "shape",
+            "per",
+            "device",
+        ]
+        assert lines[4].startswith("layers/0/w") and "(512, 256)" in lines[4]
+
+    def test_needs_no_devices(self):
+        report = einshard.explain(
+            {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}, {"w": "x y -> x y*"}, n_devices=4096
+        )
+        assert report.rows[0].shard_shape == (4096, 1)
+
+
+# --- Property: random trees and tables ------------------------------------------------------
+
+EXPRESSIONS = {1: ["a -> a*", "a -> * a", "a -> a"], 2: ["a b -> a b*", "a b -> a* b", "a b -> * a b"]}
+
+
+@st.composite
+def trees(draw):
+    def leaf():
+        rank = draw(st.integers(0, 2))
+        shape = tuple(N_DEVICES * draw(st.integers(1, 2)) for _ in range(rank))
+        dtype = draw(st.sampled_from([np.float32, np.int32, np.float16]))
+        return (np.arange(int(np.prod(shape))) % 7).astype(dtype).reshape(shape)
+
+    names = st.sampled_from(["w", "b", "kernel", "scale", "emb"])
+    children = draw(
+        st.lists(st.tuples(names, st.integers(0, 2)), min_size=1, max_size=5, unique_by=lambda t: t[0])
+    )
+    tree = {}
+    for name, kind in children:
+        if kind == 0:
+            tree[name] = leaf()
+        elif kind == 1:
+            tree[name] = [leaf() for _ in range(draw(st.integers(1, 3)))]
+        else:
+            tree[name] = {"inner": leaf(), "none": None, "n": draw(st.integers())}
+    return tree
+
+
+@settings(max_examples=40, deadline=None)
+@given(tree=trees(), data=st.data())
+def test_shard_pytree_keeps_values_and_follows_make_sharding(tree, data):
+    patterns = data.draw(st.lists(st.sampled_from(["w", "b$", "inner", "kernel", "/0", "scale"]), max_size=4))
+    rules = Rules(
+        [(p, data.draw(st.sampled_from(EXPRESSIONS[data.draw(st.integers(1, 2))]))) for p in patterns]
+        + [(".*", REPLICATE)]
+    )
+    try:
+        out = einshard.shard_pytree(tree, rules)
+    except EinshardError as error:
+        assert "while sharding" in str(error)  # a rule of the wrong rank, named with its leaf
+        return
+    assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(tree)
+    flat_in = jax.tree_util.tree_flatten_with_path(tree)[0]
+    flat_out = jax.tree_util.tree_leaves(out)
+    for (path, before), after in zip(flat_in, flat_out, strict=True):
+        if not isinstance(before, np.ndarray):
+            assert after is before or after == before
+            continue
+        np.testing.assert_array_equal(np.asarray(after), before)
+        assert after.dtype == before.dtype
+        rule = rules.match(einshard._rules.path_string(path))
+        expression = REPLICATE if before.ndim == 0 else rule.expression
+        assert same_layout(after, expression)
