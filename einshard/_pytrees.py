@@ -8,10 +8,9 @@ the machine does not have; placing goes through the arrays layer.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -43,8 +42,7 @@ class EinshardWarning(UserWarning):
 EinshardWarning.__module__ = "einshard"
 
 
-@dataclasses.dataclass(frozen=True)
-class LeafPlan:
+class LeafPlan(NamedTuple):
     """How one array leaf is laid out.
 
     Attributes:
@@ -92,14 +90,24 @@ def plan_tree(
     """
     table = rules if isinstance(rules, Rules) else Rules(rules)
     _check_policies(unmatched, indivisible)
-    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves, paths, treedef = _flatten_with_paths(tree)
     used: set[int] = set()
-    planned = []
-    for key_path, leaf in path_leaves:
+    planned: list[tuple[Any, LeafPlan | None]] = []
+    # Leaves of one kind (same rule, same shape) share a layout: decide each kind once.
+    fitting: dict[tuple[int, tuple[int, ...]], Layout] = {}
+    for path, leaf in zip(paths, leaves, strict=True):
         if not is_array_leaf(leaf):
             planned.append((leaf, None))
             continue
-        plan = _plan_leaf(path_string(key_path), leaf, table, n_devices, unmatched, indivisible)
+        shape = tuple(leaf.shape)
+        rule = table.match(path) if shape else None
+        layout = None if rule is None else fitting.get((rule.index, shape))
+        if layout is not None and rule is not None:
+            plan = LeafPlan(path, shape, leaf.dtype, rule, rule.expression, layout)
+        else:
+            plan = _plan_leaf(path, leaf, table, n_devices, unmatched, indivisible)
+            if plan.rule is not None and plan.rule is rule and plan.note is None:
+                fitting[rule.index, shape] = plan.layout
         if plan.rule is not None:
             used.add(plan.rule.index)
         planned.append((leaf, plan))
@@ -107,8 +115,28 @@ def plan_tree(
     return planned, treedef, unused
 
 
+_PATHS: dict[Any, list[str]] = {}  # tree structure -> the path of each leaf
+
+
+def _flatten_with_paths(tree: Any) -> tuple[list[Any], list[str], Any]:
+    """The leaves, their ``/``-joined paths and the tree structure; paths cached per structure."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    paths = _PATHS.get(treedef)
+    if paths is None:
+        path_leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+        paths = [path_string(key_path) for key_path, _ in path_leaves]
+        if len(_PATHS) >= 256:  # a process meets few tree structures; stay bounded anyway
+            _PATHS.clear()
+        _PATHS[treedef] = paths
+    return leaves, paths, treedef
+
+
 def _describe(path: str, shape: tuple[int, ...]) -> str:
     return f"{path!r} (shape {shape})"
+
+
+def _leaf_context(path: str, shape: tuple[int, ...], rule: Rule, n_devices: int) -> str:
+    return f"while sharding {_describe(path, shape)} with rule {rule} on {n_devices} devices"
 
 
 def _plan_leaf(
@@ -136,16 +164,15 @@ def _plan_leaf(
     skipped: list[Rule] = []
     candidates = rules.matches(path) if indivisible == "next" else iter([rule])
     for candidate in candidates:
-        context = f"while sharding {_describe(path, shape)} with rule {candidate} on {n_devices} devices"
         try:
             layout = compile_layout(candidate.expression, len(shape), n_devices)
         except EinshardError as error:
-            raise error.add_context(context) from None
+            raise error.add_context(_leaf_context(path, shape, candidate, n_devices)) from None
         try:
             layout.check_shape(shape)
         except EinshardError as error:
             if indivisible == "error":
-                raise error.add_context(context) from None
+                raise error.add_context(_leaf_context(path, shape, candidate, n_devices)) from None
             if indivisible == "replicate":
                 layout = compile_layout(REPLICATE, len(shape), n_devices)
                 note = f"rule {candidate.index} does not divide {shape}: replicated"
@@ -253,13 +280,18 @@ def shard_pytree(
     _warn_unused(unused, strict_)
     out: list[Any] = [leaf for leaf, _ in planned]
     batch_at, batch_leaves, batch_shardings = [], [], []
+    shardings: dict[tuple[str, int], Any] = {}  # one lookup per kind of leaf
     for i, (leaf, plan) in enumerate(planned):
         if plan is None:
             continue
         if isinstance(leaf, (Tracer, jax.ShapeDtypeStruct)):
             out[i] = _with_context(plan, einshard, leaf, plan.expression, devices=devices)
             continue
-        _, sharding = _with_context(plan, _resolve, plan.expression, len(plan.shape), devices, None)
+        key = (plan.expression, len(plan.shape))
+        sharding = shardings.get(key)
+        if sharding is None:
+            _, sharding = _with_context(plan, _resolve, plan.expression, len(plan.shape), devices, None)
+            shardings[key] = sharding
         batch_at.append(i)
         batch_leaves.append(leaf)
         batch_shardings.append(sharding)
@@ -307,12 +339,17 @@ def pytree_shardings(
         tree, table, n_devices=_device_count(devices), unmatched=unmatched_, indivisible=indivisible_
     )
     _warn_unused(unused, strict_)
+    shardings: dict[tuple[str, int], Any] = {}  # one lookup per kind of leaf
     out = []
     for _, plan in planned:
         if plan is None:
             out.append(None)
             continue
-        _, sharding = _with_context(plan, _resolve, plan.expression, len(plan.shape), devices, None)
+        key = (plan.expression, len(plan.shape))
+        sharding = shardings.get(key)
+        if sharding is None:
+            _, sharding = _with_context(plan, _resolve, plan.expression, len(plan.shape), devices, None)
+            shardings[key] = sharding
         out.append(sharding)
     return jax.tree_util.tree_unflatten(treedef, out)
 

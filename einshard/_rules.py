@@ -1,6 +1,6 @@
 """Rule tables: ordered ``(regex, expression)`` pairs, and leaf paths to match them against.
 
-Pure Python, no JAX. A leaf's path is its key path joined with ``/``
+Pure Python (JAX only for its key-path types). A leaf's path is its key path joined with ``/``
 (``layers/0/attn/q_proj/kernel``); a rule matches when ``re.search(regex,
 path)`` succeeds, and the first matching rule wins (the EasyLM / scalax
 convention, so their tables port directly).
@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Union
+
+import jax
 
 from ._errors import EinshardError
 from ._expression import parse
@@ -254,13 +256,22 @@ def path_string(path: Sequence[Any]) -> str:
     >>> [path_string(p) for p, _ in jax.tree_util.tree_flatten_with_path({'a': [1, {'b': 2}]})[0]]
     ['a/0', 'a/1/b']
     """
-    return "/".join(_key_string(key) for key in path)
+    return "/".join([_KEY_STRING.get(type(key), _key_string)(key) for key in path])
 
 
 def _key_string(key: Any) -> str:
-    # DictKey.key, GetAttrKey.name, SequenceKey.idx, FlattenedIndexKey.key
+    # Any other key type: DictKey.key, GetAttrKey.name, SequenceKey.idx, FlattenedIndexKey.key.
     for attribute in ("key", "name", "idx"):
         value = getattr(key, attribute, None)
         if value is not None:
             return str(value)
     return str(key)
+
+
+_KEY_STRING: dict[type, Callable[[Any], str]] = {
+    # The common key types, read without trying attributes (paths are built for every leaf).
+    jax.tree_util.DictKey: lambda key: str(key.key),
+    jax.tree_util.GetAttrKey: lambda key: key.name,
+    jax.tree_util.SequenceKey: lambda key: str(key.idx),
+    jax.tree_util.FlattenedIndexKey: lambda key: str(key.key),
+}
