@@ -106,7 +106,7 @@ def plan_tree(
             plan = LeafPlan(path, shape, leaf.dtype, rule, rule.expression, layout)
         else:
             plan = _plan_leaf(path, leaf, table, n_devices, unmatched, indivisible)
-            if plan.rule is not None and plan.rule is rule and plan.note is None:
+            if rule is not None and plan.rule is rule and plan.note is None:
                 fitting[rule.index, shape] = plan.layout
         if plan.rule is not None:
             used.add(plan.rule.index)
