@@ -1,0 +1,455 @@
+"""Flax integration: NNX modules and optimizers, linen variables and train states.
+
+This module imports Flax; ``import einshard`` does not.
+
+**NNX.** :func:`shard_module` shards the state of any NNX object in place (a
+module, an ``nnx.Optimizer``, or a tuple / list / dict of them) by a rule
+table; :func:`create_sharded` builds one born sharded, so that it never
+exists whole on one device. Rules match the state's paths, which are the
+attribute and key names joined with ``/`` without Flax's ``.value``
+(``linear1/kernel``, ``blocks/0/attn/query/kernel``). An optimizer's state
+ends in the path of the parameter it mirrors (``opt_state/0/mu/linear1/kernel``),
+so one table written with ``re.search`` patterns such as ``r'linear1/kernel$'``
+covers a model and its optimizer alike. Scalars (``step``, ``count``) are
+replicated whatever the rules say, and so is RNG state (``nnx.RngState``:
+the keys and counts of ``nnx.Rngs``), which is never matched against the
+rules. :func:`state_tree` is the state as the rules see it, for
+:func:`einshard.explain`. For optimizers whose state does not mirror the
+parameters leaf for leaf (Adafactor's factored statistics, ``optax.masked``),
+:func:`shard_optimizer` and :func:`create_optimizer` lay the state out like
+the model's placed parameters instead, through
+:mod:`einshard.integrations.optax`.
+
+**linen.** A linen variable dict is a plain pytree: pass it to
+:func:`einshard.shard_pytree` as it is (paths like ``params/Dense_0/kernel``).
+:func:`init_sharded` is a born-sharded ``module.init``, and
+:func:`create_train_state` a born-sharded
+``flax.training.train_state.TrainState`` whose optax state is sharded like the
+parameters it mirrors (through :mod:`einshard.integrations.optax`).
+
+>>> import einshard
+>>> from flax import nnx
+>>> from einshard.integrations.flax import shard_module
+>>> rules = [(r'kernel$', 'x y -> x y*'), (r'bias$', 'y -> y*')]
+>>> model = shard_module(nnx.Linear(4, 16, rngs=nnx.Rngs(0)), rules)
+>>> model.kernel[...].sharding.shard_shape((4, 16))
+(4, 2)
+
+Linen variables go through the core functions as they are:
+
+>>> import jax, jax.numpy as jnp
+>>> import flax.linen as nn
+>>> variables = nn.Dense(16).init(jax.random.key(0), jnp.ones((1, 4)))
+>>> placed = einshard.shard_pytree(variables, [(r'params/kernel$', 'x y -> x y*'), (r'.*', '... -> * ...')])
+>>> placed['params']['kernel'].sharding.shard_shape((4, 16))
+(4, 2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+from flax import nnx
+
+from .. import _pytrees
+from .._devices import Devices
+from .._errors import EinshardError
+from .._rules import Indivisible, RulesLike, Unmatched
+
+__all__ = [
+    "create_optimizer",
+    "create_sharded",
+    "create_train_state",
+    "init_sharded",
+    "shard_module",
+    "shard_optimizer",
+    "state_tree",
+]
+
+T = TypeVar("T")
+
+_REPLICATE = [(r".*", "... -> * ...")]
+
+
+# --- NNX ----------------------------------------------------------------------
+
+
+def _split_state(obj: Any) -> tuple[Any, Any]:
+    """The RNG state and the rest of an NNX object's state, as two ``nnx.State``."""
+    try:
+        rng_state, state = nnx.state(obj, nnx.RngState, ...)
+    except Exception as error:  # nnx's own message says what it could not traverse
+        raise EinshardError(
+            f"cannot read the NNX state of {type(obj).__name__} object: {error}",
+            hint="Pass an NNX object: a module, an nnx.Optimizer, or a tuple, list or dict of them. "
+            "For a linen variable dict, use einshard.shard_pytree.",
+        ) from None
+    return rng_state, state
+
+
+def state_tree(obj: Any) -> dict[str, Any]:
+    """The state of an NNX object as the rules see it: a nested dict of arrays.
+
+    Its paths are those :func:`shard_module` matches against the rules
+    (``linear1/kernel``; no ``.value``). RNG state is left out, since
+    :func:`shard_module` replicates it whatever the rules say. Works on an
+    abstract module (``nnx.eval_shape``), whose leaves are
+    ``jax.ShapeDtypeStruct``, so :func:`einshard.explain` can plan a model that
+    was never built.
+
+    Args:
+        obj: An NNX object: a module, an ``nnx.Optimizer``, or a tuple, list
+            or dict of them.
+
+    Returns:
+        A nested dict with the state's values at its leaves.
+
+    >>> import einshard
+    >>> from flax import nnx
+    >>> from einshard.integrations.flax import state_tree
+    >>> abstract = nnx.eval_shape(lambda: nnx.Linear(1024, 4096, rngs=nnx.Rngs(0)))
+    >>> rules = {'kernel': 'x y -> x y*', 'bias': 'y -> y*'}
+    >>> report = einshard.explain(state_tree(abstract), rules, n_devices=64)
+    >>> [(row.path, row.shard_shape) for row in report.rows]
+    [('bias', (64,)), ('kernel', (1024, 64))]
+    """
+    _, state = _split_state(obj)
+    return nnx.to_pure_dict(state)
+
+
+def shard_module(
+    obj: T,
+    rules: RulesLike,
+    *,
+    devices: Devices | None = None,
+    unmatched: Unmatched | None = None,
+    indivisible: Indivisible | None = None,
+    strict: bool | None = None,
+) -> T:
+    """Shards the state of an NNX object in place, by a rule table, and returns it.
+
+    Every variable is placed as :func:`einshard.shard_pytree` places the leaf
+    at its path (``linear1/kernel``, ``opt_state/0/mu/linear1/kernel``: no
+    ``.value``). Scalars (``step``, ``count``) are replicated, and so is RNG
+    state (``nnx.RngState``), which the rules never see. Inside ``nnx.jit``
+    the values become sharding constraints, and on an abstract module
+    (``nnx.eval_shape``) ``ShapeDtypeStruct`` values carrying their shardings.
+
+    Args:
+        obj: An NNX object: a module, an ``nnx.Optimizer``, or a tuple, list
+            or dict of them (shared variables are placed once).
+        rules: The rule table (see :func:`einshard.shard_pytree`). Patterns
+            ending in the parameter's path (``r'linear1/kernel$'``) also match
+            the optimizer state that mirrors it.
+        devices: The devices, in order (see :func:`einshard.make_sharding`).
+        unmatched: A leaf no rule matches: ``'error'`` or ``'replicate'``.
+        indivisible: A leaf whose axis does not divide: ``'error'``,
+            ``'replicate'`` or ``'next'``.
+        strict: Warn about rules that matched nothing.
+
+    The policies default to those of the :class:`einshard.Rules` table.
+
+    Returns:
+        ``obj`` itself, its variables now holding the placed arrays.
+
+    Raises:
+        EinshardError: A variable no rule matches, or one its rule does not
+            fit; the message names the path, the shape and the rule.
+
+    >>> import optax
+    >>> from flax import nnx
+    >>> from einshard.integrations.flax import shard_module
+    >>> model = nnx.Linear(4, 16, rngs=nnx.Rngs(0))
+    >>> optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    >>> rules = [(r'kernel$', 'x y -> x y*'), (r'.*', '... -> * ...')]
+    >>> optimizer = shard_module(optimizer, rules)
+    >>> optimizer.opt_state[0].mu['kernel'][...].sharding.shard_shape((4, 16))
+    (4, 2)
+    """
+    rng_state, state = _split_state(obj)
+    try:
+        placed = _pytrees.shard_pytree(
+            nnx.to_pure_dict(state),
+            rules,
+            devices=devices,
+            unmatched=unmatched,
+            indivisible=indivisible,
+            strict=strict,
+        )
+    except EinshardError as error:
+        raise error.add_context(f"in the state of {_describe(obj)}") from None
+    nnx.replace_by_pure_dict(state, placed)
+    replicated = _pytrees.shard_pytree(nnx.to_pure_dict(rng_state), _REPLICATE, devices=devices)
+    nnx.replace_by_pure_dict(rng_state, replicated)
+    nnx.update(obj, state, rng_state)
+    return obj
+
+
+def create_sharded(factory: Callable[..., T], rules: RulesLike, *args: Any, **kwargs: Any) -> T:
+    """Builds an NNX object born sharded: ``factory(*args, **kwargs)``, every variable placed by its rule.
+
+    The construction is compiled (``nnx.jit``) with every variable of the
+    result constrained to its rule's sharding (Flax's own recipe for sharded
+    construction), so each device computes only its own shards and the model
+    never exists whole on one device. The values are those an unsharded
+    ``factory(*args, **kwargs)`` gives. The result works as any module does
+    with ``nnx.jit`` train steps and ``nnx.Optimizer``.
+
+    NNX objects among the arguments (an ``nnx.Rngs``, a module for an
+    ``nnx.Optimizer``) and arrays are passed through the compiled call, and
+    an ``nnx.Rngs`` argument is advanced as an eager call would advance it;
+    other arguments (sizes, optax transformations, filters) are passed as
+    they are. Build the ``nnx.Rngs`` inside the factory or pass it as an
+    argument: one the factory closes over cannot be advanced inside the
+    compiled call.
+
+    The policies are the table's (build a :class:`einshard.Rules` with
+    ``unmatched=`` etc. to change them), the devices those of the call
+    (:func:`einshard.use_devices`, or the ambient mesh).
+
+    Args:
+        factory: Builds the object: a module class, ``nnx.Optimizer``, or any
+            function returning an NNX object (or a tuple of them, e.g. a model
+            and its optimizer).
+        rules: The rule table (see :func:`shard_module`).
+        *args: Positional arguments for ``factory``.
+        **kwargs: Keyword arguments for ``factory``.
+
+    Returns:
+        ``factory(*args, **kwargs)``, value for value, each variable placed by
+        its rule.
+
+    Raises:
+        EinshardError: As :func:`shard_module` would, before anything is computed.
+
+    >>> from flax import nnx
+    >>> from einshard.integrations.flax import create_sharded
+    >>> rules = [(r'kernel$', 'x y -> x y*'), (r'bias$', 'y -> y*')]
+    >>> model = create_sharded(nnx.Linear, rules, 4, 16, rngs=nnx.Rngs(0))
+    >>> [shard.data.shape for shard in model.kernel[...].addressable_shards][:2]
+    [(4, 2), (4, 2)]
+    """
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_nnx_node)
+    dynamic = [i for i, leaf in enumerate(leaves) if _is_dynamic(leaf)]
+
+    def build(*values: Any) -> Any:
+        filled = list(leaves)
+        for i, value in zip(dynamic, values, strict=True):
+            filled[i] = value
+        call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, filled)
+        return shard_module(factory(*call_args, **call_kwargs), rules)
+
+    return nnx.jit(build)(*(leaves[i] for i in dynamic))
+
+
+def shard_optimizer(optimizer: Any, model: Any) -> Any:
+    """Shards an ``nnx.Optimizer``'s state in place like the model's parameters it mirrors.
+
+    No rules needed: each state leaf that mirrors a parameter (``mu``,
+    ``nu``, momentum) gets the sharding that parameter has in ``model``, one
+    with an axis reduced (Adafactor's factored ``v_row`` / ``v_col``) keeps
+    the split of its surviving axes, and scalars (``step``, ``count``) and
+    everything else are replicated (see :mod:`einshard.integrations.optax`).
+    Use it for optimizers whose state a rule table written for the
+    parameters does not fit (Adafactor, ``optax.masked``); for the common
+    ones (``adamw``, ``sgd``), :func:`shard_module` with the model's rules
+    gives the same layout.
+
+    Args:
+        optimizer: An ``nnx.Optimizer``.
+        model: The module it optimizes, already placed (e.g. by
+            :func:`shard_module` or :func:`create_sharded`).
+
+    Returns:
+        ``optimizer`` itself, its state now placed.
+
+    >>> import optax
+    >>> from flax import nnx
+    >>> from einshard.integrations.flax import shard_module, shard_optimizer
+    >>> rules = {'kernel': 'x y -> x y*', 'bias': 'y -> y*'}
+    >>> model = shard_module(nnx.Linear(16, 64, rngs=nnx.Rngs(0)), rules)
+    >>> optimizer = nnx.Optimizer(model, optax.adafactor(1e-3, min_dim_size_to_factor=8), wrt=nnx.Param)
+    >>> optimizer = shard_optimizer(optimizer, model)
+    >>> optimizer.opt_state[0].v_col['kernel'][...].sharding.shard_shape((64,))  # kernel's columns, split
+    (8,)
+    """
+    params = nnx.to_pure_dict(nnx.state(model, optimizer.wrt))
+    return _place_like(optimizer, params)
+
+
+def create_optimizer(model: Any, tx: Any, *, wrt: Any = nnx.Param) -> Any:
+    """An ``nnx.Optimizer(model, tx, wrt=wrt)`` born sharded like the model's parameters.
+
+    The state is computed by one compiled call whose results are constrained
+    to the layouts :func:`shard_optimizer` gives, so no leaf ever exists
+    whole on one device, whatever the optimizer (Adafactor's factored
+    statistics included).
+
+    Args:
+        model: The module to optimize, already placed (e.g. by :func:`create_sharded`).
+        tx: An optax ``GradientTransformation``.
+        wrt: The variables to optimize, as for ``nnx.Optimizer`` (default ``nnx.Param``).
+
+    Returns:
+        The ``nnx.Optimizer``, value for value as an unsharded one, every state leaf placed.
+
+    >>> import optax
+    >>> from flax import nnx
+    >>> from einshard.integrations.flax import create_optimizer, create_sharded
+    >>> rules = {'kernel': 'x y -> x y*', 'bias': 'y -> y*'}
+    >>> model = create_sharded(nnx.Linear, rules, 16, 64, rngs=nnx.Rngs(0))
+    >>> optimizer = create_optimizer(model, optax.adamw(1e-3))
+    >>> [shard.data.shape for shard in optimizer.opt_state[0].mu['kernel'][...].addressable_shards][:2]
+    [(16, 8), (16, 8)]
+    """
+    params = nnx.to_pure_dict(nnx.state(model, wrt))
+    # Only the layouts are needed inside the compiled call, not the values.
+    layouts = jax.tree.map(_abstract, params)
+
+    def build(model: Any) -> Any:
+        return _place_like(nnx.Optimizer(model, tx, wrt=wrt), layouts)
+
+    return nnx.jit(build)(model)
+
+
+def _abstract(leaf: Any) -> Any:
+    if isinstance(leaf, jax.Array):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+    return leaf
+
+
+def _place_like(optimizer: Any, params: Any) -> Any:
+    from . import optax as optax_integration
+
+    state = nnx.state(optimizer)
+    try:
+        placed = optax_integration.shard_opt_state(nnx.to_pure_dict(state), params)
+    except EinshardError as error:
+        raise error.add_context(f"in the state of {_describe(optimizer)}") from None
+    nnx.replace_by_pure_dict(state, placed)
+    nnx.update(optimizer, state)
+    return optimizer
+
+
+def _is_nnx_node(leaf: Any) -> bool:
+    return isinstance(leaf, (nnx.Pytree, nnx.Variable))
+
+
+def _is_dynamic(leaf: Any) -> bool:
+    return _is_nnx_node(leaf) or isinstance(leaf, (jax.Array, np.ndarray))
+
+
+def _describe(obj: Any) -> str:
+    kind = type(obj)
+    return f"{kind.__module__}.{kind.__qualname__}" if isinstance(obj, nnx.Pytree) else kind.__name__
+
+
+# --- linen --------------------------------------------------------------------
+
+
+def init_sharded(module: Any, rules: RulesLike, *init_args: Any, **init_kwargs: Any) -> Any:
+    """A born-sharded ``module.init(*init_args, **init_kwargs)`` for a linen module.
+
+    The variables are computed by one compiled call whose outputs carry the
+    rules' shardings (:func:`einshard.init_sharded`), so they never exist
+    whole on one device. Rules match paths like ``params/Dense_0/kernel`` and
+    ``batch_stats/BatchNorm_0/mean``. Metadata boxes (``nn.with_partitioning``)
+    are unboxed: the rules decide the layout.
+
+    Args:
+        module: A ``flax.linen.Module``.
+        rules: The rule table (see :func:`einshard.shard_pytree`); its policies apply.
+        *init_args: Arguments for ``module.init``: the RNG key(s), then sample inputs.
+        **init_kwargs: Keyword arguments for ``module.init`` (``train=False``, ``method=``, ...).
+
+    Returns:
+        The variable dict ``module.init`` returns, value for value, each array
+        placed by its rule.
+
+    >>> import jax, jax.numpy as jnp
+    >>> import flax.linen as nn
+    >>> from einshard.integrations.flax import init_sharded
+    >>> rules = [(r'kernel$', 'x y -> x y*'), (r'bias$', 'y -> y*')]
+    >>> variables = init_sharded(nn.Dense(16), rules, jax.random.key(0), jnp.ones((1, 4)))
+    >>> variables['params']['kernel'].sharding.shard_shape((4, 16))
+    (4, 2)
+    """
+    import flax.linen as nn
+
+    def init(*args: Any, **kwargs: Any) -> Any:
+        return nn.unbox(module.init(*args, **kwargs))
+
+    return _pytrees.init_sharded(init, rules, *init_args, **init_kwargs)
+
+
+def create_train_state(
+    module: Any,
+    tx: Any,
+    rules: RulesLike,
+    *init_args: Any,
+    state_class: type | None = None,
+    **init_kwargs: Any,
+) -> Any:
+    """A born-sharded ``TrainState`` for a linen module, its optax state sharded like its parameters.
+
+    The parameters are initialized by :func:`init_sharded` (rules match
+    ``params/Dense_0/kernel``, the path the state's ``params`` field gives),
+    then the optimizer state by :func:`einshard.integrations.optax.init_sharded`:
+    each leaf that mirrors a parameter (``mu``, ``nu``, momentum) is born with
+    that parameter's sharding, scalars (``count``) replicated. ``step`` is a
+    replicated ``int32`` zero. Nothing exists whole on one device.
+
+    Collections other than ``params`` (``batch_stats``) are kept when
+    ``state_class`` has a field of that name (a ``TrainState`` subclass), and
+    sharded by the rules (``batch_stats/BatchNorm_0/mean``); otherwise they
+    are dropped, as ``TrainState.create(params=variables['params'])`` drops them.
+
+    Args:
+        module: A ``flax.linen.Module``; ``module.apply`` becomes ``apply_fn``.
+        tx: An optax ``GradientTransformation``.
+        rules: The rule table (see :func:`einshard.shard_pytree`).
+        *init_args: Arguments for ``module.init``: the RNG key(s), then sample inputs.
+        state_class: The state class, ``flax.training.train_state.TrainState``
+            by default, or a subclass with extra fields.
+        **init_kwargs: Keyword arguments for ``module.init``.
+
+    Returns:
+        ``state_class(step=0, apply_fn=module.apply, params=..., tx=tx,
+        opt_state=tx.init(params), ...)``, every array placed.
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import flax.linen as nn
+    >>> from einshard.integrations.flax import create_train_state
+    >>> rules = [(r'kernel$', 'x y -> x y*'), (r'bias$', 'y -> y*')]
+    >>> state = create_train_state(nn.Dense(16), optax.adam(1e-3), rules, jax.random.key(0), jnp.ones((1, 4)))
+    >>> state.opt_state[0].mu['kernel'].sharding.shard_shape((4, 16))
+    (4, 2)
+    """
+    import flax.linen as nn
+    import jax.numpy as jnp
+    from flax.training import train_state
+
+    from . import optax as optax_integration
+
+    cls: Any = train_state.TrainState if state_class is None else state_class
+    fields = {field.name for field in dataclasses.fields(cls)}
+    extra_fields = fields - {"step", "apply_fn", "params", "tx", "opt_state"}
+
+    def init(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        variables = nn.unbox(module.init(*args, **kwargs))
+        return {name: value for name, value in variables.items() if name == "params" or name in extra_fields}
+
+    variables = dict(_pytrees.init_sharded(init, rules, *init_args, **init_kwargs))
+    if "params" not in variables:
+        raise EinshardError(
+            f"{type(module).__name__}.init returned no 'params' collection",
+            hint="A TrainState needs parameters to optimize.",
+        )
+    params = variables.pop("params")
+    opt_state = optax_integration.init_sharded(tx, params)
+    step = _pytrees.shard_pytree(jnp.zeros((), jnp.int32), _REPLICATE)
+    return cls(step=step, apply_fn=module.apply, params=params, tx=tx, opt_state=opt_state, **variables)
