@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from ._devices import Devices
-from ._pytrees import _device_count, _settings, plan_tree
+from ._pytrees import _device_count, _itemsize, _settings, plan_tree
 from ._rules import Indivisible, Rule, RulesLike, Unmatched
 
 __all__ = ["Report", "ReportRow", "explain"]
@@ -143,13 +143,6 @@ def explain(
         max_bytes_per_device=per_device,
         unused_rules=unused,
     )
-
-
-def _itemsize(dtype: Any) -> int:
-    try:
-        return int(dtype.itemsize)
-    except (AttributeError, TypeError):
-        return 0
 
 
 def _size(n: int) -> str:

@@ -8,13 +8,17 @@ the machine does not have; placing goes through the arrays layer.
 
 from __future__ import annotations
 
+import collections
+import functools
+import math
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.core import Tracer
+from jax.core import Tracer, eval_jaxpr
 
 from ._arrays import _resolve, einshard
 from ._devices import Devices, resolve_devices
@@ -115,7 +119,10 @@ def plan_tree(
     return planned, treedef, unused
 
 
-_PATHS: dict[Any, list[str]] = {}  # tree structure -> the path of each leaf
+# Tree structure -> the path of each leaf, for the last few structures. Few: a structure's
+# hash ignores dict keys, so structures of one shape share a bucket and are compared in turn.
+_PATHS: collections.OrderedDict[Any, list[str]] = collections.OrderedDict()
+_PATHS_KEPT = 16
 
 
 def _flatten_with_paths(tree: Any) -> tuple[list[Any], list[str], Any]:
@@ -123,12 +130,47 @@ def _flatten_with_paths(tree: Any) -> tuple[list[Any], list[str], Any]:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     paths = _PATHS.get(treedef)
     if paths is None:
-        path_leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-        paths = [path_string(key_path) for key_path, _ in path_leaves]
-        if len(_PATHS) >= 256:  # a process meets few tree structures; stay bounded anyway
-            _PATHS.clear()
+        paths = _leaf_paths(tree)
         _PATHS[treedef] = paths
+        if len(_PATHS) > _PATHS_KEPT:
+            _PATHS.popitem(last=False)
+    else:
+        _PATHS.move_to_end(treedef)
     return leaves, paths, treedef
+
+
+def _leaf_paths(tree: Any) -> list[str]:
+    """The path of every leaf, without the ``value`` attribute of framework wrappers."""
+    wrappers = _wrapper_types()
+    if not wrappers:
+        return [path_string(key_path) for key_path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    paths = []
+    for key_path, node in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, wrappers)
+    )[0]:
+        if not isinstance(node, wrappers):
+            paths.append(path_string(key_path))
+            continue
+        for inner, _ in jax.tree_util.tree_flatten_with_path(node)[0]:
+            if inner and getattr(inner[0], "name", None) == "value":
+                inner = inner[1:]
+            paths.append(path_string((*key_path, *inner)))
+    return paths
+
+
+def _wrapper_types() -> tuple[type, ...]:
+    """Wrappers whose ``value`` is not part of a path: Flax's, when Flax is already imported.
+
+    Looked up in ``sys.modules`` so that einshard never imports a framework itself.
+    """
+    found = []
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None and isinstance(getattr(nnx, "Variable", None), type):
+        found.append(nnx.Variable)
+    meta = sys.modules.get("flax.core.meta")
+    if meta is not None and isinstance(getattr(meta, "AxisMetadata", None), type):
+        found.append(meta.AxisMetadata)
+    return tuple(found)
 
 
 def _describe(path: str, shape: tuple[int, ...]) -> str:
@@ -400,6 +442,51 @@ def init_sharded(init_fn: Callable[..., Any], rules: RulesLike, *args: Any, **kw
         return init_fn(*call_args, **call_kwargs)
 
     arrays = [leaves[i] for i in dynamic]
-    abstract = jax.eval_shape(run, *arrays)
+    closed, abstract = jax.make_jaxpr(run, return_shape=True)(*arrays)
     shardings = pytree_shardings(abstract, rules)
-    return jax.jit(run, out_shardings=shardings)(*arrays)
+    groups = _init_groups(jax.tree_util.tree_leaves(abstract))
+    if len(groups) == 1:
+        return jax.jit(run, out_shardings=shardings)(*arrays)
+    # Several programs, each making a part of the outputs: XLA's scratch space for creating
+    # them (random bits, say) is then bounded by a part, not the whole model.
+    flat_shardings, out_tree = jax.tree_util.tree_flatten(shardings)
+    outputs: list[Any] = [None] * len(flat_shardings)
+    for group in groups:
+        part = functools.partial(_init_part, closed, group)
+        made = jax.jit(part, out_shardings=[flat_shardings[i] for i in group])(*arrays)
+        for i, value in zip(group, made, strict=True):
+            outputs[i] = value
+    return jax.tree_util.tree_unflatten(out_tree, outputs)
+
+
+_INIT_PART_BYTES = 32 << 20  # smallest part of a born-sharded init compiled on its own
+_INIT_MAX_PARTS = 64  # the most parts: bigger models get bigger parts, not more compiles
+
+
+def _init_groups(leaves: Sequence[Any]) -> list[tuple[int, ...]]:
+    """Consecutive output leaves, cut into parts of about the same size in bytes."""
+    sizes = [math.prod(leaf.shape) * _itemsize(leaf.dtype) for leaf in leaves]
+    budget = max(_INIT_PART_BYTES, -(-sum(sizes) // _INIT_MAX_PARTS))
+    groups: list[tuple[int, ...]] = []
+    current: list[int] = []
+    filled = 0
+    for i, size in enumerate(sizes):
+        if current and filled + size > budget:
+            groups.append(tuple(current))
+            current, filled = [], 0
+        current.append(i)
+        filled += size
+    groups.append(tuple(current))
+    return groups
+
+
+def _itemsize(dtype: Any) -> int:
+    try:
+        return int(np.dtype(dtype).itemsize)
+    except TypeError:  # extended dtypes, such as PRNG keys
+        return int(getattr(dtype, "itemsize", 0) or 0)
+
+
+def _init_part(closed: Any, group: tuple[int, ...], *arrays: Any) -> list[Any]:
+    outputs = eval_jaxpr(closed.jaxpr, closed.consts, *arrays)
+    return [outputs[i] for i in group]

@@ -9,6 +9,7 @@ convention, so their tables port directly).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Union
@@ -102,11 +103,7 @@ class Rules:
             self._combined: re.Pattern[str] | None = base._combined
             self._memo: dict[str, int] = base._memo
             return
-        pairs = _pairs(rules)
-        self.rules = tuple(Rule(pattern, expression, i) for i, (pattern, expression) in enumerate(pairs))
-        self._compiled = tuple(_compile_rule(rule) for rule in self.rules)
-        self._combined = _combine(self.rules)
-        self._memo = {}
+        self.rules, self._compiled, self._combined, self._memo = _compile_table(tuple(_pairs(rules)))
 
     def __len__(self) -> int:
         return len(self.rules)
@@ -206,6 +203,19 @@ def _pairs(rules: object) -> list[tuple[str, str]]:
             )
         pairs.append((item[0], item[1]))
     return pairs
+
+
+@functools.lru_cache(maxsize=64)
+def _compile_table(
+    pairs: tuple[tuple[str, str], ...],
+) -> tuple[tuple[Rule, ...], tuple[re.Pattern[str], ...], re.Pattern[str] | None, dict[str, int]]:
+    """Compiles a table once per process; tables built from the same pairs share the work.
+
+    That includes the memo of which rule each path resolved to: it depends on the pairs only.
+    """
+    rules = tuple(Rule(pattern, expression, i) for i, (pattern, expression) in enumerate(pairs))
+    compiled = tuple(_compile_rule(rule) for rule in rules)
+    return rules, compiled, _combine(rules), {}
 
 
 def _compile_rule(rule: Rule) -> re.Pattern[str]:

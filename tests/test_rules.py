@@ -391,3 +391,45 @@ def test_shard_pytree_keeps_values_and_follows_make_sharding(tree, data):
         rule = rules.match(einshard._rules.path_string(path))
         expression = REPLICATE if before.ndim == 0 else rule.expression
         assert same_layout(after, expression)
+
+
+def test_flax_wrappers_are_not_part_of_paths():
+    """SPEC: Flax NNX's ``.value`` (and linen's metadata boxes) do not show in paths."""
+    nnx = pytest.importorskip("flax.nnx")
+    linen = pytest.importorskip("flax.linen")
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(4, 2 * N_DEVICES, rngs=rngs)
+
+    model = Model(nnx.Rngs(0))
+    rules = [("up/kernel$", "x y -> x y*"), (".*", REPLICATE)]
+    report = einshard.explain(nnx.state(model), rules)
+    assert [(row.path, row.rule) for row in report.rows] == [("up/bias", ".*"), ("up/kernel", "up/kernel$")]
+    state = einshard.shard_pytree(nnx.state(model), rules)
+    nnx.update(model, state)
+    assert same_layout(model.up.kernel[...], "x y -> x y*")
+
+    boxed = linen.Dense(8, kernel_init=linen.with_partitioning(linen.initializers.ones, (None, "m")))
+    variables = boxed.init(jax.random.key(0), jnp.ones((1, 4)))
+    assert [row.path for row in einshard.explain(variables, [(".*", REPLICATE)]).rows] == [
+        "params/bias",
+        "params/kernel",
+    ]
+
+
+def test_init_sharded_in_parts(monkeypatch):
+    """A big init is compiled in parts (bounding XLA's scratch memory), with the same result."""
+    monkeypatch.setattr(einshard._pytrees, "_INIT_PART_BYTES", 4 * 16 * 8 * N_DEVICES)
+
+    def init(key):
+        keys = jax.random.split(key, 5)
+        return {f"w{i}": jax.random.normal(k, (16, 8 * N_DEVICES)) for i, k in enumerate(keys)}
+
+    shapes = jax.tree_util.tree_leaves(jax.eval_shape(init, jax.random.key(0)))
+    assert len(einshard._pytrees._init_groups(shapes)) == 5
+    params = einshard.init_sharded(init, [("w", "x y -> x y*")], jax.random.key(0))
+    plain = init(jax.random.key(0))
+    for name, value in plain.items():
+        np.testing.assert_array_equal(np.asarray(params[name]), np.asarray(value))
+        assert same_layout(params[name], "x y -> x y*")

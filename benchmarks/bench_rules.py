@@ -1,0 +1,670 @@
+"""Rule-table bars: resolving rules per leaf, ``shard_pytree`` against ``device_put``, born-sharded init.
+
+    python benchmarks/bench_rules.py [--reps 15] [--seconds 3] [--warmup 3] [--no-fail]
+
+On 8 simulated CPU devices, with LLaMA-shaped parameter trees (nested dicts:
+embedding, per layer attention q/k/v/o and MLP gate/up/down kernels and two
+norm scales, final norm, lm_head) and a 13-rule table for hybrid data ×
+tensor parallelism (the first matching regex wins; the last rule replicates):
+
+1. **Resolving rules**: ``einshard.pytree_shardings(abstract_tree, rules)`` on
+   ``ShapeDtypeStruct`` trees of 32 and 320 layers (291 and 2,883 leaves), in
+   µs per leaf. *Cold* (held to the bar): a new ``einshard.Rules(pairs)``
+   built inside the timed call, Python's regex cache purged before it (every
+   regex compiles again), and a tree structure the process has not met (the
+   leaf paths are built again); what the first ``shard_pytree(params, rules)``
+   of a program pays, except for the few per-expression caches, which the
+   *first call in the process* row includes. *New Rules, known tree*: what a
+   repeated call with a list of pairs pays. *Warm*: the same ``Rules`` object
+   and tree again (every memo filled). Bar: cold ≤ 2 µs per leaf, on both
+   trees. For reference, an EasyLM ``match_partition_rules`` (key path to a
+   ``'/'``-joined string, ``re.search`` rule by rule, a ``PartitionSpec`` per
+   leaf), written here as EasyLM writes it, after the same regex-cache purge;
+   the ``÷ EasyLM`` column is measured in the same run.
+2. **shard_pytree**: ``einshard.shard_pytree(tree, rules)`` (A) against
+   ``jax.device_put(tree, shardings)`` with ``shardings =
+   einshard.pytree_shardings(tree, rules)`` computed beforehand (B), on a
+   32-layer tree with d_model 512 (424 MiB float32), from NumPy arrays and
+   from ``jax.Array``\\ s on one device. Interleaved pairs (A B, B A, ...),
+   each waits for its result and frees it. Bar: median per-pair ratio A/B ≤
+   1.05. Also (no bar) the 320-layer tree with tiny leaves, where the fixed
+   cost per leaf is all there is.
+3. **Born-sharded init, peak host memory**: ``einshard.init_sharded(init_fn,
+   rules, key)`` against init-then-shard (``shard_pytree(jax.jit(init_fn)(key),
+   rules)``) for a 1.04 GiB float32 model (9 layers, d_model 1536) whose big
+   leaves are all split over the 8 devices; ``init_fn`` draws every leaf with
+   ``jax.random.normal``. Each runs in a fresh subprocess that imports JAX,
+   starts the backend and compiles a tiny function, then records its resident
+   set (``VmRSS``), resets the kernel's high-water mark (``echo 5 >
+   /proc/self/clear_refs``), runs the init (compilation included) and reads
+   the high-water mark ``VmHWM``: the peak is ``VmHWM - baseline``, as a
+   multiple of the model's bytes. Where ``clear_refs`` is not available it
+   falls back to ``getrusage(RUSAGE_SELF).ru_maxrss``, which is the same unless
+   the process peaked higher before the baseline. Bar: init_sharded ≤ 1.2
+   (init-then-shard needs about 2: the whole model on one device, then its
+   shards).
+
+Memory for the timings: on Linux with glibc the script re-executes itself with
+``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` set (as
+``bench_placement.py`` does), so that freed buffers are reused rather than
+faulted in afresh on the next run; ``--default-malloc`` measures without it.
+The memory subprocesses always run with the default allocator, as users do.
+
+Exits with status 1 when a bar is missed, unless ``--no-fail``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# Keep freed memory for reuse (see the docstring); set before the process allocates, hence a re-exec.
+TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**34)}
+MALLOC_TUNED = all(os.environ.get(k) == v for k, v in TUNED_MALLOC.items())
+_CHILD = "--memory-child" in sys.argv[1:]
+_RE_EXEC = __name__ == "__main__" and not _CHILD and "--default-malloc" not in sys.argv[1:]
+if _RE_EXEC and not MALLOC_TUNED and platform.libc_ver()[0] == "glibc":
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **TUNED_MALLOC})
+
+import jax  # noqa: E402
+
+# Before JAX starts its backend (nothing above touches devices).
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # measure this checkout's einshard
+import einshard  # noqa: E402
+
+N_DEVICES = 8
+RESOLVE_BAR_US = 2.0  # µs per leaf, cold
+SHARD_PYTREE_BAR = 1.05  # shard_pytree / device_put(tree, shardings): the median per-pair ratio
+MEMORY_BAR = 1.2  # peak host memory of init_sharded / model bytes
+
+# Hybrid parallelism: the devices form a 2 x 4 grid (data x tensor; on 256 devices 64 x 4). Each
+# weight splits its "tensor" axis (heads, ffn, vocab) into 4 over the fast-varying devices, and its
+# d_model axis over what is left (FSDP-style data parallelism): `d*` takes N / 4 on N devices.
+LLAMA_RULES = [
+    (r"embed/embedding$", "vocab d -> d* vocab4"),
+    (r"attn/(q|k|v)_proj/kernel$", "d heads -> d* heads4"),
+    (r"attn/(q|k|v)_proj/bias$", "heads -> * heads4"),
+    (r"attn/o_proj/kernel$", "heads d -> d* heads4"),
+    (r"mlp/(gate|up)_proj/kernel$", "d ffn -> d* ffn4"),
+    (r"mlp/(gate|up)_proj/bias$", "ffn -> * ffn4"),
+    (r"mlp/down_proj/kernel$", "ffn d -> d* ffn4"),
+    (r"(attention|ffn)_norm/scale$", "d -> * d"),
+    (r"final_norm/scale$", "d -> * d"),
+    (r"lm_head/kernel$", "d vocab -> d* vocab4"),
+    (r"rotary/(sin|cos)$", "... -> * ..."),
+    (r"(^|/)(step|count)$", "... -> * ..."),
+    (r".*", "... -> * ..."),
+]
+
+# The same table as EasyLM writes it: PartitionSpecs over a ('dp', 'mp') = (2, 4) mesh.
+EASYLM_RULES = [
+    (r"embed/embedding$", PartitionSpec("mp", "dp")),
+    (r"attn/(q|k|v)_proj/kernel$", PartitionSpec("dp", "mp")),
+    (r"attn/(q|k|v)_proj/bias$", PartitionSpec("mp")),
+    (r"attn/o_proj/kernel$", PartitionSpec("mp", "dp")),
+    (r"mlp/(gate|up)_proj/kernel$", PartitionSpec("dp", "mp")),
+    (r"mlp/(gate|up)_proj/bias$", PartitionSpec("mp")),
+    (r"mlp/down_proj/kernel$", PartitionSpec("mp", "dp")),
+    (r"(attention|ffn)_norm/scale$", PartitionSpec(None)),
+    (r"final_norm/scale$", PartitionSpec(None)),
+    (r"lm_head/kernel$", PartitionSpec("dp", "mp")),
+    (r"rotary/(sin|cos)$", PartitionSpec()),
+    (r"(^|/)(step|count)$", PartitionSpec()),
+    (r".*", PartitionSpec()),
+]
+
+
+# --- LLaMA-shaped trees ---------------------------------------------------------------------------
+
+
+def llama_tree(n_layers: int, d_model: int, ffn: int, vocab: int, leaf: Callable[[tuple[int, ...]], Any]):
+    """A LLaMA-shaped parameter tree of nested dicts; ``leaf(shape)`` makes each leaf, in order.
+
+    Paths look like ``layers/7/attn/q_proj/kernel`` and ``layers/7/attention_norm/scale``.
+    """
+
+    def layer() -> dict[str, Any]:
+        return {
+            "attn": {f"{name}_proj": {"kernel": leaf((d_model, d_model))} for name in "qkvo"},
+            "mlp": {
+                "gate_proj": {"kernel": leaf((d_model, ffn))},
+                "up_proj": {"kernel": leaf((d_model, ffn))},
+                "down_proj": {"kernel": leaf((ffn, d_model))},
+            },
+            "attention_norm": {"scale": leaf((d_model,))},
+            "ffn_norm": {"scale": leaf((d_model,))},
+        }
+
+    return {
+        "embed": {"embedding": leaf((vocab, d_model))},
+        "layers": {str(i): layer() for i in range(n_layers)},
+        "final_norm": {"scale": leaf((d_model,))},
+        "lm_head": {"kernel": leaf((d_model, vocab))},
+    }
+
+
+def abstract_llama(n_layers: int, d_model: int, ffn: int, vocab: int) -> Any:
+    """The tree as ``jax.eval_shape`` gives it: ``ShapeDtypeStruct`` leaves, nothing allocated."""
+    return llama_tree(n_layers, d_model, ffn, vocab, lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32))
+
+
+def numpy_llama(n_layers: int, d_model: int, ffn: int, vocab: int, seed: int = 0) -> Any:
+    """The tree with float32 NumPy leaves of random values."""
+    rng = np.random.default_rng(seed)
+    return llama_tree(
+        n_layers, d_model, ffn, vocab, lambda shape: rng.standard_normal(shape, dtype=np.float32)
+    )
+
+
+def llama_init(n_layers: int, d_model: int, ffn: int, vocab: int) -> Callable[[jax.Array], Any]:
+    """An ``init_fn(key)`` drawing every leaf with ``jax.random.normal``."""
+
+    def init_fn(key: jax.Array) -> Any:
+        counter = itertools.count()
+        return llama_tree(
+            n_layers,
+            d_model,
+            ffn,
+            vocab,
+            lambda shape: jax.random.normal(jax.random.fold_in(key, next(counter)), shape, jnp.float32),
+        )
+
+    return init_fn
+
+
+RESOLVE_TREES = {  # small dims, so that even the concrete trees fit; all divisible by 8
+    "32 layers": (32, 64, 128, 256),
+    "320 layers": (320, 64, 128, 256),
+}
+TRANSFER_TREE = (32, 512, 1408, 8192)  # 424 MiB float32
+MEMORY_MODEL = (9, 1536, 4096, 8192)  # 1.04 GiB float32; its largest leaf is 2.3 % of it
+
+
+def tree_bytes(tree: Any) -> int:
+    return sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
+
+# --- the EasyLM reference -------------------------------------------------------------------------
+
+
+def tree_path_to_string(path: Any, sep: str) -> str:
+    """EasyLM's ``tree_path_to_string`` (EasyLM/jax_utils.py)."""
+    keys = []
+    for key in path:
+        if isinstance(key, jax.tree_util.SequenceKey):
+            keys.append(str(key.idx))
+        elif isinstance(key, jax.tree_util.DictKey):
+            keys.append(str(key.key))
+        elif isinstance(key, jax.tree_util.GetAttrKey):
+            keys.append(str(key.name))
+        elif isinstance(key, jax.tree_util.FlattenedIndexKey):
+            keys.append(str(key.key))
+        else:
+            keys.append(str(key))
+    return sep.join(keys)
+
+
+def match_partition_rules(rules: list[tuple[str, PartitionSpec]], params: Any) -> Any:
+    """EasyLM's ``match_partition_rules``: a ``PartitionSpec`` per leaf, first ``re.search`` wins."""
+
+    def get_partition_spec(name: str, leaf: Any) -> PartitionSpec:
+        if len(leaf.shape) == 0 or np.prod(leaf.shape) == 1:
+            return PartitionSpec()  # don't partition scalar values
+        for rule, ps in rules:
+            if re.search(rule, name) is not None:
+                return ps
+        raise ValueError(f"Partition rule not found for param: {name}")
+
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: get_partition_spec(tree_path_to_string(path, sep="/"), leaf), params
+    )
+
+
+def check_easylm_agrees(tree: Any) -> None:
+    """The two tables give the same layouts (EasyLM's mesh: the devices as a 2 x 4 grid)."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("dp", "mp"))
+    ours = jax.tree.leaves(einshard.pytree_shardings(tree, LLAMA_RULES))
+    theirs = jax.tree.leaves(match_partition_rules(EASYLM_RULES, tree))
+    for leaf, sharding, spec in zip(jax.tree.leaves(tree), ours, theirs, strict=True):
+        if not sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim):
+            raise AssertionError(f"the einshard and EasyLM tables disagree: {sharding} vs {spec}")
+
+
+# --- timing ---------------------------------------------------------------------------------------
+
+
+def median_runs(
+    calls: dict[str, tuple[Callable[[], Any], Callable[[Any], object]]], reps: int, seconds: float
+) -> dict[str, float]:
+    """Median seconds per call of each ``(setup, call)``, in rotating order, one of each per round.
+
+    ``call(setup())`` is timed; ``setup`` is not. At least ``reps`` rounds, and more (up to 10
+    times as many) while they fit in ``seconds``.
+    """
+    names = list(calls)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for setup, call in calls.values():  # warm-up
+        call(setup())
+    start = time.perf_counter()
+    rounds = 0
+    while rounds < reps or (rounds < 10 * reps and time.perf_counter() - start < seconds):
+        for name in names[rounds % len(names) :] + names[: rounds % len(names)]:
+            setup, call = calls[name]
+            argument = setup()
+            gc.collect()
+            t0 = time.perf_counter()
+            call(argument)
+            samples[name].append(time.perf_counter() - t0)
+        rounds += 1
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def _timed(place: Callable[[Any], Any], make_input: Callable[[], Any]) -> float:
+    x = make_input()
+    start = time.perf_counter()
+    out = place(x)
+    jax.block_until_ready(out)
+    elapsed = time.perf_counter() - start
+    del out, x  # frees the buffers before the next run
+    return elapsed
+
+
+def compare(
+    a: Callable[[Any], Any],
+    b: Callable[[Any], Any],
+    make_input: Callable[[], Any],
+    reps: int,
+    warmup: int,
+    seconds: float,
+) -> dict[str, float]:
+    """Interleaved runs of ``a`` and ``b`` (A B, B A, ...): median times and median per-pair ratio a/b."""
+    times_a: list[float] = []
+    times_b: list[float] = []
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(warmup):
+            _timed(a, make_input)
+            _timed(b, make_input)
+        start = time.perf_counter()
+        while len(times_a) < reps or (len(times_a) < 10 * reps and time.perf_counter() - start < seconds):
+            if len(times_a) % 2 == 0:
+                times_a.append(_timed(a, make_input))
+                times_b.append(_timed(b, make_input))
+            else:
+                times_b.append(_timed(b, make_input))
+                times_a.append(_timed(a, make_input))
+    finally:
+        gc.enable()
+    return {
+        "a": statistics.median(times_a),
+        "b": statistics.median(times_b),
+        "ratio": statistics.median(ta / tb for ta, tb in zip(times_a, times_b, strict=True)),
+        "pairs": len(times_a),
+    }
+
+
+# --- 1. resolving rules ---------------------------------------------------------------------------
+
+
+_structures = itertools.count()
+
+
+def unseen_structure(tree: dict[str, Any]) -> dict[str, Any]:
+    """The same leaves and paths in a tree structure this process has not met (a new empty node).
+
+    einshard caches the leaf paths of each tree structure it has seen, so a cold call must bring a
+    new one. Its cache is emptied too: ``PyTreeDef`` hashes ignore dict keys, so the structures
+    made here would all collide in it, and a real program meets a handful, not hundreds.
+    """
+    paths_cache = getattr(getattr(einshard, "_pytrees", None), "_PATHS", None)
+    if paths_cache is not None:
+        paths_cache.clear()
+    return {**tree, "_": {str(next(_structures)): None}}
+
+
+def fresh_regexes(tree: Any) -> Any:
+    re.purge()  # Python's cache of compiled regexes: a new table compiles every regex again
+    # einshard's cache of compiled tables (and of the rule each path resolved to).
+    compile_table = getattr(getattr(einshard, "_rules", None), "_compile_table", None)
+    if compile_table is not None:
+        compile_table.cache_clear()
+    return tree
+
+
+def resolve_rows(reps: int, seconds: float) -> tuple[list[list[str]], bool]:
+    rows = []
+    failed = False
+    for name, dims in RESOLVE_TREES.items():
+        tree = abstract_llama(*dims)
+        n = len(jax.tree.leaves(tree))
+        first = None
+        if name == next(iter(RESOLVE_TREES)):  # the very first call in this process: every cache cold
+            re.purge()
+            t0 = time.perf_counter()
+            einshard.pytree_shardings(tree, einshard.Rules(LLAMA_RULES))
+            first = time.perf_counter() - t0
+        check_easylm_agrees(tree)
+        warm_rules = einshard.Rules(LLAMA_RULES)
+
+        def seen(t: Any = tree, r: einshard.Rules = warm_rules) -> Any:
+            einshard.pytree_shardings(t, r)  # untimed: the tree's structure is known again after a cold run
+            return t
+
+        times = median_runs(
+            {
+                "cold": (
+                    lambda t=tree: fresh_regexes(unseen_structure(t)),
+                    lambda t: einshard.pytree_shardings(t, einshard.Rules(LLAMA_RULES)),
+                ),
+                "fresh": (seen, lambda t: einshard.pytree_shardings(t, einshard.Rules(LLAMA_RULES))),
+                "warm": (seen, lambda t, r=warm_rules: einshard.pytree_shardings(t, r)),
+                "easylm": (lambda t=tree: fresh_regexes(t), lambda t: match_partition_rules(EASYLM_RULES, t)),
+                "flatten": (lambda t=tree: t, jax.tree_util.tree_flatten_with_path),
+            },
+            reps,
+            seconds,
+        )
+        us = {key: value / n * 1e6 for key, value in times.items()}
+        ok = us["cold"] <= RESOLVE_BAR_US
+        failed |= not ok
+        label = f"{name} ({n} leaves)"
+        measures = [
+            ("cold: new Rules, unseen tree, regexes compiled", us["cold"], _verdict(ok)),
+            ("new Rules from the same pairs, known tree", us["fresh"], "info"),
+            ("warm: the same Rules and tree again", us["warm"], "info"),
+        ]
+        if first is not None:
+            measures.append(("the first call in the process", first / n * 1e6, "info"))
+        measures.append(("EasyLM match_partition_rules", us["easylm"], "reference"))
+        measures.append(("tree_flatten_with_path alone", us["flatten"], "floor"))
+        rows += [
+            [label, measure, f"{value:.2f}", f"{value / us['easylm']:.2f}", verdict]
+            for measure, value, verdict in measures
+        ]
+    return rows, failed
+
+
+# --- 2. shard_pytree against device_put -----------------------------------------------------------
+
+
+def transfer_rows(args: argparse.Namespace) -> tuple[list[list[str]], bool]:
+    rows = []
+    failed = False
+    cases = [
+        ("32 layers, d 512", TRANSFER_TREE, True),
+        ("320 layers, d 64", RESOLVE_TREES["320 layers"], False),
+    ]
+    for name, dims, held in cases:
+        host = numpy_llama(*dims)
+        shardings = einshard.pytree_shardings(host, LLAMA_RULES)
+        on_one_device = jax.block_until_ready(jax.device_put(host, jax.devices()[0]))
+        size = f"{tree_bytes(host) / 2**20:.0f} MiB"
+        for source, tree in (("numpy", host), ("jax, 1 device", on_one_device)):
+            result = compare(
+                lambda t: einshard.shard_pytree(t, LLAMA_RULES),
+                lambda t, s=shardings: jax.device_put(t, s),
+                lambda t=tree: t,
+                args.reps if held else max(5, args.reps // 3),
+                args.warmup,
+                args.seconds,
+            )
+            ok = result["ratio"] <= SHARD_PYTREE_BAR
+            failed |= held and not ok
+            rows.append(
+                [
+                    f"{name} ({size})",
+                    source,
+                    _ms(result["a"]),
+                    _ms(result["b"]),
+                    str(result["pairs"]),
+                    f"{result['ratio']:.3f}",
+                    _verdict(ok) if held else "info",
+                ]
+            )
+        del host, on_one_device, tree
+        gc.collect()
+    return rows, failed
+
+
+# --- 3. born-sharded init: peak host memory -------------------------------------------------------
+
+
+def _status() -> dict[str, int]:
+    """VmRSS and VmHWM of this process, in bytes."""
+    values = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                values[key] = int(value.split()[0]) * 1024
+    return values
+
+
+def xla_temp_bytes(mode: str, init_fn: Callable[..., Any], rules: einshard.Rules, key: jax.Array) -> int:
+    """The scratch memory XLA's buffer assignment gives the init program, over all devices.
+
+    Compiled again after the measurement (the program init_sharded ran is not reachable), for the
+    same shardings, so it is the same program.
+    """
+    if mode == "init_sharded":
+        shardings = einshard.pytree_shardings(jax.eval_shape(init_fn, key), rules)
+        compiled = jax.jit(init_fn, out_shardings=shardings).lower(key).compile()
+        devices = N_DEVICES  # one program per device, each with its own scratch
+    else:
+        compiled = jax.jit(init_fn).lower(key).compile()
+        devices = 1
+    analysis = compiled.memory_analysis()
+    return -1 if analysis is None else analysis.temp_size_in_bytes * devices
+
+
+def memory_child(mode: str) -> int:
+    """Runs one init in this (fresh) process and prints its peak memory as JSON."""
+    import resource
+
+    init_fn = llama_init(*MEMORY_MODEL)
+    rules = einshard.Rules(LLAMA_RULES)
+    key = jax.random.key(0)
+    jax.block_until_ready(jax.jit(lambda k: jax.random.normal(k, (8, 8)))(key))  # backend and compiler up
+    gc.collect()
+    baseline = _status()["VmRSS"]
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")  # resets VmHWM to the current RSS
+        method = "VmHWM after clear_refs"
+    except OSError:
+        method = "ru_maxrss"
+    start = time.perf_counter()
+    if mode == "init_sharded":
+        params = einshard.init_sharded(init_fn, rules, key)
+    elif mode == "init_then_shard":
+        params = einshard.shard_pytree(jax.jit(init_fn)(key), rules)
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    jax.block_until_ready(params)
+    seconds = time.perf_counter() - start
+    status = _status()
+    peak = (
+        status["VmHWM"]
+        if method != "ru_maxrss"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
+    model = tree_bytes(params)
+    temp = xla_temp_bytes(mode, init_fn, rules, key)
+    # Every leaf of 1 MiB or more must be split over all 8 devices, one eighth each.
+    for leaf in jax.tree.leaves(params):
+        if leaf.nbytes >= 2**20:
+            shard = leaf.sharding.shard_shape(leaf.shape)
+            devices = {s.device for s in leaf.addressable_shards}
+            if math.prod(shard) * N_DEVICES != leaf.size or len(devices) != N_DEVICES:
+                raise SystemExit(f"a leaf of shape {leaf.shape} is not split over {N_DEVICES} devices")
+    print(
+        json.dumps(
+            {
+                "peak": peak - baseline,
+                "after": status["VmRSS"] - baseline,
+                "model": model,
+                "seconds": seconds,
+                "method": method,
+                "xla_temp": temp,
+            }
+        )
+    )
+    return 0
+
+
+def memory_rows() -> tuple[list[list[str]], bool, str]:
+    env = {k: v for k, v in os.environ.items() if k not in TUNED_MALLOC}  # the allocator users have
+    rows = []
+    failed = False
+    method = ""
+    for mode, label, held in (
+        ("init_sharded", "init_sharded(init_fn, rules, key)", True),
+        ("init_then_shard", "shard_pytree(jit(init_fn)(key), rules)", False),
+    ):
+        done = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "--memory-child", mode],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        if done.returncode != 0:
+            print(done.stdout, done.stderr, file=sys.stderr)
+            raise SystemExit(f"the {mode} subprocess failed")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        method = result["method"]
+        ratio = result["peak"] / result["model"]
+        ok = ratio <= MEMORY_BAR
+        failed |= held and not ok
+        temp = result["xla_temp"]
+        rows.append(
+            [
+                label,
+                f"{result['model'] / 2**30:.2f}",
+                f"{result['peak'] / 2**30:.2f}",
+                f"{temp / 2**30:.2f}" if temp >= 0 else "?",
+                f"{result['after'] / 2**30:.2f}",
+                f"{result['seconds']:.1f}",
+                f"{ratio:.2f}",
+                _verdict(ok) if held else "~2 expected",
+            ]
+        )
+    return rows, failed, method
+
+
+# --- output ---------------------------------------------------------------------------------------
+
+
+def print_table(title: str, columns: list[str], rows: list[list[str]], numeric: set[str]) -> None:
+    """A rich table if rich is installed, else aligned plain text."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+        print(f"\n{title}")
+        for row in [columns, ["-" * w for w in widths], *rows]:
+            print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+        return
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        table.add_column(column, justify="right" if column in numeric else "left")
+    for row in rows:
+        table.add_row(*row, style="red" if row[-1] == "FAIL" else None)
+    Console(width=max(120, len(title))).print(table)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}"
+
+
+def _verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmarks and prints the tables; returns the exit status."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=15, help="at least this many timed runs per row (15)")
+    parser.add_argument("--seconds", type=float, default=3.0, help="more runs while they fit in this (3)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed pairs first (default 3)")
+    parser.add_argument("--no-fail", action="store_true", help="exit 0 even when a bar is missed")
+    parser.add_argument("--default-malloc", action="store_true", help="do not tune glibc malloc")
+    parser.add_argument("--skip-memory", action="store_true", help="leave out the memory subprocesses")
+    parser.add_argument("--memory-child", metavar="MODE", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory_child:
+        return memory_child(args.memory_child)
+
+    if len(jax.devices()) != N_DEVICES:
+        print(f"expected {N_DEVICES} CPU devices, JAX has {len(jax.devices())}", file=sys.stderr)
+        return 2
+    print(
+        f"einshard {einshard.__version__}, jax {jax.__version__}, numpy {np.__version__}, "
+        f"Python {platform.python_version()}, {N_DEVICES} CPU devices, {os.cpu_count()} cores, "
+        f"malloc {'tuned to reuse memory' if MALLOC_TUNED else 'default'}; "
+        f"{len(LLAMA_RULES)} rules, the first match wins"
+    )
+    failed = False
+
+    rows, missed = resolve_rows(args.reps, args.seconds)
+    failed |= missed
+    print_table(
+        "Resolving rules: pytree_shardings(abstract tree, rules), µs per leaf; "
+        f"bar: cold <= {RESOLVE_BAR_US:g}",
+        ["tree", "measure", "µs per leaf", "÷ EasyLM", "bar"],
+        rows,
+        {"µs per leaf", "÷ EasyLM"},
+    )
+
+    rows, missed = transfer_rows(args)
+    failed |= missed
+    print_table(
+        "shard_pytree(tree, rules) vs device_put(tree, precomputed shardings); "
+        f"bar: ratio <= {SHARD_PYTREE_BAR}",
+        ["tree", "input", "shard_pytree ms", "device_put ms", "pairs", "ratio", "bar"],
+        rows,
+        {"shard_pytree ms", "device_put ms", "pairs", "ratio"},
+    )
+
+    if not args.skip_memory:
+        rows, missed, method = memory_rows()
+        failed |= missed
+        print_table(
+            f"Peak host memory of an init, a fresh process each ({method} - RSS after starting JAX); "
+            f"bar: init_sharded <= {MEMORY_BAR} x model",
+            ["init", "model GiB", "peak GiB", "XLA temp GiB", "after GiB", "seconds", "peak / model", "bar"],
+            rows,
+            {"model GiB", "peak GiB", "XLA temp GiB", "after GiB", "seconds", "peak / model"},
+        )
+
+    if failed:
+        print("\nA bar was missed." + (" (--no-fail: exit status 0)" if args.no_fail else ""))
+        return 0 if args.no_fail else 1
+    print("\nAll bars met.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
