@@ -268,7 +268,7 @@ def _settings(
 def _warn_unused(unused: Sequence[Rule], strict: bool) -> None:
     if strict and unused:
         listed = ", ".join(str(rule) for rule in unused)
-        warnings.warn(f"rules that matched no leaf: {listed}", EinshardWarning, stacklevel=3)
+        warnings.warn(f"rules that matched no leaf: {listed}", EinshardWarning, stacklevel=4)
 
 
 def shard_pytree(
@@ -315,25 +315,15 @@ def shard_pytree(
     >>> placed['w1'].sharding.shard_shape((128, 256)), placed['step']
     ((128, 32), 3)
     """
-    table, unmatched_, indivisible_, strict_ = _settings(rules, unmatched, indivisible, strict)
-    planned, treedef, unused = plan_tree(
-        tree, table, n_devices=_device_count(devices), unmatched=unmatched_, indivisible=indivisible_
-    )
-    _warn_unused(unused, strict_)
+    planned, treedef, shardings = _planned_shardings(tree, rules, devices, unmatched, indivisible, strict)
     out: list[Any] = [leaf for leaf, _ in planned]
     batch_at, batch_leaves, batch_shardings = [], [], []
-    shardings: dict[tuple[str, int], Any] = {}  # one lookup per kind of leaf
-    for i, (leaf, plan) in enumerate(planned):
+    for i, ((leaf, plan), sharding) in enumerate(zip(planned, shardings, strict=True)):
         if plan is None:
             continue
         if isinstance(leaf, (Tracer, jax.ShapeDtypeStruct)):
             out[i] = _with_context(plan, einshard, leaf, plan.expression, devices=devices)
             continue
-        key = (plan.expression, len(plan.shape))
-        sharding = shardings.get(key)
-        if sharding is None:
-            _, sharding = _with_context(plan, _resolve, plan.expression, len(plan.shape), devices, None)
-            shardings[key] = sharding
         batch_at.append(i)
         batch_leaves.append(leaf)
         batch_shardings.append(sharding)
@@ -376,24 +366,37 @@ def pytree_shardings(
     >>> einshard.pytree_shardings(abstract, {'w': 'x y -> x* y'})['w'].shard_shape((16, 8))
     (2, 8)
     """
+    _, treedef, shardings = _planned_shardings(tree, rules, devices, unmatched, indivisible, strict)
+    return jax.tree_util.tree_unflatten(treedef, shardings)
+
+
+def _planned_shardings(
+    tree: Any,
+    rules: RulesLike,
+    devices: Devices | None,
+    unmatched: Unmatched | None,
+    indivisible: Indivisible | None,
+    strict: bool | None,
+) -> tuple[list[tuple[Any, LeafPlan | None]], Any, list[Any]]:
+    """The plan of every leaf, the tree structure, and each leaf's sharding (``None`` if not an array)."""
     table, unmatched_, indivisible_, strict_ = _settings(rules, unmatched, indivisible, strict)
     planned, treedef, unused = plan_tree(
         tree, table, n_devices=_device_count(devices), unmatched=unmatched_, indivisible=indivisible_
     )
     _warn_unused(unused, strict_)
-    shardings: dict[tuple[str, int], Any] = {}  # one lookup per kind of leaf
-    out = []
+    by_kind: dict[tuple[str, int], Any] = {}  # one lookup per kind of leaf
+    shardings = []
     for _, plan in planned:
         if plan is None:
-            out.append(None)
+            shardings.append(None)
             continue
         key = (plan.expression, len(plan.shape))
-        sharding = shardings.get(key)
+        sharding = by_kind.get(key)
         if sharding is None:
             _, sharding = _with_context(plan, _resolve, plan.expression, len(plan.shape), devices, None)
-            shardings[key] = sharding
-        out.append(sharding)
-    return jax.tree_util.tree_unflatten(treedef, out)
+            by_kind[key] = sharding
+        shardings.append(sharding)
+    return planned, treedef, shardings
 
 
 def _with_context(plan: LeafPlan, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
