@@ -61,7 +61,6 @@ import itertools
 import json
 import math
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -71,31 +70,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# Keep freed memory for reuse (see the docstring); set before the process allocates, hence a re-exec.
-TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**34)}
-MALLOC_TUNED = all(os.environ.get(k) == v for k, v in TUNED_MALLOC.items())
-_CHILD = "--memory-child" in sys.argv[1:]
-_RE_EXEC = __name__ == "__main__" and not _CHILD and "--default-malloc" not in sys.argv[1:]
-if _RE_EXEC and not MALLOC_TUNED and platform.libc_ver()[0] == "glibc":
-    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **TUNED_MALLOC})
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, even where Python leaves it out (-P)
+import _common
+
+N_DEVICES = 8
+# Tunes malloc (re-executing this script; see the docstring; never in a memory subprocess, which
+# keeps the default allocator), then 8 CPU devices and this einshard.
+_common.start(re_exec=__name__ == "__main__" and "--memory-child" not in sys.argv[1:], cpu_devices=N_DEVICES)
 
 import jax  # noqa: E402
-
-# Before JAX starts its backend (nothing above touches devices).
-jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_num_cpu_devices", 8)
-
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # measure this checkout's einshard
 import einshard  # noqa: E402
 
-N_DEVICES = 8
 RESOLVE_BAR_US = 2.0  # µs per leaf, cold
 SHARD_PYTREE_BAR = 1.05  # shard_pytree / device_put(tree, shardings): the median per-pair ratio
 MEMORY_BAR = 1.2  # peak host memory of init_sharded / model bytes
+EXTRA_RUNS_CAP = 10  # rows take more runs while they fit in --seconds, up to 10 x --reps
 
 # Hybrid parallelism: the devices form a 2 x 4 grid (data x tensor; on 256 devices 64 x 4). Each
 # weight splits its "tensor" axis (heads, ffn, vocab) into 4 over the fast-varying devices, and its
@@ -258,8 +251,8 @@ def median_runs(
 ) -> dict[str, float]:
     """Median seconds per call of each ``(setup, call)``, in rotating order, one of each per round.
 
-    ``call(setup())`` is timed; ``setup`` is not. At least ``reps`` rounds, and more (up to 10
-    times as many) while they fit in ``seconds``.
+    ``call(setup())`` is timed; ``setup`` is not. At least ``reps`` rounds, and more (up to
+    ``EXTRA_RUNS_CAP`` times as many) while they fit in ``seconds``.
     """
     names = list(calls)
     samples: dict[str, list[float]] = {name: [] for name in names}
@@ -267,7 +260,7 @@ def median_runs(
         call(setup())
     start = time.perf_counter()
     rounds = 0
-    while rounds < reps or (rounds < 10 * reps and time.perf_counter() - start < seconds):
+    while rounds < reps or (rounds < EXTRA_RUNS_CAP * reps and time.perf_counter() - start < seconds):
         for name in names[rounds % len(names) :] + names[: rounds % len(names)]:
             setup, call = calls[name]
             argument = setup()
@@ -277,51 +270,6 @@ def median_runs(
             samples[name].append(time.perf_counter() - t0)
         rounds += 1
     return {name: statistics.median(values) for name, values in samples.items()}
-
-
-def _timed(place: Callable[[Any], Any], make_input: Callable[[], Any]) -> float:
-    x = make_input()
-    start = time.perf_counter()
-    out = place(x)
-    jax.block_until_ready(out)
-    elapsed = time.perf_counter() - start
-    del out, x  # frees the buffers before the next run
-    return elapsed
-
-
-def compare(
-    a: Callable[[Any], Any],
-    b: Callable[[Any], Any],
-    make_input: Callable[[], Any],
-    reps: int,
-    warmup: int,
-    seconds: float,
-) -> dict[str, float]:
-    """Interleaved runs of ``a`` and ``b`` (A B, B A, ...): median times and median per-pair ratio a/b."""
-    times_a: list[float] = []
-    times_b: list[float] = []
-    gc.collect()
-    gc.disable()
-    try:
-        for _ in range(warmup):
-            _timed(a, make_input)
-            _timed(b, make_input)
-        start = time.perf_counter()
-        while len(times_a) < reps or (len(times_a) < 10 * reps and time.perf_counter() - start < seconds):
-            if len(times_a) % 2 == 0:
-                times_a.append(_timed(a, make_input))
-                times_b.append(_timed(b, make_input))
-            else:
-                times_b.append(_timed(b, make_input))
-                times_a.append(_timed(a, make_input))
-    finally:
-        gc.enable()
-    return {
-        "a": statistics.median(times_a),
-        "b": statistics.median(times_b),
-        "ratio": statistics.median(ta / tb for ta, tb in zip(times_a, times_b, strict=True)),
-        "pairs": len(times_a),
-    }
 
 
 # --- 1. resolving rules ---------------------------------------------------------------------------
@@ -390,7 +338,7 @@ def resolve_rows(reps: int, seconds: float) -> tuple[list[list[str]], bool]:
         failed |= not ok
         label = f"{name} ({n} leaves)"
         measures = [
-            ("cold: new Rules, unseen tree, regexes compiled", us["cold"], _verdict(ok)),
+            ("cold: new Rules, unseen tree, regexes compiled", us["cold"], _common.verdict(ok)),
             ("new Rules from the same pairs, known tree", us["fresh"], "info"),
             ("warm: the same Rules and tree again", us["warm"], "info"),
         ]
@@ -421,13 +369,14 @@ def transfer_rows(args: argparse.Namespace) -> tuple[list[list[str]], bool]:
         on_one_device = jax.block_until_ready(jax.device_put(host, jax.devices()[0]))
         size = f"{tree_bytes(host) / 2**20:.0f} MiB"
         for source, tree in (("numpy", host), ("jax, 1 device", on_one_device)):
-            result = compare(
+            result = _common.compare(
                 lambda t: einshard.shard_pytree(t, LLAMA_RULES),
                 lambda t, s=shardings: jax.device_put(t, s),
                 lambda t=tree: t,
                 args.reps if held else max(5, args.reps // 3),
                 args.warmup,
                 args.seconds,
+                cap=EXTRA_RUNS_CAP,
             )
             ok = result["ratio"] <= SHARD_PYTREE_BAR
             failed |= held and not ok
@@ -435,11 +384,11 @@ def transfer_rows(args: argparse.Namespace) -> tuple[list[list[str]], bool]:
                 [
                     f"{name} ({size})",
                     source,
-                    _ms(result["a"]),
-                    _ms(result["b"]),
+                    _common.ms(result["a"]),
+                    _common.ms(result["b"]),
                     str(result["pairs"]),
                     f"{result['ratio']:.3f}",
-                    _verdict(ok) if held else "info",
+                    _common.verdict(ok) if held else "info",
                 ]
             )
         del host, on_one_device, tree
@@ -534,7 +483,7 @@ def memory_child(mode: str) -> int:
 
 
 def memory_rows() -> tuple[list[list[str]], bool, str]:
-    env = {k: v for k, v in os.environ.items() if k not in TUNED_MALLOC}  # the allocator users have
+    env = {k: v for k, v in os.environ.items() if k not in _common.TUNED_MALLOC}  # the allocator users have
     rows = []
     failed = False
     method = ""
@@ -567,70 +516,29 @@ def memory_rows() -> tuple[list[list[str]], bool, str]:
                 f"{result['after'] / 2**30:.2f}",
                 f"{result['seconds']:.1f}",
                 f"{ratio:.2f}",
-                _verdict(ok) if held else "~2 expected",
+                _common.verdict(ok) if held else "~2 expected",
             ]
         )
     return rows, failed, method
 
 
-# --- output ---------------------------------------------------------------------------------------
-
-
-def print_table(title: str, columns: list[str], rows: list[list[str]], numeric: set[str]) -> None:
-    """A rich table if rich is installed, else aligned plain text."""
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
-        print(f"\n{title}")
-        for row in [columns, ["-" * w for w in widths], *rows]:
-            print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
-        return
-    table = Table(title=title, title_justify="left")
-    for column in columns:
-        table.add_column(column, justify="right" if column in numeric else "left")
-    for row in rows:
-        table.add_row(*row, style="red" if row[-1] == "FAIL" else None)
-    Console(width=max(120, len(title))).print(table)
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.2f}"
-
-
-def _verdict(ok: bool) -> str:
-    return "PASS" if ok else "FAIL"
-
-
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmarks and prints the tables; returns the exit status."""
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--reps", type=int, default=15, help="at least this many timed runs per row (15)")
-    parser.add_argument("--seconds", type=float, default=3.0, help="more runs while they fit in this (3)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed pairs first (default 3)")
-    parser.add_argument("--no-fail", action="store_true", help="exit 0 even when a bar is missed")
-    parser.add_argument("--default-malloc", action="store_true", help="do not tune glibc malloc")
+    parser = _common.parser(__doc__, reps=15, seconds=3.0, warmup=3, runs="runs")
     parser.add_argument("--skip-memory", action="store_true", help="leave out the memory subprocesses")
     parser.add_argument("--memory-child", metavar="MODE", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_child:
         return memory_child(args.memory_child)
 
-    if len(jax.devices()) != N_DEVICES:
-        print(f"expected {N_DEVICES} CPU devices, JAX has {len(jax.devices())}", file=sys.stderr)
+    if not _common.has_devices(N_DEVICES):
         return 2
-    print(
-        f"einshard {einshard.__version__}, jax {jax.__version__}, numpy {np.__version__}, "
-        f"Python {platform.python_version()}, {N_DEVICES} CPU devices, {os.cpu_count()} cores, "
-        f"malloc {'tuned to reuse memory' if MALLOC_TUNED else 'default'}; "
-        f"{len(LLAMA_RULES)} rules, the first match wins"
-    )
+    print(f"{_common.environment(N_DEVICES)}; {len(LLAMA_RULES)} rules, the first match wins")
     failed = False
 
     rows, missed = resolve_rows(args.reps, args.seconds)
     failed |= missed
-    print_table(
+    _common.print_table(
         "Resolving rules: pytree_shardings(abstract tree, rules), µs per leaf; "
         f"bar: cold <= {RESOLVE_BAR_US:g}",
         ["tree", "measure", "µs per leaf", "÷ EasyLM", "bar"],
@@ -640,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows, missed = transfer_rows(args)
     failed |= missed
-    print_table(
+    _common.print_table(
         "shard_pytree(tree, rules) vs device_put(tree, precomputed shardings); "
         f"bar: ratio <= {SHARD_PYTREE_BAR}",
         ["tree", "input", "shard_pytree ms", "device_put ms", "pairs", "ratio", "bar"],
@@ -651,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_memory:
         rows, missed, method = memory_rows()
         failed |= missed
-        print_table(
+        _common.print_table(
             f"Peak host memory of an init, a fresh process each ({method} - RSS after starting JAX); "
             f"bar: init_sharded <= {MEMORY_BAR} x model",
             ["init", "model GiB", "peak GiB", "XLA temp GiB", "after GiB", "seconds", "peak / model", "bar"],
@@ -659,11 +567,7 @@ def main(argv: list[str] | None = None) -> int:
             {"model GiB", "peak GiB", "XLA temp GiB", "after GiB", "seconds", "peak / model"},
         )
 
-    if failed:
-        print("\nA bar was missed." + (" (--no-fail: exit status 0)" if args.no_fail else ""))
-        return 0 if args.no_fail else 1
-    print("\nAll bars met.")
-    return 0
+    return _common.exit_status(failed, args.no_fail)
 
 
 if __name__ == "__main__":

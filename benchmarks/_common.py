@@ -1,0 +1,192 @@
+"""What the ``bench_*.py`` scripts share; a private module, not a benchmark (nox runs ``bench_*.py``).
+
+A script imports it first and calls :func:`start` before it imports JAX, NumPy or einshard:
+nothing here imports them at module level, so that :func:`start` can still re-execute the
+process with a tuned allocator before anything big is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import Any
+
+# Keep freed memory for reuse (see the scripts' docstrings); set before the process allocates,
+# hence a re-exec.
+TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**34)}
+MALLOC_TUNED = all(os.environ.get(k) == v for k, v in TUNED_MALLOC.items())
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+def start(*, re_exec: bool, cpu_devices: int) -> None:
+    """Readies the process for a benchmark; call it before JAX, NumPy or einshard is imported.
+
+    1. On Linux with glibc, when ``re_exec`` (the script runs as ``__main__`` and is not a
+       subprocess that must keep its allocator) and ``--default-malloc`` is not among the
+       arguments, re-executes the script with ``TUNED_MALLOC`` in the environment, unless it is
+       there already. Then this call does not return: the new process runs the script afresh.
+    2. Sets JAX to ``cpu_devices`` simulated CPU devices, before its backend starts.
+    3. Puts this checkout first on ``sys.path``, so that the benchmark measures its einshard.
+    """
+    re_exec = re_exec and "--default-malloc" not in sys.argv[1:]
+    if re_exec and not MALLOC_TUNED and platform.libc_ver()[0] == "glibc":
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **TUNED_MALLOC})
+
+    import jax
+
+    # Before JAX starts its backend (nothing above touches devices).
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", cpu_devices)
+
+    sys.path.insert(0, str(CHECKOUT))  # measure this checkout's einshard
+
+
+# --- command line and environment -----------------------------------------------------------------
+
+
+def parser(doc: str | None, *, reps: int, seconds: float, warmup: int, runs: str) -> argparse.ArgumentParser:
+    """The options every script takes; ``runs`` names what ``--reps`` counts ("pairs", "runs")."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    parser.add_argument(
+        "--reps", type=int, default=reps, help=f"at least this many timed {runs} per row ({reps})"
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=seconds, help=f"more {runs} while they fit in this ({seconds:g})"
+    )
+    parser.add_argument("--warmup", type=int, default=warmup, help=f"untimed pairs first (default {warmup})")
+    parser.add_argument("--no-fail", action="store_true", help="exit 0 even when a bar is missed")
+    parser.add_argument("--default-malloc", action="store_true", help="do not tune glibc malloc")
+    return parser
+
+
+def has_devices(n: int) -> bool:
+    """Whether JAX has ``n`` devices; says so on stderr when not."""
+    import jax
+
+    if len(jax.devices()) != n:
+        print(f"expected {n} CPU devices, JAX has {len(jax.devices())}", file=sys.stderr)
+        return False
+    return True
+
+
+def environment(n_devices: int) -> str:
+    """The versions, devices, cores and allocator the figures were measured with."""
+    import jax
+    import numpy as np
+
+    import einshard
+
+    return (
+        f"einshard {einshard.__version__}, jax {jax.__version__}, numpy {np.__version__}, "
+        f"Python {platform.python_version()}, {n_devices} CPU devices, {os.cpu_count()} cores, "
+        f"malloc {'tuned to reuse memory' if MALLOC_TUNED else 'default'}"
+    )
+
+
+def exit_status(failed: bool, no_fail: bool) -> int:
+    """Says whether every bar was met; the exit status (0 when one was missed but ``no_fail``)."""
+    if failed:
+        print("\nA bar was missed." + (" (--no-fail: exit status 0)" if no_fail else ""))
+        return 0 if no_fail else 1
+    print("\nAll bars met.")
+    return 0
+
+
+# --- timing ---------------------------------------------------------------------------------------
+
+
+def _timed(
+    place: Callable[[Any], object], make_input: Callable[[], Any], ready: Callable[[Any], Any]
+) -> float:
+    x = ready(make_input())  # untimed: an input made asynchronously is complete before the clock starts
+    start = time.perf_counter()
+    out = place(x)
+    ready(out)
+    elapsed = time.perf_counter() - start
+    del out, x  # frees the buffers before the next run
+    return elapsed
+
+
+def compare(
+    a: Callable[[Any], object],
+    b: Callable[[Any], object],
+    make_input: Callable[[], Any],
+    reps: int,
+    warmup: int,
+    seconds: float = 0.0,
+    *,
+    cap: int,
+) -> dict[str, float]:
+    """Interleaved runs of ``a`` and ``b`` (A B, B A, ...): median times and median per-pair ratio a/b.
+
+    Each run places a new ``make_input()`` and waits for its result (``block_until_ready``); the
+    garbage collector is off meanwhile. At least ``reps`` pairs after ``warmup`` pairs; more (up
+    to ``cap`` times as many) while the pairs fit in ``seconds``, for quick calls, whose times
+    scatter more.
+    """
+    import jax
+
+    ready = jax.block_until_ready
+    times_a: list[float] = []
+    times_b: list[float] = []
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(warmup):
+            _timed(a, make_input, ready)
+            _timed(b, make_input, ready)
+        start = time.perf_counter()
+        while len(times_a) < reps or (len(times_a) < cap * reps and time.perf_counter() - start < seconds):
+            if len(times_a) % 2 == 0:
+                times_a.append(_timed(a, make_input, ready))
+                times_b.append(_timed(b, make_input, ready))
+            else:
+                times_b.append(_timed(b, make_input, ready))
+                times_a.append(_timed(a, make_input, ready))
+    finally:
+        gc.enable()
+    return {
+        "a": statistics.median(times_a),
+        "b": statistics.median(times_b),
+        "ratio": statistics.median(ta / tb for ta, tb in zip(times_a, times_b, strict=True)),
+        "pairs": len(times_a),
+    }
+
+
+# --- output ---------------------------------------------------------------------------------------
+
+
+def print_table(title: str, columns: list[str], rows: list[list[str]], numeric: Collection[str] = ()) -> None:
+    """A rich table if rich is installed, else aligned plain text; ``numeric`` columns align right."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+        print(f"\n{title}")
+        for row in [columns, ["-" * w for w in widths], *rows]:
+            print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+        return
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        table.add_column(column, justify="right" if column in numeric else "left")
+    for row in rows:
+        table.add_row(*row, style="red" if row[-1] == "FAIL" else None)
+    Console(width=max(120, len(title))).print(table)
+
+
+def ms(seconds: float) -> str:
+    """Seconds as milliseconds, two decimals."""
+    return f"{seconds * 1e3:.2f}"
+
+
+def verdict(ok: bool) -> str:
+    """PASS or FAIL."""
+    return "PASS" if ok else "FAIL"
