@@ -82,7 +82,16 @@ class Rules:
     '... -> * ...'
     """
 
-    __slots__ = ("_combined", "_compiled", "_memo", "indivisible", "rules", "strict", "unmatched")
+    __slots__ = (
+        "_combined",
+        "_compiled",
+        "_digit_blind",
+        "_memo",
+        "indivisible",
+        "rules",
+        "strict",
+        "unmatched",
+    )
 
     def __init__(
         self,
@@ -102,8 +111,10 @@ class Rules:
             self._compiled: tuple[re.Pattern[str], ...] = base._compiled
             self._combined: re.Pattern[str] | None = base._combined
             self._memo: dict[str, int] = base._memo
+            self._digit_blind: bool = base._digit_blind
             return
         self.rules, self._compiled, self._combined, self._memo = _compile_table(tuple(_pairs(rules)))
+        self._digit_blind = _digit_blind(self.rules)
 
     def __len__(self) -> int:
         return len(self.rules)
@@ -143,11 +154,12 @@ class Rules:
 
     def match(self, path: str) -> Rule | None:
         """The first rule whose regex matches ``path``, or ``None``."""
-        index = self._memo.get(path)
+        key = path.translate(_DIGITS_TO_ZERO) if self._digit_blind else path
+        index = self._memo.get(key)
         if index is None:
-            index = self._first(path, 0)
+            index = self._first(key, 0)
             if len(self._memo) < 1_000_000:  # paths of one model are few; bound it anyway
-                self._memo[path] = index
+                self._memo[key] = index
         return None if index < 0 else self.rules[index]
 
     def matches(self, path: str) -> Iterator[Rule]:
@@ -216,6 +228,22 @@ def _compile_table(
     rules = tuple(Rule(pattern, expression, i) for i, (pattern, expression) in enumerate(pairs))
     compiled = tuple(_compile_rule(rule) for rule in rules)
     return rules, compiled, _combine(rules), {}
+
+
+_DIGITS_TO_ZERO = str.maketrans("123456789", "000000000")
+
+
+def _digit_blind(rules: Sequence[Rule]) -> bool:
+    r"""Whether no regex of the table can tell one ASCII digit from another.
+
+    Then a path matches as it does with every digit made ``0``, so the layers of
+    a deep model (``layers/0/...`` to ``layers/319/...``) are matched once, not
+    once each. A regex can only tell digits apart by writing one (a literal, a
+    range end, an escape such as ``\x31``, a count such as ``{3}``) or by naming
+    one (``\N{DIGIT ONE}``); classes such as ``\d``, ``\w`` and ``.`` treat all
+    digits alike, and a range without a digit end holds all digits or none.
+    """
+    return not any(re.search(r"[0-9]|\\N\{", rule.pattern) for rule in rules)
 
 
 def _compile_rule(rule: Rule) -> re.Pattern[str]:

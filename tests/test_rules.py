@@ -433,3 +433,20 @@ def test_init_sharded_in_parts(monkeypatch):
     for name, value in plain.items():
         np.testing.assert_array_equal(np.asarray(params[name]), np.asarray(value))
         assert same_layout(params[name], "x y -> x y*")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    patterns=st.lists(
+        st.sampled_from(["a", "^a/\\d+", ".*", "/\\d/", "a/.$", "a/..$", "\\w{2}", "[0-5]", "x1", "[/-:]+b"]),
+        min_size=1,
+        max_size=5,
+    ),
+    path=st.text(alphabet="ab/0123789", max_size=9),
+)
+def test_digit_blind_matching_is_exact(patterns, path):
+    """Tables whose regexes cannot tell digits apart match once per digit pattern, exactly."""
+    rules = Rules([(p, REPLICATE) for p in patterns])
+    expected = next((i for i, p in enumerate(patterns) if re.search(p, path)), None)
+    found = rules.match(path)
+    assert (found.index if found else None) == expected
