@@ -1,0 +1,482 @@
+"""Equinox integration: whole modules by rule tables, and per-layer decorators.
+
+This module imports Equinox; ``import einshard`` does not.
+
+**Rule tables.** An Equinox module is a pytree whose leaf paths are its
+field names and sequence indices joined with ``/`` (``layers/0/weight``,
+``attn/query_proj/weight``). :func:`shard_module` places every array field
+by the first rule that matches its path, as :func:`einshard.shard_pytree`
+does; functions, static fields and other non-array leaves are untouched.
+:func:`create_sharded` builds a module **born sharded**: it is compiled with
+the rules' shardings as outputs, so no sharded leaf ever exists whole on one
+device.
+
+**Decorators.** :func:`sharded` attaches expressions to a module class's
+fields (``@sharded(weight='o i -> o* i', bias='o -> o*')`` on a subclass of
+``eqx.nn.Linear`` is a column-parallel layer). Instances are placed when they
+are built: outside a trace the fields become placed arrays, inside one
+(``jax.jit``, ``eqx.filter_eval_shape``, ``eqx.filter_vmap``) sharding
+constraints. An optional ``output=`` expression constrains what the layer's
+``__call__`` returns. :func:`module_rules` composes the decorated layers of a
+model into one model-wide :class:`einshard.Rules` table (one rule per
+decorated field of each layer instance), for :func:`einshard.explain`,
+:func:`shard_module` and :func:`create_sharded`, which use it when given no
+rules.
+
+>>> import jax, equinox as eqx, einshard
+>>> from einshard.integrations.equinox import module_rules, sharded
+>>> @sharded(weight='o i -> o* i', bias='o -> o*')
+... class ColumnLinear(eqx.nn.Linear):
+...     pass
+>>> layer = ColumnLinear(4, 16, key=jax.random.key(0))
+>>> layer.weight.sharding.shard_shape((16, 4))
+(2, 4)
+>>> module_rules(layer)
+Rules([
+    ('^weight$', 'o i -> o* i'),
+    ('^bias$', 'o -> o*'),
+    ('.*', '... -> * ...'),
+])
+
+A model's table, and a whole module by hand-written rules:
+
+>>> from einshard.integrations.equinox import shard_module
+>>> mlp = eqx.nn.MLP(8, 8, 64, 1, key=jax.random.key(0))
+>>> rules = [(r'layers/0/weight$', 'o i -> o* i'), (r'layers/1/weight$', 'o i -> o i*'),
+...          (r'.*', '... -> * ...')]
+>>> mlp = shard_module(mlp, rules)
+>>> mlp.layers[1].weight.sharding.shard_shape((8, 64)), mlp.activation is jax.nn.relu
+((8, 8), True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+from jax.core import Tracer
+
+from .. import _pytrees
+from .._arrays import einshard
+from .._devices import Devices
+from .._errors import EinshardError
+from .._expression import parse
+from .._rules import Indivisible, Rules, RulesLike, Unmatched, path_string
+
+__all__ = ["create_sharded", "field_expressions", "module_rules", "shard_module", "sharded"]
+
+T = TypeVar("T")
+C = TypeVar("C", bound=type)
+
+REPLICATE = "... -> * ..."
+
+_OWN = "__einshard_fields__"  # a decorated class's own expressions, in its __dict__
+_OUTPUT = "output"  # the key of the activation expression among them
+_WRAPPED = "__einshard_inner__"  # on our __call__ wrappers: the __call__ they wrap
+
+
+# --- the decorator --------------------------------------------------------------------------
+
+
+def sharded(
+    fields: Mapping[str, str | None] | None = None,
+    /,
+    *,
+    output: str | None = None,
+    **expressions: str | None,
+) -> Callable[[C], C]:
+    """A class decorator attaching einshard expressions to an Equinox module's fields.
+
+    Every instance is placed when it is built, after its ``__init__`` (and
+    converters) ran: each named field holding an array is placed by its
+    expression; outside a trace it becomes a placed ``jax.Array``, inside
+    one (``jax.jit``, ``eqx.filter_jit``, ``eqx.filter_eval_shape``,
+    ``eqx.filter_vmap``) a sharding constraint. Instances made by
+    ``tree_unflatten`` (``jit`` outputs, ``eqx.tree_at``, gradients) are not
+    re-placed. The class stays the same class, a dataclass and a pytree as
+    before; only its ``__check_init__`` (and ``__call__``, with ``output=``)
+    gain the placement, each original still run.
+
+    Subclasses inherit the expressions and may override them by decorating
+    again (``None`` removes an inherited one). :func:`module_rules` turns the
+    decorated layers of a model into one rule table.
+
+    **Stacked layers.** Write ``'... o i -> ... o* i'`` for a layer that may
+    also be built with a leading layer axis (``eqx.filter_vmap`` over keys):
+    ``...`` takes the stacked axis, unsharded, and nothing on a single layer.
+
+    **The output and vmap.** ``output=`` constrains the value ``__call__``
+    returns, with :func:`einshard.einshard`: under ``jit`` a sharding
+    constraint. Equinox layers are usually called on one example under
+    ``jax.vmap``; there the expression sees the **per-example** rank
+    (``eqx.nn.Linear``'s output is ``(out_features,)``, so
+    ``output='o -> o*'``), and JAX leaves the vmapped batch axis
+    unconstrained, so a data-parallel batch stays split. A layer called on a
+    batch directly sees the batch axis (``'b o -> b o*'``). Only the
+    outermost decorated ``__call__`` of an instance applies its expression.
+
+    Args:
+        fields: The expressions as a mapping from field name, for fields whose
+            name is not a Python keyword argument (or is ``output``).
+        output: An expression for the value ``__call__`` returns (one array).
+        **expressions: ``field_name='expression'``, e.g. ``weight='o i -> o* i'``.
+
+    Returns:
+        The decorator: it returns the class itself, changed in place.
+
+    Raises:
+        EinshardError: A class that is not an ``eqx.Module`` subclass of your
+            own, a name that is not one of its fields, a static field, or an
+            expression that does not parse.
+
+    >>> import jax, equinox as eqx
+    >>> from einshard.integrations.equinox import sharded
+    >>> @sharded(weight='o i -> o i*', output='o -> * o')
+    ... class RowLinear(eqx.nn.Linear):
+    ...     pass
+    >>> layer = RowLinear(64, 8, use_bias=False, key=jax.random.key(0))
+    >>> layer.weight.sharding.shard_shape((8, 64))
+    (8, 8)
+    >>> jax.vmap(layer)(jax.numpy.ones((2, 64))).shape
+    (2, 8)
+    """
+    table: dict[str, str | None] = dict(fields or {})
+    table.update(expressions)
+    if output is not None:
+        table[_OUTPUT] = output
+    for name, expression in table.items():
+        if expression is None:
+            continue
+        if not isinstance(expression, str):
+            raise EinshardError(
+                f"the expression for {name!r} is a {type(expression).__name__}, not a string",
+                hint="Write it like weight='o i -> o* i'.",
+            )
+        try:
+            parse(expression)
+        except EinshardError as error:
+            raise error.add_context(f"in @sharded({name}={expression!r})") from None
+
+    def decorate(cls: C) -> C:
+        _check_class(cls, table)
+        own = dict(cls.__dict__.get(_OWN, {}))
+        own.update(table)
+        type.__setattr__(cls, _OWN, own)
+        if "__check_init__" not in cls.__dict__ or not hasattr(cls.__dict__["__check_init__"], _OWN):
+            type.__setattr__(cls, "__check_init__", _check_init(cls, cls.__dict__.get("__check_init__")))
+        own_call = cls.__dict__.get("__call__")
+        if field_expressions(cls).get(_OUTPUT) is not None and getattr(own_call, _WRAPPED, None) is None:
+            type.__setattr__(cls, "__call__", _output_call(cls.__call__))  # pyright: ignore[reportAttributeAccessIssue]
+        return cls
+
+    return decorate
+
+
+def _check_class(cls: Any, table: Mapping[str, str | None]) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, eqx.Module)):
+        raise EinshardError(
+            f"@sharded decorates an eqx.Module subclass, not {cls!r}",
+            hint="Put it on a class: @sharded(weight='o i -> o* i') class ColumnLinear(eqx.nn.Linear): pass",
+        )
+    if cls.__module__.split(".")[0] == "equinox":
+        raise EinshardError(
+            f"@sharded would change {cls.__module__}.{cls.__qualname__} for every user of it",
+            hint=f"Decorate a subclass of your own: @sharded(...) class Sharded{cls.__name__}"
+            f"({cls.__module__.split('.')[0]}.{cls.__qualname__}): pass",
+        )
+    fields = {field.name: field for field in dataclasses.fields(cls)}
+    for name in table:
+        if name == _OUTPUT and name not in fields:
+            continue
+        field = fields.get(name)
+        if field is None:
+            raise EinshardError(
+                f"{cls.__name__} has no field {name!r}",
+                hint=f"Its fields are: {', '.join(fields) or '(none)'}.",
+            )
+        if field.metadata.get("static", False):
+            raise EinshardError(
+                f"field {name!r} of {cls.__name__} is static: it holds no arrays to shard",
+                hint="Attach expressions to array fields, such as weight and bias.",
+            )
+
+
+def field_expressions(cls: type) -> dict[str, str]:
+    """The expressions a class's instances are placed by: its own and its decorated bases'.
+
+    The ``'output'`` key, if present, is the expression for ``__call__``'s
+    result (unless the class has a field named ``output``).
+
+    >>> import equinox as eqx
+    >>> from einshard.integrations.equinox import field_expressions, sharded
+    >>> @sharded(weight='o i -> o* i', bias='o -> o*')
+    ... class ColumnLinear(eqx.nn.Linear):
+    ...     pass
+    >>> @sharded(bias=None)
+    ... class NoBiasSplit(ColumnLinear):
+    ...     pass
+    >>> field_expressions(NoBiasSplit)
+    {'weight': 'o i -> o* i'}
+    """
+    merged: dict[str, str | None] = {}
+    for kls in reversed(cls.__mro__):
+        merged.update(kls.__dict__.get(_OWN, {}))
+    return {name: expression for name, expression in merged.items() if expression is not None}
+
+
+def _first_decorated(cls: type) -> type | None:
+    for kls in cls.__mro__:
+        if _OWN in kls.__dict__:
+            return kls
+    return None
+
+
+def _check_init(owner: type, original: Callable[[Any], None] | None) -> Callable[[Any], None]:
+    def __check_init__(self: Any) -> None:
+        if original is not None:
+            original(self)
+        if _first_decorated(type(self)) is owner:  # each decorated base has one; place once
+            _place(self)
+
+    setattr(__check_init__, _OWN, True)
+    return __check_init__
+
+
+def _place(module: Any) -> None:
+    """Places the decorated fields of a module being built (it is still mutable to us)."""
+    names = {field.name for field in dataclasses.fields(module)}
+    for name, expression in field_expressions(type(module)).items():
+        if name not in names:
+            continue  # the output expression
+        value = getattr(module, name)
+        if not _pytrees.is_array_leaf(value) and not isinstance(value, Tracer):
+            continue  # None (no bias), Python numbers, ...
+        try:
+            placed = einshard(value, expression)
+        except EinshardError as error:
+            raise error.add_context(
+                f"while building {type(module).__name__}: field {name!r} (shape {tuple(value.shape)})"
+            ) from None
+        object.__setattr__(module, name, placed)
+
+
+def _output_call(call: Callable[..., Any]) -> Callable[..., Any]:
+    inner = getattr(call, _WRAPPED, call)
+
+    @functools.wraps(inner)
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outer = _active.__dict__.setdefault("ids", set())
+        if id(self) in outer:  # a decorated subclass's __call__ is running: it constrains
+            return inner(self, *args, **kwargs)
+        outer.add(id(self))
+        try:
+            out = inner(self, *args, **kwargs)
+        finally:
+            outer.discard(id(self))
+        expression = field_expressions(type(self)).get(_OUTPUT)
+        if expression is None or _OUTPUT in {field.name for field in dataclasses.fields(self)}:
+            return out
+        try:
+            return einshard(out, expression)
+        except EinshardError as error:
+            shape = tuple(getattr(out, "shape", ()))
+            raise error.add_context(
+                f"while constraining the output of {type(self).__name__} (shape {shape}); "
+                "under jax.vmap the expression sees one example"
+            ) from None
+
+    setattr(__call__, _WRAPPED, inner)
+    return __call__
+
+
+_active = threading.local()  # ids of the modules whose decorated __call__ is running
+
+
+# --- rule tables -------------------------------------------------------------------------------
+
+
+def module_rules(model: Any, *, default: str | None = REPLICATE) -> Rules:
+    """The model-wide rule table its decorated layers compose into.
+
+    One rule per decorated array field of each layer instance, anchored to
+    its path (``('^layers/0/weight$', 'o i -> o* i')``), in tree order, then
+    ``(r'.*', default)`` for every other leaf. Works on a concrete model and
+    on an abstract one (``eqx.filter_eval_shape``), so it can plan a model
+    that was never built. Combine it with other rules by ``+``.
+
+    Args:
+        model: An Equinox module, or any pytree holding modules.
+        default: The expression for the leaves no decorator covers
+            (replicated by default); ``None`` adds no catch-all rule, so
+            those leaves fall to the table's ``unmatched`` policy (an error).
+
+    Returns:
+        The table, a :class:`einshard.Rules`.
+
+    >>> import jax, equinox as eqx, einshard
+    >>> from einshard.integrations.equinox import module_rules, sharded
+    >>> @sharded(weight='o i -> o* i')
+    ... class ColumnLinear(eqx.nn.Linear):
+    ...     pass
+    >>> class Model(eqx.Module):
+    ...     layers: list
+    ...     def __init__(self, key):
+    ...         self.layers = [ColumnLinear(4, 8, key=key), eqx.nn.Linear(8, 4, key=key)]
+    >>> abstract = eqx.filter_eval_shape(Model, jax.random.key(0))
+    >>> report = einshard.explain(abstract, module_rules(abstract))
+    >>> for row in report.rows:
+    ...     print(row.path, row.expression, row.shard_shape)
+    layers/0/weight o i -> o* i (1, 4)
+    layers/0/bias ... -> * ... (8,)
+    layers/1/weight ... -> * ... (4, 8)
+    layers/1/bias ... -> * ... (4,)
+    """
+    pairs = [(f"^{re.escape(path)}$", expression) for path, expression in _decorated_leaves(model)]
+    if default is not None:
+        pairs.append((r".*", default))
+    return Rules(pairs)
+
+
+def _decorated_leaves(node: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[str, str]]:
+    if isinstance(node, eqx.Module):
+        expressions = field_expressions(type(node))
+        names = {field.name for field in dataclasses.fields(node)}
+        for name, expression in expressions.items():
+            if name in names and _is_array(getattr(node, name, None)):
+                yield path_string((*path, jax.tree_util.GetAttrKey(name))), expression
+    children, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda child: child is not node)
+    if len(children) == 1 and children[0][0] == ():
+        return  # a leaf
+    for key_path, child in children:
+        if _has_module(child):
+            yield from _decorated_leaves(child, (*path, *key_path))
+
+
+def _is_array(value: Any) -> bool:
+    return _pytrees.is_array_leaf(value) or isinstance(value, Tracer)
+
+
+def _has_module(tree: Any) -> bool:
+    found = jax.tree_util.tree_leaves(tree, is_leaf=lambda node: isinstance(node, eqx.Module))
+    return any(isinstance(leaf, eqx.Module) for leaf in found)
+
+
+def _rules_for(model: Any, rules: RulesLike | None) -> RulesLike:
+    if rules is not None:
+        return rules
+    table = module_rules(model, default=None)
+    if not len(table):
+        raise EinshardError(
+            f"no rules given, and {type(model).__name__} has no layers decorated with @sharded",
+            hint="Pass a rule table, e.g. [(r'weight$', 'o i -> o* i'), (r'.*', '... -> * ...')], "
+            "or build the model from @sharded layers.",
+        )
+    return Rules([*table.pairs(), (r".*", REPLICATE)])
+
+
+# --- whole modules -----------------------------------------------------------------------------
+
+
+def shard_module(
+    module: T,
+    rules: RulesLike | None = None,
+    *,
+    devices: Devices | None = None,
+    unmatched: Unmatched | None = None,
+    indivisible: Indivisible | None = None,
+    strict: bool | None = None,
+) -> T:
+    """An Equinox module with every array field placed by a rule table.
+
+    Paths are field names and sequence indices joined with ``/``
+    (``layers/0/weight``). Functions, static fields and non-array leaves are
+    untouched; scalars are replicated. The result is a module of the same
+    type, for ``eqx.filter_jit``, ``eqx.filter_grad`` and
+    ``eqx.apply_updates``. Inside a trace the fields become sharding
+    constraints.
+
+    Args:
+        module: An Equinox module (or any pytree holding modules).
+        rules: The rule table (see :func:`einshard.shard_pytree`). ``None``:
+            the table the model's :func:`sharded` layers compose into
+            (:func:`module_rules`), other leaves replicated.
+        devices: The devices, in order (see :func:`einshard.make_sharding`).
+        unmatched: A leaf no rule matches: ``'error'`` or ``'replicate'``.
+        indivisible: A leaf whose axis does not divide: ``'error'``,
+            ``'replicate'`` or ``'next'``.
+        strict: Warn about rules that matched nothing.
+
+    Returns:
+        The module, value for value, each array field placed.
+
+    Raises:
+        EinshardError: ``rules=None`` and no decorated layer; a leaf no rule
+            matches, or one its rule does not fit (the path, shape and rule named).
+
+    >>> import jax, equinox as eqx
+    >>> from einshard.integrations.equinox import shard_module
+    >>> emb = shard_module(eqx.nn.Embedding(100, 64, key=jax.random.key(0)), {'weight': 'v d -> v d*'})
+    >>> emb.weight.sharding.shard_shape((100, 64))
+    (100, 8)
+    """
+    table = _rules_for(module, rules)
+    try:
+        return _pytrees.shard_pytree(
+            module, table, devices=devices, unmatched=unmatched, indivisible=indivisible, strict=strict
+        )
+    except EinshardError as error:
+        raise error.add_context(f"in {type(module).__name__}") from None
+
+
+def create_sharded(factory: Callable[..., T], rules: RulesLike | None = None, *args: Any, **kwargs: Any) -> T:
+    """Builds ``factory(*args, **kwargs)`` born sharded: no sharded leaf is ever whole on one device.
+
+    The model's shapes are found abstractly (``eqx.filter_eval_shape``), the
+    rules give each array leaf its sharding, and the construction is
+    compiled with those as ``out_shardings`` (through
+    :func:`einshard.init_sharded`, over the array part of the module): each
+    device computes only its own shards. The values are those an unsharded
+    ``factory(*args, **kwargs)`` gives; functions and static fields are
+    those of the construction. Array arguments (PRNG keys) are traced; other
+    arguments are passed as they are.
+
+    Args:
+        factory: A module class, or any function returning a module (or a
+            pytree of them).
+        rules: The rule table; ``None``: the table the model's
+            :func:`sharded` layers compose into (:func:`module_rules`),
+            other leaves replicated.
+        *args: Positional arguments for ``factory``.
+        **kwargs: Keyword arguments for ``factory``.
+
+    Returns:
+        The module, each array leaf placed by its rule.
+
+    Raises:
+        EinshardError: As :func:`shard_module` would, before anything is computed.
+
+    >>> import jax, equinox as eqx
+    >>> from einshard.integrations.equinox import create_sharded
+    >>> rules = [('weight', 'o i -> o* i'), ('bias', 'o -> o*')]
+    >>> layer = create_sharded(eqx.nn.Linear, rules, 4, 16, key=jax.random.key(0))
+    >>> sorted({shard.data.shape for shard in layer.weight.addressable_shards})
+    [(2, 4)]
+    """
+    abstract = eqx.filter_eval_shape(factory, *args, **kwargs)
+    table = _rules_for(abstract, rules)
+    _pytrees.pytree_shardings(abstract, table)  # fail on a bad table before compiling anything
+    statics: list[Any] = []
+
+    def build(*call_args: Any, **call_kwargs: Any) -> Any:
+        arrays, static = eqx.partition(factory(*call_args, **call_kwargs), eqx.is_array)
+        statics.append(static)
+        return arrays
+
+    arrays = _pytrees.init_sharded(build, table, *args, **kwargs)
+    return eqx.combine(arrays, statics[-1])
