@@ -33,6 +33,8 @@ except ImportError:
 else:
     # The first examples of a property trace and compile; a deadline would make them flaky.
     hypothesis.settings.register_profile("einshard", deadline=None)
+    # nox -s fuzz: many more examples for the properties that take theirs from the profile.
+    hypothesis.settings.register_profile("fuzz", deadline=None, max_examples=5000)
     hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "einshard"))
 
 

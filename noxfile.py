@@ -2,7 +2,8 @@
 
 Sessions: ``lint`` (ruff), ``types`` (pyright), ``tests`` (Python 3.11 and 3.12,
 each with the newest JAX it can get, on 8, 16 and 6 simulated CPU devices),
-``tests_oldest_jax`` (the JAX floor of pyproject.toml), ``examples`` (every
+``tests_oldest_jax`` (the JAX floor of pyproject.toml), ``fuzz`` (Hypothesis
+with many examples), ``examples`` (every
 ``examples/*.py``) and ``benchmarks`` (every ``benchmarks/bench_*.py``). Every
 session installs what it needs itself; bare ``nox`` runs lint, types and tests.
 
@@ -154,6 +155,19 @@ def tests(session: nox.Session) -> None:
             *session.posargs,
             env={"EINSHARD_TEST_DEVICES": str(count), **CPU_ONLY},
         )
+
+
+@nox.session(python=NEWEST_PYTHON)
+def fuzz(session: nox.Session) -> None:
+    """Hypothesis with many examples over expressions, rule tables and trees (not run by default)."""
+    session.install("--upgrade", "-e", ".[all]", "jax", *_group("test"))
+    session.run(
+        "pytest",
+        "tests/test_fuzz.py",
+        "tests/test_expression.py",
+        *session.posargs,
+        env={"EINSHARD_TEST_DEVICES": "8", "HYPOTHESIS_PROFILE": "fuzz", **CPU_ONLY},
+    )
 
 
 @nox.session(python=PYTHONS[0])

@@ -9,6 +9,7 @@ from ._arrays import einshard as einshard
 from ._arrays import make_sharding as make_sharding
 from ._devices import use_devices as use_devices
 from ._errors import EinshardError as EinshardError
+from ._errors import EinshardWarning as EinshardWarning
 from ._explain import Report as Report
 from ._explain import ReportRow as ReportRow
 from ._explain import explain as explain
@@ -16,9 +17,9 @@ from ._expression import Expression as Expression
 from ._expression import parse as parse
 from ._layout import Layout as Layout
 from ._layout import layout as layout
+from ._multihost import from_process_local as from_process_local
 from ._picture import picture as picture
 from ._picture import visualize as visualize
-from ._pytrees import EinshardWarning as EinshardWarning
 from ._pytrees import init_sharded as init_sharded
 from ._pytrees import pytree_shardings as pytree_shardings
 from ._pytrees import shard_pytree as shard_pytree

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import unicodedata
 
-__all__ = ["EinshardError"]
+__all__ = ["EinshardError", "EinshardWarning"]
 
 
 class EinshardError(ValueError):
@@ -72,8 +72,13 @@ def _rebuild(headline: str, kwargs: dict) -> EinshardError:
     return EinshardError(headline, **kwargs)
 
 
-# The error's public home is the package, so tracebacks read `einshard.EinshardError`.
+class EinshardWarning(UserWarning):
+    """A problem that is not an error: rules that matched nothing (strict mode), a doubtful regex."""
+
+
+# The public home is the package, so tracebacks read `einshard.EinshardError`.
 EinshardError.__module__ = "einshard"
+EinshardWarning.__module__ = "einshard"
 
 
 def _shown(char: str) -> str:

@@ -22,8 +22,9 @@ from jax.core import Tracer, eval_jaxpr
 
 from ._arrays import _resolve, einshard
 from ._devices import Devices, resolve_devices
-from ._errors import EinshardError
+from ._errors import EinshardError, EinshardWarning
 from ._layout import Layout, compile_layout
+from ._multihost import place_many
 from ._rules import Indivisible, Rule, Rules, RulesLike, Unmatched, _check_policies, path_string
 from ._sharding import ambient_mesh
 
@@ -37,13 +38,6 @@ __all__ = [
 ]
 
 REPLICATE = "... -> * ..."
-
-
-class EinshardWarning(UserWarning):
-    """A rule-table problem that is not an error: in strict mode, rules that matched nothing."""
-
-
-EinshardWarning.__module__ = "einshard"
 
 
 class LeafPlan(NamedTuple):
@@ -328,7 +322,7 @@ def shard_pytree(
         batch_leaves.append(leaf)
         batch_shardings.append(sharding)
     if batch_leaves:  # one call places them all, as jax.device_put(tree, shardings) would
-        for i, placed in zip(batch_at, jax.device_put(batch_leaves, batch_shardings), strict=True):
+        for i, placed in zip(batch_at, place_many(batch_leaves, batch_shardings), strict=True):
             out[i] = placed
     return jax.tree_util.tree_unflatten(treedef, out)
 

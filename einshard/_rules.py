@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Union
 
 import jax
 
-from ._errors import EinshardError
+from ._errors import EinshardError, EinshardWarning
 from ._expression import parse
 
 __all__ = ["Indivisible", "Rule", "Rules", "RulesLike", "Unmatched", "path_string"]
@@ -248,7 +249,9 @@ def _digit_blind(rules: Sequence[Rule]) -> bool:
 
 def _compile_rule(rule: Rule) -> re.Pattern[str]:
     try:
-        regex = re.compile(rule.pattern)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            regex = re.compile(rule.pattern)
     except re.error as error:
         at = error.pos if error.pos is not None else len(rule.pattern)
         raise EinshardError(
@@ -259,6 +262,8 @@ def _compile_rule(rule: Rule) -> re.Pattern[str]:
             "paths like 'layers/0/mlp/w1/kernel'.",
             context=[f"in rule {rule.index} {rule}"],
         ) from None
+    for warning in caught:  # e.g. "possible nested set": name the rule it comes from
+        warnings.warn(f"rule {rule.index} {rule}: {warning.message}", EinshardWarning, stacklevel=5)
     try:
         parse(rule.expression)
     except EinshardError as error:
@@ -282,7 +287,9 @@ def _combine(rules: Sequence[Rule]) -> re.Pattern[str] | None:
             return None
     branches = "|".join(f"(?=[\\s\\S]*?(?:{rule.pattern}))(?P<g{rule.index}>)" for rule in rules)
     try:
-        return re.compile(f"(?:{branches})")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # each rule's own warnings were given when it compiled
+            return re.compile(f"(?:{branches})")
     except re.error:
         return None
 

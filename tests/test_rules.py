@@ -450,3 +450,8 @@ def test_digit_blind_matching_is_exact(patterns, path):
     expected = next((i for i, p in enumerate(patterns) if re.search(p, path)), None)
     found = rules.match(path)
     assert (found.index if found else None) == expected
+
+
+def test_doubtful_regex_is_a_warning_naming_the_rule():
+    with pytest.warns(EinshardWarning, match=r"rule 0 \('\[\[a\]', 'x -> x\*'\): Possible nested set"):
+        Rules([("[[a]", "x -> x*")])
