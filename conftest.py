@@ -20,10 +20,23 @@ DOCTEST_DEVICES = 8
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", N_DEVICES)
 
+
+def _missing(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except ModuleNotFoundError:  # a dotted name whose parent package is missing
+        return True
+
+
 collect_ignore = [
-    f"einshard/integrations/{framework}.py"
-    for framework in ("flax", "equinox", "optax")
-    if importlib.util.find_spec(framework) is None
+    f"einshard/integrations/{name}.py"
+    for name, module in (
+        ("flax", "flax"),
+        ("equinox", "equinox"),
+        ("optax", "optax"),
+        ("orbax", "orbax.checkpoint"),
+    )
+    if _missing(module)
 ]
 
 try:

@@ -19,6 +19,7 @@ from jax.sharding import AxisType, NamedSharding
 from ._devices import Devices, resolve_devices
 from ._errors import EinshardError
 from ._layout import Layout
+from ._multihost import place
 from ._sharding import ambient_mesh, ambient_spec, layout_sharding
 
 __all__ = ["einshard", "make_sharding"]
@@ -115,7 +116,7 @@ def einshard(x: Any, expression: str, *, devices: Devices | None = None) -> Any:
             )
     shape = tuple(np.shape(x))
     _, sharding = _resolve(expression, len(shape), devices, shape)
-    return jax.device_put(x, sharding)
+    return place(x, sharding)
 
 
 def _resolve(

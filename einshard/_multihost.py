@@ -1,0 +1,171 @@
+"""Several processes: JAX's multi-controller runtime (``jax.distributed.initialize``).
+
+With several processes, ``jax.devices()`` lists every device of every process,
+in the same order in each, so einshard's default device order is global and
+identical everywhere, and a sharding it makes spans all processes. Two ways of
+building a global array follow from where the data is:
+
+* every process holds the whole value (host data, or a ``jax.Array`` on its own
+  devices): :func:`place` puts each process's shards of it on its devices;
+* every process holds only its own part, as a data loader gives each process
+  its own rows of a batch: :func:`from_process_local` assembles the global
+  array from those parts, as the expression lays it out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from ._devices import Devices
+from ._errors import EinshardError
+
+__all__ = ["from_process_local", "place", "place_many"]
+
+
+def place(x: Any, sharding: NamedSharding) -> jax.Array:
+    """``jax.device_put(x, sharding)``, also for a process-local ``jax.Array`` and a global sharding.
+
+    ``jax.device_put`` rejects a ``jax.Array`` committed to this process's
+    devices when the target spans devices of other processes. Such an array is
+    taken, like host data, as the whole value held by every process: each
+    process puts its own shards of it on its own devices.
+    """
+    if _needs_callback(x, sharding):
+        return _from_whole(x, sharding)
+    return jax.device_put(x, sharding)
+
+
+def place_many(leaves: Sequence[Any], shardings: Sequence[NamedSharding]) -> list[Any]:
+    """:func:`place` for many leaves, in one ``jax.device_put`` call where it can."""
+    if not any(_needs_callback(x, s) for x, s in zip(leaves, shardings, strict=True)):
+        return list(jax.device_put(list(leaves), list(shardings)))
+    return [place(x, s) for x, s in zip(leaves, shardings, strict=True)]
+
+
+def _needs_callback(x: Any, sharding: NamedSharding) -> bool:
+    return (
+        isinstance(x, jax.Array)
+        and not sharding.is_fully_addressable
+        and x.is_fully_addressable
+        and jax.process_count() > 1
+    )
+
+
+def _from_whole(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    return jax.make_array_from_callback(tuple(x.shape), sharding, lambda index: x[index])
+
+
+def from_process_local(
+    local: Any,
+    expression: str,
+    *,
+    global_shape: Sequence[int] | None = None,
+    devices: Devices | None = None,
+) -> jax.Array:
+    """Builds a global array from each process's own part of it, laid out by an expression.
+
+    Each process passes the part of the global array that its own devices
+    hold under the expression's layout: for ``'b d -> b* d'`` over two
+    processes of four devices each, process 0 passes rows ``0 … n/2`` of an
+    ``n``-row batch and process 1 the rest. An axis whose blocks are all on
+    this process's devices (not split across processes) is passed whole. In a
+    single process the part is the whole array.
+
+    Where a process's devices hold blocks that are not next to each other
+    (a ``devices=`` order that interleaves processes), its part is its blocks
+    concatenated in index order.
+
+    Args:
+        local: This process's part: a NumPy array, a ``jax.Array``, or
+            anything ``numpy.asarray`` takes.
+        expression: An einshard expression, e.g. ``'b d -> b* d'``.
+        global_shape: The global array's shape. By default it is inferred
+            from the local shape and the layout; given, the local shape is
+            checked against it.
+        devices: The devices, in order (see :func:`~einshard.make_sharding`).
+
+    Returns:
+        The global ``jax.Array``, sharded as the expression says.
+
+    Raises:
+        EinshardError: If the expression does not fit, this process owns none
+            of the devices, or the local part has the wrong shape.
+
+    >>> import numpy as np, einshard
+    >>> batch = einshard.from_process_local(np.ones((16, 4)), 'b d -> b* d')
+    >>> batch.shape, batch.sharding.shard_shape(batch.shape)
+    ((16, 4), (2, 4))
+    """
+    from ._arrays import _resolve  # the placing layer imports this module
+
+    if not isinstance(local, (jax.Array, np.ndarray)):
+        local = np.asarray(local)
+    local_shape = tuple(int(size) for size in local.shape)
+    layout, sharding = _resolve(expression, len(local_shape), devices, None)
+    process = jax.process_index()
+    context = f"while building a global array from process {process}'s part of shape {local_shape}"
+    # Which blocks of each axis this process's devices hold: the index map of an
+    # array whose every axis has one element per block.
+    blocks = sharding.devices_indices_map(layout.shards)
+    held: list[set[int]] = [set() for _ in local_shape]
+    for device, index in blocks.items():
+        if device.process_index == process:
+            for axis, part in enumerate(index):
+                held[axis].add(part.indices(layout.shards[axis])[0])
+    if not any(held) and local_shape:
+        raise EinshardError(
+            f"process {process} owns none of the {len(blocks)} devices the array is laid out over",
+            hint="Call from_process_local in the processes whose devices are in devices=.",
+        ).add_context(context)
+    own = tuple(len(h) if local_shape else 1 for h in held)
+    if global_shape is None:
+        bad = [axis for axis, (size, k) in enumerate(zip(local_shape, own, strict=True)) if size % k]
+        if bad:
+            axis = bad[0]
+            raise EinshardError(
+                f"axis {axis} of the local part has size {local_shape[axis]}, which does not divide "
+                f"into the {own[axis]} blocks this process holds",
+                expression=layout.expression.text,
+                hint=f"Pass a local part whose axis {axis} is a multiple of {own[axis]}.",
+            ).add_context(context)
+        shape = tuple(size // k * n for size, k, n in zip(local_shape, own, layout.shards, strict=True))
+    else:
+        try:
+            shape = tuple(int(size) for size in global_shape)
+        except (TypeError, ValueError):
+            raise EinshardError(
+                f"global_shape must be a sequence of integers, not {global_shape!r}"
+            ) from None
+        if len(shape) != len(local_shape):
+            raise EinshardError(
+                f"global_shape {shape} has rank {len(shape)}, the local part rank {len(local_shape)}",
+                hint="The local part has the global array's rank; only the split axes are shorter.",
+            ).add_context(context)
+        try:
+            layout.check_shape(shape)
+        except EinshardError as error:
+            raise error.add_context(context) from None
+        expected = tuple(size // n * k for size, n, k in zip(shape, layout.shards, own, strict=True))
+        if expected != local_shape:
+            raise EinshardError(
+                f"process {process} should pass a local part of shape {expected} for global shape "
+                f"{shape}, not {local_shape}",
+                expression=layout.expression.text,
+                hint="Each process passes the blocks its devices hold: "
+                + ", ".join(
+                    f"axis {axis}: {k} of {n} blocks"
+                    for axis, (k, n) in enumerate(zip(own, layout.shards, strict=True))
+                    if n > 1
+                )
+                + ".",
+            ).add_context(context)
+    try:
+        layout.check_shape(shape)
+    except EinshardError as error:
+        raise error.add_context(context) from None
+    return jax.make_array_from_process_local_data(sharding, local, shape)

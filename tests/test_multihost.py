@@ -1,0 +1,207 @@
+"""Several processes: 2 processes × 4 CPU devices on 127.0.0.1, collectives over gloo.
+
+Each test cluster is two ``tests/multihost_worker.py`` subprocesses that join
+with ``jax.distributed.initialize`` on a free loopback port and report, as
+JSON, what their own devices hold; the checks here compare that with the pure
+layout mapped through ``jax.devices()`` and with a one-process run.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from multihost_worker import (
+    BATCH_EXPRESSION,
+    LOCAL_DEVICES,
+    N_PROCESSES,
+    PLACEMENTS,
+    SKIP,
+    full_value,
+    mlp_problem,
+    train_step,
+)
+
+import einshard
+
+WORKER = Path(__file__).with_name("multihost_worker.py")
+ROOT = Path(__file__).parents[1]
+TIMEOUT = 120  # seconds for a whole cluster; its processes are killed after
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cluster(scenario):
+    """Runs both workers; returns [(returncode, stdout, stderr, seconds)] by process id."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.pop("XLA_FLAGS", None)  # the workers set their own device count
+    port = free_port()
+    started = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(i), str(port), scenario],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(N_PROCESSES)
+    ]
+    results = []
+    try:
+        for proc in procs:
+            left = max(1.0, TIMEOUT - (time.monotonic() - started))
+            out, err = proc.communicate(timeout=left)
+            results.append((proc.returncode, out, err, time.monotonic() - started))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the {scenario!r} cluster did not finish within {TIMEOUT} s")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    if any(code == SKIP for code, *_ in results):
+        pytest.skip("gloo CPU collectives are not available in this JAX")
+    return results
+
+
+def parse(out):
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    return json.loads(lines[-1][len("RESULT ") :]) if lines else None
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Each process's report of the main scenario, by process id."""
+    results = run_cluster("main")
+    reports = []
+    for i, (code, out, err, _) in enumerate(results):
+        report = parse(out)
+        assert code == 0 and report is not None, f"process {i} failed ({code}):\n{out}\n{err[-3000:]}"
+        reports.append(report)
+    return reports
+
+
+def expected_shards(expression, shape, device_ids):
+    """Device id -> its block, from the pure layout over the global device order."""
+    layout = einshard.layout(expression, shape, n_devices=len(device_ids))
+    return {
+        str(device_ids[position]): [list(s.indices(size)[:2]) for s, size in zip(slices, shape, strict=True)]
+        for position, slices in layout.indices(shape).items()
+    }
+
+
+def check_shards(report, got, expression, value, tolerance=1e-6):
+    """The process holds exactly its devices' blocks, with the right values."""
+    device_ids = [device_id for device_id, _ in report["devices"]]
+    mine = {str(d) for d, process in report["devices"] if process == report["process_index"]}
+    expected = {d: b for d, b in expected_shards(expression, value.shape, device_ids).items() if d in mine}
+    assert {d: index for d, (index, _) in got.items()} == expected
+    for index, data in got.values():
+        block = value[tuple(slice(start, stop) for start, stop in index)]
+        np.testing.assert_allclose(
+            np.asarray(data, dtype=np.float32).reshape(block.shape), block, rtol=tolerance, atol=tolerance
+        )
+
+
+def test_device_order_is_global_and_identical(cluster):
+    orders = [report["devices"] for report in cluster]
+    assert orders[0] == orders[1]
+    assert len(orders[0]) == N_PROCESSES * LOCAL_DEVICES
+    processes = [process for _, process in orders[0]]
+    assert processes == sorted(processes) == [p for p in range(N_PROCESSES) for _ in range(LOCAL_DEVICES)]
+    assert [r["process_index"] for r in cluster] == list(range(N_PROCESSES))
+    for report in cluster:
+        assert report["make_sharding"] == {
+            "fully_addressable": False,
+            "device_ids": [device_id for device_id, _ in orders[0]],
+        }
+
+
+@pytest.mark.parametrize(("name", "expression", "shape"), PLACEMENTS)
+def test_full_host_value_is_placed_by_layout(cluster, name, expression, shape):
+    for report in cluster:
+        check_shards(report, report["placements"][name], expression, full_value(shape))
+
+
+def test_process_local_jax_array_and_reshard(cluster):
+    value = full_value((8, 16))
+    for report in cluster:
+        check_shards(report, report["placements"]["committed_local"], "x y -> x* y", value)
+        check_shards(report, report["placements"]["resharded"], "x y -> x2 y*", value)
+
+
+def test_shard_pytree_and_init_sharded(cluster):
+    value = full_value((8, 16))
+    with jax.default_device(jax.devices("cpu")[0]):
+        born = np.asarray(jax.random.normal(jax.random.key(0), (8, 16)))
+    for report in cluster:
+        check_shards(report, report["pytree"]["w1"], "x y -> x y*", value)
+        check_shards(report, report["pytree"]["b"], "... -> * ...", np.ones(16, np.float32))
+        assert report["pytree"]["step"] == 3
+        check_shards(report, report["init"], "x y -> x y*", born)
+
+
+def test_batch_from_process_local_rows(cluster):
+    _, x, _ = mlp_problem()
+    for report in cluster:
+        check_shards(report, report["batch"], BATCH_EXPRESSION, x)
+        error = report["batch_error"]
+        assert f"process {report['process_index']} should pass a local part of shape (8, 16)" in error
+        assert "not (3, 16)" in error
+
+
+def test_train_step_matches_one_process(cluster):
+    params, x, y = mlp_problem()
+    new_params, loss = jax.jit(train_step)(params, x, y)
+    for report in cluster:
+        np.testing.assert_allclose(report["loss"], float(loss), rtol=1e-5)
+        check_shards(report, report["new_w1"], "x y -> x y*", np.asarray(new_params["w1"]), 1e-5)
+        check_shards(report, report["new_w2"], "y z -> y* z", np.asarray(new_params["w2"]), 1e-5)
+
+
+def test_a_dead_process_stops_the_other_with_a_clear_error():
+    (code0, out0, err0, seconds0), (code1, _, _, _) = run_cluster("die")
+    assert code1 == 3
+    assert "first sum 128.0" in out0
+    assert code0 != 0, "the survivor went on as if nothing happened"
+    assert parse(out0) is None
+    assert "detected fatal errors" in err0 and "another task died" in err0, err0[-3000:]
+    assert seconds0 < 60
+
+
+# In this one process (no cluster): the local part is the whole array.
+
+
+def test_from_process_local_in_one_process():
+    from conftest import N_DEVICES
+
+    value = full_value((2 * N_DEVICES, 3))
+    array = einshard.from_process_local(value, "b d -> b* d")
+    assert array.sharding == einshard.make_sharding("b d -> b* d", shape=value.shape)
+    np.testing.assert_array_equal(np.asarray(array), value)
+    same = einshard.from_process_local(value, "b d -> b* d", global_shape=value.shape)
+    np.testing.assert_array_equal(np.asarray(same), value)
+
+
+def test_from_process_local_errors():
+    from conftest import N_DEVICES
+
+    value = full_value((2 * N_DEVICES, 3))
+    with pytest.raises(einshard.EinshardError, match=r"should pass a local part of shape"):
+        einshard.from_process_local(value[:-1], "b d -> b* d", global_shape=value.shape)
+    with pytest.raises(einshard.EinshardError, match=r"global_shape \(4,\) has rank 1"):
+        einshard.from_process_local(value, "b d -> b* d", global_shape=(4,))
+    with pytest.raises(einshard.EinshardError):
+        einshard.from_process_local(value, "b -> b*")
