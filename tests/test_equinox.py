@@ -8,7 +8,6 @@ match an unsharded run, and the compiled step must not gather a weight.
 """
 
 import dataclasses
-import re
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +17,17 @@ import pytest
 eqx = pytest.importorskip("equinox")
 optax = pytest.importorskip("optax")
 
+from layouts import (  # noqa: E402
+    REPLICATE,
+    all_gather_shapes,
+    assert_follows,
+    assert_layout,
+    assert_never_whole,
+    assert_trees_close,
+)
+
 import einshard  # noqa: E402
 from conftest import N_DEVICES  # noqa: E402
-from einshard._rules import path_string  # noqa: E402
 from einshard.integrations import optax as einshard_optax  # noqa: E402
 from einshard.integrations.equinox import (  # noqa: E402
     create_sharded,
@@ -31,7 +38,6 @@ from einshard.integrations.equinox import (  # noqa: E402
 )
 
 D_IN, HIDDEN, D_OUT, BATCH = 24, 8 * N_DEVICES, 10, 4
-REPLICATE = "... -> * ..."
 SHARDED_SHAPES = {(HIDDEN, D_IN), (HIDDEN,), (D_OUT, HIDDEN)}
 
 
@@ -73,61 +79,6 @@ def plain_mlp(key):
 
 
 # --- helpers -------------------------------------------------------------------
-
-
-def leaves(tree):
-    return [
-        (path_string(path), leaf)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-        if eqx.is_array(leaf)
-    ]
-
-
-def expression_for(rules, path, shape):
-    return REPLICATE if not shape else einshard.Rules(rules).match(path).expression
-
-
-def assert_layout(array, expression, path=""):
-    expected = einshard.make_sharding(expression, shape=array.shape)
-    got = array.sharding.devices_indices_map(array.shape)
-    assert got == expected.devices_indices_map(array.shape), f"{path}: not laid out as {expression!r}"
-
-
-def assert_follows(tree, rules):
-    paths = []
-    for path, leaf in leaves(tree):
-        assert_layout(leaf, expression_for(rules, path, leaf.shape), path)
-        paths.append(path)
-    assert paths
-    return paths
-
-
-def assert_never_whole(tree, rules):
-    checked = 0
-    for path, leaf in leaves(tree):
-        if expression_for(rules, path, leaf.shape) == REPLICATE:
-            continue
-        shapes = {shard.data.shape for shard in leaf.addressable_shards}
-        assert leaf.shape not in shapes, f"{path} is whole on a device"
-        checked += 1
-    assert checked
-
-
-def assert_trees_close(actual, expected, rtol=1e-4, atol=1e-5):
-    actual_leaves, expected_leaves = leaves(actual), leaves(expected)
-    assert [p for p, _ in actual_leaves] == [p for p, _ in expected_leaves]
-    for (path, a), (_, e) in zip(actual_leaves, expected_leaves, strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol, err_msg=path)
-
-
-def all_gather_shapes(hlo):
-    shapes = []
-    for line in hlo.splitlines():
-        found = re.search(r"=\s*(.*?)\s+all-gather(?:-start)?\(", line)
-        if found:
-            for dims in re.findall(r"\[([\d,]*)\]", found.group(1)):
-                shapes.append(tuple(int(d) for d in dims.split(",") if d))
-    return shapes
 
 
 def data(seed=1):

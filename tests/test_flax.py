@@ -6,8 +6,6 @@ the layout its rule gives, nothing sharded may be whole on a device, training
 must match an unsharded run, and the compiled step must not gather a weight.
 """
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,10 +17,18 @@ optax = pytest.importorskip("optax")
 import flax.linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 from flax.training import train_state  # noqa: E402
+from layouts import (  # noqa: E402
+    REPLICATE,
+    all_gather_shapes,
+    assert_follows,
+    assert_layout,
+    assert_never_whole,
+    assert_trees_close,
+    leaves,
+)
 
 import einshard  # noqa: E402
 from conftest import N_DEVICES  # noqa: E402
-from einshard._rules import path_string  # noqa: E402
 from einshard.integrations.flax import (  # noqa: E402
     create_optimizer,
     create_sharded,
@@ -34,7 +40,6 @@ from einshard.integrations.flax import (  # noqa: E402
 )
 
 D_IN, HIDDEN, D_OUT, BATCH = 24, 8 * N_DEVICES, 10, 4
-REPLICATE = "... -> * ..."
 SHARDED_SHAPES = {(D_IN, HIDDEN), (HIDDEN,), (HIDDEN, D_OUT)}
 
 NNX_RULES = [
@@ -72,60 +77,6 @@ class LinenMLP(nn.Module):
 
 
 # --- helpers -------------------------------------------------------------------
-
-
-def leaves(tree):
-    return [(path_string(path), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def expression_for(rules, path, shape):
-    return REPLICATE if not shape else einshard.Rules(rules).match(path).expression
-
-
-def assert_layout(array, expression, path=""):
-    expected = einshard.make_sharding(expression, shape=array.shape)
-    got = array.sharding.devices_indices_map(array.shape)
-    assert got == expected.devices_indices_map(array.shape), f"{path}: not laid out as {expression!r}"
-
-
-def assert_follows(tree, rules):
-    """Every array leaf of ``tree`` is laid out as its rule says; returns the paths checked."""
-    paths = []
-    for path, leaf in leaves(tree):
-        assert "value" not in path.split("/"), path
-        assert_layout(leaf, expression_for(rules, path, leaf.shape), path)
-        paths.append(path)
-    return paths
-
-
-def assert_never_whole(tree, rules):
-    """No leaf a rule shards is whole on any device."""
-    checked = 0
-    for path, leaf in leaves(tree):
-        if expression_for(rules, path, leaf.shape) == REPLICATE:
-            continue
-        shapes = {shard.data.shape for shard in leaf.addressable_shards}
-        assert leaf.shape not in shapes, f"{path} is whole on a device"
-        checked += 1
-    assert checked
-
-
-def assert_trees_close(actual, expected, rtol=1e-4, atol=1e-5):
-    actual_leaves, expected_leaves = leaves(actual), leaves(expected)
-    assert [p for p, _ in actual_leaves] == [p for p, _ in expected_leaves]
-    for (path, a), (_, e) in zip(actual_leaves, expected_leaves, strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol, err_msg=path)
-
-
-def all_gather_shapes(hlo: str) -> list[tuple[int, ...]]:
-    """The result shapes of every all-gather in compiled HLO text."""
-    shapes = []
-    for line in hlo.splitlines():
-        found = re.search(r"=\s*(.*?)\s+all-gather(?:-start)?\(", line)
-        if found:
-            for dims in re.findall(r"\[([\d,]*)\]", found.group(1)):
-                shapes.append(tuple(int(d) for d in dims.split(",") if d))
-    return shapes
 
 
 def data(seed=1):
