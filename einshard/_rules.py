@@ -155,12 +155,16 @@ class Rules:
 
     def match(self, path: str) -> Rule | None:
         """The first rule whose regex matches ``path``, or ``None``."""
-        key = path.translate(_DIGITS_TO_ZERO) if self._digit_blind else path
-        index = self._memo.get(key)
+        index = self._memo.get(path)
         if index is None:
-            index = self._first(key, 0)
+            # Digit-blind tables decide once per digit pattern: 'layers/17/w' as 'layers/00/w'.
+            # (Both keys share the memo: under digit-blindness they resolve alike.)
+            key = _digits_to_zero(path) if self._digit_blind else path
+            index = self._memo.get(key)
+            if index is None:
+                index = self._first(key, 0)
             if len(self._memo) < 1_000_000:  # paths of one model are few; bound it anyway
-                self._memo[key] = index
+                self._memo[key] = self._memo[path] = index
         return None if index < 0 else self.rules[index]
 
     def matches(self, path: str) -> Iterator[Rule]:
@@ -231,7 +235,12 @@ def _compile_table(
     return rules, compiled, _combine(rules), {}
 
 
-_DIGITS_TO_ZERO = str.maketrans("123456789", "000000000")
+_DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
+
+
+def _digits_to_zero(path: str) -> str:
+    # On UTF-8 bytes: ASCII digits are single bytes, never part of a longer character's bytes.
+    return path.encode("utf-8", "surrogatepass").translate(_DIGITS_TO_ZERO).decode("utf-8", "surrogatepass")
 
 
 def _digit_blind(rules: Sequence[Rule]) -> bool:
