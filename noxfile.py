@@ -3,8 +3,10 @@
 Sessions: ``lint`` (ruff), ``types`` (pyright), ``tests`` (Python 3.11 and 3.12,
 each with the newest JAX it can get, on 8, 16 and 6 simulated CPU devices),
 ``tests_oldest_jax`` (the JAX floor of pyproject.toml), ``fuzz`` (Hypothesis
-with many examples), ``examples`` (every
-``examples/*.py``) and ``benchmarks`` (every ``benchmarks/bench_*.py``). Every
+with many examples), ``docs`` (runs every example on the documentation pages,
+then builds the site in strict mode), ``docs_serve`` (serves it locally),
+``examples`` (every ``examples/*.py``) and ``benchmarks`` (every
+``benchmarks/bench_*.py``). Every
 session installs what it needs itself; bare ``nox`` runs lint, types and tests.
 
 Interpreters: a ``pythonX.Y`` that is not on ``PATH`` (or is only a pyenv shim
@@ -27,7 +29,7 @@ import nox
 nox.needs_version = ">=2025.2.9"
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.error_on_missing_interpreters = True  # a missing Python fails, never skips
-nox.options.sessions = ["lint", "types", "tests"]
+nox.options.sessions = ["lint", "types", "tests", "docs"]
 
 ROOT = Path(__file__).parent
 PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
@@ -35,6 +37,7 @@ PYTHONS = ["3.11", "3.12"]
 NEWEST_PYTHON = PYTHONS[-1]
 TEST_DEVICE_COUNTS = [8, 16, 6]
 CPU_ONLY = {"JAX_PLATFORMS": "cpu"}  # no probing for accelerators
+QUIET_MKDOCS = {"NO_MKDOCS_2_WARNING": "1"}  # the end-of-life banner of Material for MkDocs
 
 
 def _runs(executable: str, version: str) -> bool:
@@ -181,6 +184,27 @@ def tests_oldest_jax(session: nox.Session) -> None:
     session.install("-e", ".[all]", f"jax=={floor}", f"jaxlib=={floor}", *_group("test"))
     _show_versions(session, "jax", "jaxlib", "numpy", "flax", "equinox", "optax")
     session.run("pytest", *session.posargs, env={"EINSHARD_TEST_DEVICES": "8", **CPU_ONLY})
+
+
+@nox.session(python=NEWEST_PYTHON)
+def docs(session: nox.Session) -> None:
+    """Runs every example on the documentation pages (8 devices), then builds the site strictly.
+
+    The site lands in ``site/``. Extra arguments go to pytest: ``nox -s docs -- -k rules``.
+    """
+    session.install("--upgrade", "-e", ".[all]", "jax", *_group("docs"))
+    _show_versions(session, "jax", "flax", "equinox", "optax", "mkdocs", "mkdocs-material", "sybil")
+    session.run("pytest", "docs", *session.posargs, env={"EINSHARD_TEST_DEVICES": "8", **CPU_ONLY})
+    session.run("mkdocs", "build", "--strict", env={**CPU_ONLY, **QUIET_MKDOCS})
+
+
+@nox.session(python=NEWEST_PYTHON)
+def docs_serve(session: nox.Session) -> None:
+    """Builds the site and serves it at http://127.0.0.1:8000, rebuilding on every change."""
+    session.install("-e", ".[all]", "jax", *_group("docs"))
+    session.run(
+        "mkdocs", "serve", "--dev-addr", "127.0.0.1:8000", *session.posargs, env={**CPU_ONLY, **QUIET_MKDOCS}
+    )
 
 
 @nox.session(python=NEWEST_PYTHON)

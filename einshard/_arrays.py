@@ -189,7 +189,8 @@ def _context(shape: tuple[int, ...] | None, devices: Devices | None) -> str:
     else:
         try:
             order = resolve_devices(devices)
-            where = f"on {len(order)} {order[0].platform.upper()} devices"
+            plural = "" if len(order) == 1 else "s"
+            where = f"on {len(order)} {order[0].platform.upper()} device{plural}"
         except EinshardError:
             where = "on the given devices"
     what = f"an array of shape {shape}" if shape is not None else "an array"

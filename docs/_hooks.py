@@ -1,0 +1,1 @@
+"""MkDocs hooks (see mkdocs.yml). Nothing yet."""
