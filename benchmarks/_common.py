@@ -8,7 +8,9 @@ process with a tuned allocator before anything big is loaded.
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
+import json
 import os
 import platform
 import statistics
@@ -62,6 +64,9 @@ def parser(doc: str | None, *, reps: int, seconds: float, warmup: int, runs: str
     )
     parser.add_argument("--warmup", type=int, default=warmup, help=f"untimed pairs first (default {warmup})")
     parser.add_argument("--no-fail", action="store_true", help="exit 0 even when a bar is missed")
+    parser.add_argument(
+        "--json", metavar="PATH", type=Path, help="also write every table row and the set-up to PATH, as JSON"
+    )
     parser.add_argument("--default-malloc", action="store_true", help="do not tune glibc malloc")
     return parser
 
@@ -88,6 +93,20 @@ def environment(n_devices: int) -> str:
         f"Python {platform.python_version()}, {n_devices} CPU devices, {os.cpu_count()} cores, "
         f"malloc {'tuned to reuse memory' if MALLOC_TUNED else 'default'}"
     )
+
+
+def memcpy_seconds(host: Any, reps: int) -> float:
+    """The median time of one host copy of the NumPy array ``host`` into a preallocated array."""
+    import numpy as np
+
+    dst = np.empty_like(host)
+    np.copyto(dst, host)
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        np.copyto(dst, host)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
 
 
 def exit_status(failed: bool, no_fail: bool) -> int:
@@ -180,6 +199,85 @@ def print_table(title: str, columns: list[str], rows: list[list[str]], numeric: 
     for row in rows:
         table.add_row(*row, style="red" if row[-1] == "FAIL" else None)
     Console(width=max(120, len(title))).print(table)
+
+
+class Results:
+    """The tables a script prints, kept to be written as JSON with ``--json PATH``.
+
+    :meth:`table` prints a table (:func:`print_table`) and keeps it: its title, columns and rows
+    as printed, and ``records``, one dict of raw numbers (seconds, ratios, the bar, the verdict)
+    per row. :meth:`write` writes them with the set-up they were measured with.
+    """
+
+    def __init__(self, script: str, args: argparse.Namespace) -> None:
+        self.script = script
+        self.args = args
+        self.tables: dict[str, dict[str, Any]] = {}
+        self.extra: dict[str, Any] = {}
+        self.load_before = _load_average()
+
+    def table(
+        self,
+        key: str,
+        title: str,
+        columns: list[str],
+        rows: list[list[str]],
+        numeric: Collection[str] = (),
+        *,
+        bar: float | None,
+        records: list[dict[str, Any]],
+    ) -> None:
+        """Prints the table and keeps it under ``key``; ``records`` has one dict per row."""
+        if len(records) != len(rows):
+            raise ValueError(f"table {key!r}: {len(rows)} rows but {len(records)} records")
+        print_table(title, columns, rows, numeric)
+        self.tables[key] = {"title": title, "bar": bar, "columns": columns, "rows": rows, "records": records}
+
+    def write(self, n_devices: int, failed: bool) -> None:
+        """Writes the tables and the set-up to ``--json PATH``, if given."""
+        path = getattr(self.args, "json", None)
+        if path is None:
+            return
+        import jax
+        import jaxlib
+        import numpy as np
+
+        import einshard
+
+        metadata = {
+            "script": f"benchmarks/{self.script}",
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "einshard": einshard.__version__,
+            "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__,
+            "numpy": np.__version__,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "devices": n_devices,
+            "device_kind": "simulated CPU devices (jax_num_cpu_devices)",
+            "malloc": "tuned to reuse memory" if MALLOC_TUNED else "default",
+            "load_average_before": self.load_before,
+            "load_average_after": _load_average(),
+            "options": {
+                k: v
+                for k, v in vars(self.args).items()
+                if k not in ("json", "memory_child") and v is not None
+            },
+            **self.extra,
+        }
+        document = {"metadata": metadata, "all_bars_met": not failed, "tables": self.tables}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(document, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        print(f"wrote {path}")
+
+
+def _load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages, where the system has them."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 def ms(seconds: float) -> str:

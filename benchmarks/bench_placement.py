@@ -1,6 +1,6 @@
 """Placement bars: ``einshard`` against ``jax.device_put``, and the cached ``make_sharding``.
 
-    python benchmarks/bench_placement.py [--reps 30] [--seconds 4] [--warmup 5] [--no-fail]
+    python benchmarks/bench_placement.py [--reps 30] [--seconds 4] [--warmup 5] [--no-fail] [--json PATH]
 
 On 8 simulated CPU devices, for a 4096x4096 float32 array (64 MiB), times
 ``einshard.einshard(x, e)`` (A) against
@@ -23,6 +23,10 @@ shard buffers are reused rather than handed back to the kernel and faulted in
 afresh (zero-filled) on the next run. Both sides get the same allocator; without
 this, page faults dominate the times and scatter them by several percent on a
 small machine, more than the bar. ``--default-malloc`` measures without it.
+
+``--json PATH`` also writes every table row (the printed strings and the raw
+numbers) and the set-up (versions, cores, devices, the memcpy reference) as JSON;
+the documentation's benchmark page is drawn from that file.
 
 Exits with status 1 when a bar is missed, unless ``--no-fail``.
 """
@@ -88,18 +92,6 @@ def per_call_us(fn: Callable[[], object], calls: int = 20_000, repeats: int = 7)
     return statistics.median(samples)
 
 
-def memcpy_seconds(host: np.ndarray, reps: int) -> float:
-    """The median time of one host copy of ``host`` into a preallocated array."""
-    dst = np.empty_like(host)
-    np.copyto(dst, host)
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        np.copyto(dst, host)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def fixed_cost_us() -> tuple[float, float]:
     """einshard and device_put with a ready sharding on a tiny array: medians in µs, interleaved."""
     tiny = np.ones((8, 8), np.float32)
@@ -119,12 +111,19 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the benchmarks and prints the tables; returns the exit status."""
     parser = _common.parser(__doc__, reps=30, seconds=4.0, warmup=5, runs="pairs")
     args = parser.parse_args(argv)
+    results = _common.Results(Path(__file__).name, args)
 
     if not _common.has_devices(N_DEVICES):
         return 2
     print(_common.environment(N_DEVICES))
     host = np.random.default_rng(0).standard_normal(SHAPE, dtype=np.float32)
-    memcpy = memcpy_seconds(host, args.reps)
+    memcpy = _common.memcpy_seconds(host, args.reps)
+    results.extra["memcpy"] = {
+        "what": "np.copyto of the 4096x4096 float32 array into a preallocated one, median",
+        "bytes": host.nbytes,
+        "seconds": memcpy,
+        "GB_per_s": host.nbytes / memcpy / 1e9,
+    }
     print(
         f"array {SHAPE[0]}x{SHAPE[1]} float32 ({host.nbytes / 2**20:.0f} MiB); "
         f"per row, after {args.warmup} warm-up pairs, at least {args.reps} interleaved pairs "
@@ -133,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
     failed = False
     rows = []
+    records = []
     for kind, expression in LAYOUTS:
         for source, make_input in sources(host, expression):
             result = _common.compare(
@@ -159,7 +159,22 @@ def main(argv: list[str] | None = None) -> int:
                     _common.verdict(ok),
                 ]
             )
-    _common.print_table(
+            records.append(
+                {
+                    "expression": expression,
+                    "layout": kind,
+                    "input": source,
+                    "einshard_s": result["a"],
+                    "device_put_s": result["b"],
+                    "device_put_over_memcpy": result["b"] / memcpy,
+                    "pairs": result["pairs"],
+                    "ratio": result["ratio"],
+                    "bar": PLACEMENT_BAR,
+                    "verdict": _common.verdict(ok),
+                }
+            )
+    results.table(
+        "placement",
         f"Placement: einshard(x, e) vs device_put(x, make_sharding(e)); bar: ratio <= {PLACEMENT_BAR}",
         [
             "expression",
@@ -174,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         ],
         rows,
         numeric={"einshard ms", "device_put ms", "÷ memcpy", "pairs", "ratio"},
+        bar=PLACEMENT_BAR,
+        records=records,
     )
 
     rows = [
@@ -183,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             "limit",
         ]
     ]
+    records = [{"measure": "memcpy", "seconds": memcpy, "bar": None, "verdict": "limit"}]
     for name, call in [
         ("make_sharding('x y -> x y*')", lambda: einshard.make_sharding("x y -> x y*")),
         (
@@ -194,6 +212,14 @@ def main(argv: list[str] | None = None) -> int:
         ok = us <= MAKE_SHARDING_BAR_US
         failed |= not ok
         rows.append([f"cached {name}", f"{us:.2f} µs per call", _common.verdict(ok)])
+        records.append(
+            {
+                "measure": f"cached {name}",
+                "us": us,
+                "bar": MAKE_SHARDING_BAR_US,
+                "verdict": _common.verdict(ok),
+            }
+        )
     a_us, b_us = fixed_cost_us()
     rows.append(
         [
@@ -202,13 +228,27 @@ def main(argv: list[str] | None = None) -> int:
             "info",
         ]
     )
-    _common.print_table(
+    records.append(
+        {
+            "measure": "fixed cost per call, 8x8 NumPy array",
+            "einshard_us": a_us,
+            "device_put_us": b_us,
+            "bar": None,
+            "verdict": "info",
+        }
+    )
+    results.table(
+        "per_call",
         f"Reference and per-call costs; bar for make_sharding: <= {MAKE_SHARDING_BAR_US:g} µs",
         ["measure", "value", "bar"],
         rows,
+        bar=MAKE_SHARDING_BAR_US,
+        records=records,
     )
 
-    return _common.exit_status(failed, args.no_fail)
+    status = _common.exit_status(failed, args.no_fail)
+    results.write(N_DEVICES, failed)
+    return status
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Rule-table bars: resolving rules per leaf, ``shard_pytree`` against ``device_put``, born-sharded init.
 
-    python benchmarks/bench_rules.py [--reps 15] [--seconds 3] [--warmup 3] [--no-fail]
+    python benchmarks/bench_rules.py [--reps 15] [--seconds 3] [--warmup 3] [--no-fail] [--json PATH]
 
 On 8 simulated CPU devices, with LLaMA-shaped parameter trees (nested dicts:
 embedding, per layer attention q/k/v/o and MLP gate/up/down kernels and two
@@ -49,6 +49,10 @@ Memory for the timings: on Linux with glibc the script re-executes itself with
 ``bench_placement.py`` does), so that freed buffers are reused rather than
 faulted in afresh on the next run; ``--default-malloc`` measures without it.
 The memory subprocesses always run with the default allocator, as users do.
+
+``--json PATH`` also writes every table row (the printed strings and the raw
+numbers) and the set-up (versions, cores, devices, a 64 MiB memcpy for
+reference) as JSON; the documentation's benchmark page is drawn from that file.
 
 Exits with status 1 when a bar is missed, unless ``--no-fail``.
 """
@@ -300,8 +304,9 @@ def fresh_regexes(tree: Any) -> Any:
     return tree
 
 
-def resolve_rows(reps: int, seconds: float) -> tuple[list[list[str]], bool]:
+def resolve_rows(reps: int, seconds: float) -> tuple[list[list[str]], list[dict[str, Any]], bool]:
     rows = []
+    records = []
     failed = False
     for name, dims in RESOLVE_TREES.items():
         tree = abstract_llama(*dims)
@@ -338,26 +343,40 @@ def resolve_rows(reps: int, seconds: float) -> tuple[list[list[str]], bool]:
         failed |= not ok
         label = f"{name} ({n} leaves)"
         measures = [
-            ("cold: new Rules, unseen tree, regexes compiled", us["cold"], _common.verdict(ok)),
-            ("new Rules from the same pairs, known tree", us["fresh"], "info"),
-            ("warm: the same Rules and tree again", us["warm"], "info"),
+            ("cold", "cold: new Rules, unseen tree, regexes compiled", us["cold"], _common.verdict(ok)),
+            ("fresh", "new Rules from the same pairs, known tree", us["fresh"], "info"),
+            ("warm", "warm: the same Rules and tree again", us["warm"], "info"),
         ]
         if first is not None:
-            measures.append(("the first call in the process", first / n * 1e6, "info"))
-        measures.append(("EasyLM match_partition_rules", us["easylm"], "reference"))
-        measures.append(("tree_flatten_with_path alone", us["flatten"], "floor"))
+            measures.append(("first", "the first call in the process", first / n * 1e6, "info"))
+        measures.append(("easylm", "EasyLM match_partition_rules", us["easylm"], "reference"))
+        measures.append(("flatten", "tree_flatten_with_path alone", us["flatten"], "floor"))
         rows += [
             [label, measure, f"{value:.2f}", f"{value / us['easylm']:.2f}", verdict]
-            for measure, value, verdict in measures
+            for _, measure, value, verdict in measures
         ]
-    return rows, failed
+        records += [
+            {
+                "tree": name,
+                "leaves": n,
+                "key": key,
+                "measure": measure,
+                "us_per_leaf": value,
+                "over_easylm": value / us["easylm"],
+                "bar": RESOLVE_BAR_US if key == "cold" else None,
+                "verdict": verdict,
+            }
+            for key, measure, value, verdict in measures
+        ]
+    return rows, records, failed
 
 
 # --- 2. shard_pytree against device_put -----------------------------------------------------------
 
 
-def transfer_rows(args: argparse.Namespace) -> tuple[list[list[str]], bool]:
+def transfer_rows(args: argparse.Namespace) -> tuple[list[list[str]], list[dict[str, Any]], bool]:
     rows = []
+    records = []
     failed = False
     cases = [
         ("32 layers, d 512", TRANSFER_TREE, True),
@@ -391,9 +410,22 @@ def transfer_rows(args: argparse.Namespace) -> tuple[list[list[str]], bool]:
                     _common.verdict(ok) if held else "info",
                 ]
             )
+            records.append(
+                {
+                    "tree": name,
+                    "bytes": tree_bytes(host),
+                    "input": source,
+                    "shard_pytree_s": result["a"],
+                    "device_put_s": result["b"],
+                    "pairs": result["pairs"],
+                    "ratio": result["ratio"],
+                    "bar": SHARD_PYTREE_BAR if held else None,
+                    "verdict": _common.verdict(ok) if held else "info",
+                }
+            )
         del host, on_one_device, tree
         gc.collect()
-    return rows, failed
+    return rows, records, failed
 
 
 # --- 3. born-sharded init: peak host memory -------------------------------------------------------
@@ -482,9 +514,10 @@ def memory_child(mode: str) -> int:
     return 0
 
 
-def memory_rows() -> tuple[list[list[str]], bool, str]:
+def memory_rows() -> tuple[list[list[str]], list[dict[str, Any]], bool, str]:
     env = {k: v for k, v in os.environ.items() if k not in _common.TUNED_MALLOC}  # the allocator users have
     rows = []
+    records = []
     failed = False
     method = ""
     for mode, label, held in (
@@ -519,7 +552,21 @@ def memory_rows() -> tuple[list[list[str]], bool, str]:
                 _common.verdict(ok) if held else "~2 expected",
             ]
         )
-    return rows, failed, method
+        records.append(
+            {
+                "init": label,
+                "model_bytes": result["model"],
+                "peak_bytes": result["peak"],
+                "xla_temp_bytes": temp if temp >= 0 else None,
+                "after_bytes": result["after"],
+                "seconds": result["seconds"],
+                "peak_over_model": ratio,
+                "method": method,
+                "bar": MEMORY_BAR if held else None,
+                "verdict": _common.verdict(ok) if held else "~2 expected",
+            }
+        )
+    return rows, records, failed, method
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -530,44 +577,66 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.memory_child:
         return memory_child(args.memory_child)
+    results = _common.Results(Path(__file__).name, args)
 
     if not _common.has_devices(N_DEVICES):
         return 2
     print(f"{_common.environment(N_DEVICES)}; {len(LLAMA_RULES)} rules, the first match wins")
     failed = False
+    host = np.random.default_rng(0).standard_normal((4096, 4096), dtype=np.float32)
+    memcpy = _common.memcpy_seconds(host, 30)
+    results.extra["memcpy"] = {
+        "what": "np.copyto of a 4096x4096 float32 array into a preallocated one, median (reference)",
+        "bytes": host.nbytes,
+        "seconds": memcpy,
+        "GB_per_s": host.nbytes / memcpy / 1e9,
+    }
+    results.extra["rules"] = len(LLAMA_RULES)
+    del host
 
-    rows, missed = resolve_rows(args.reps, args.seconds)
+    rows, records, missed = resolve_rows(args.reps, args.seconds)
     failed |= missed
-    _common.print_table(
+    results.table(
+        "resolve",
         "Resolving rules: pytree_shardings(abstract tree, rules), µs per leaf; "
         f"bar: cold <= {RESOLVE_BAR_US:g}",
         ["tree", "measure", "µs per leaf", "÷ EasyLM", "bar"],
         rows,
         {"µs per leaf", "÷ EasyLM"},
+        bar=RESOLVE_BAR_US,
+        records=records,
     )
 
-    rows, missed = transfer_rows(args)
+    rows, records, missed = transfer_rows(args)
     failed |= missed
-    _common.print_table(
+    results.table(
+        "shard_pytree",
         "shard_pytree(tree, rules) vs device_put(tree, precomputed shardings); "
         f"bar: ratio <= {SHARD_PYTREE_BAR}",
         ["tree", "input", "shard_pytree ms", "device_put ms", "pairs", "ratio", "bar"],
         rows,
         {"shard_pytree ms", "device_put ms", "pairs", "ratio"},
+        bar=SHARD_PYTREE_BAR,
+        records=records,
     )
 
     if not args.skip_memory:
-        rows, missed, method = memory_rows()
+        rows, records, missed, method = memory_rows()
         failed |= missed
-        _common.print_table(
+        results.table(
+            "memory",
             f"Peak host memory of an init, a fresh process each ({method} - RSS after starting JAX); "
             f"bar: init_sharded <= {MEMORY_BAR} x model",
             ["init", "model GiB", "peak GiB", "XLA temp GiB", "after GiB", "seconds", "peak / model", "bar"],
             rows,
             {"model GiB", "peak GiB", "XLA temp GiB", "after GiB", "seconds", "peak / model"},
+            bar=MEMORY_BAR,
+            records=records,
         )
 
-    return _common.exit_status(failed, args.no_fail)
+    status = _common.exit_status(failed, args.no_fail)
+    results.write(N_DEVICES, failed)
+    return status
 
 
 if __name__ == "__main__":
