@@ -231,7 +231,14 @@ class Results:
         if len(records) != len(rows):
             raise ValueError(f"table {key!r}: {len(rows)} rows but {len(records)} records")
         print_table(title, columns, rows, numeric)
-        self.tables[key] = {"title": title, "bar": bar, "columns": columns, "rows": rows, "records": records}
+        self.tables[key] = {
+            "title": title,
+            "bar": bar,
+            "columns": columns,
+            "numeric": [column for column in columns if column in numeric],
+            "rows": rows,
+            "records": records,
+        }
 
     def write(self, n_devices: int, failed: bool) -> None:
         """Writes the tables and the set-up to ``--json PATH``, if given."""

@@ -1,1 +1,218 @@
-"""MkDocs hooks (see mkdocs.yml). Nothing yet."""
+"""MkDocs hooks (listed in mkdocs.yml): the benchmark page's tables and plots, from the committed results.
+
+``benchmarks/bench_*.py --json PATH`` write their tables to ``benchmarks/results/*.json``. At build
+time this module
+
+* adds two generated SVG plots to the site (:func:`on_files`): ``benchmarks/placement.svg``
+  (einshard / device_put per layout and input, with the 1.05 bar) and ``benchmarks/rules.svg``
+  (resolving a rule table, µs per leaf, with the 2 µs bar); nothing is written to ``docs/``;
+* replaces the markers ``<!-- benchmark-table: FILE/TABLE -->`` (a table as the script printed
+  it) and ``<!-- benchmark-setup: FILE -->`` (versions, machine, load) in a page's Markdown
+  (:func:`on_page_markdown`).
+
+It reads JSON and draws with matplotlib; it never imports JAX.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from mkdocs.exceptions import PluginError
+from mkdocs.structure.files import File, Files
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+MARKER = re.compile(r"<!--\s*benchmark-(table|setup):\s*([\w./-]+)\s*-->")
+
+PLACEMENT_SVG = "benchmarks/placement.svg"
+RULES_SVG = "benchmarks/rules.svg"
+
+
+def _load(name: str) -> dict[str, Any]:
+    path = RESULTS / f"{name}.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        relative = path.relative_to(RESULTS.parents[1])
+        raise PluginError(
+            f"{relative} is missing: `python benchmarks/bench_{name}.py --json {relative}`"
+        ) from None
+
+
+# --- Markdown -------------------------------------------------------------------------------------
+
+
+def _cell(text: str, column: str) -> str:
+    if column == "expression":
+        return f"`{text}`"
+    if text == "FAIL":
+        return "**FAIL**"
+    text = text.replace("|", "\\|")
+    return re.sub(r"([*_\[\]])", r"\\\1", text).replace("<", "&lt;")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def table_markdown(table: dict[str, Any]) -> str:
+    """A results table as a Markdown table: the columns and rows as the script printed them."""
+    columns: list[str] = table["columns"]
+    rows: list[list[str]] = table["rows"]
+    numeric = set(
+        table.get("numeric") or [c for i, c in enumerate(columns) if all(_is_number(r[i]) for r in rows)]
+    )
+    lines = [
+        "| " + " | ".join(columns) + " |",
+        "|" + "|".join("---:" if c in numeric else ":---" for c in columns) + "|",
+    ]
+    lines += [
+        "| " + " | ".join(_cell(v, c) for v, c in zip(row, columns, strict=True)) + " |" for row in rows
+    ]
+    return "\n".join(lines)
+
+
+def setup_markdown(results: dict[str, Any]) -> str:
+    """One sentence on when, with what and on which machine a results file was measured."""
+    m = results["metadata"]
+    load = m.get("load_average_before"), m.get("load_average_after")
+    text = (
+        f"Measured on {m['date'][:10]} by `{m['script']}`: einshard {m['einshard']}, "
+        f"jax {m['jax']} (jaxlib {m['jaxlib']}), NumPy {m['numpy']}, Python {m['python']}; "
+        f"{m['devices']} simulated CPU devices on {m['cpu_count']} cores; malloc {m['malloc']}"
+    )
+    if all(load):
+        text += f"; load average (1 min) {load[0][0]:g} before, {load[1][0]:g} after"
+    memcpy = m.get("memcpy")
+    if memcpy:
+        text += (
+            f". One host memcpy of {memcpy['bytes'] / 2**20:.0f} MiB took {memcpy['seconds'] * 1e3:.2f} ms "
+            f"({memcpy['GB_per_s']:.1f} GB/s)"
+        )
+    return text + "."
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
+    """Replaces the benchmark markers with the tables and set-up of the committed results."""
+    if "benchmark-" not in markdown:
+        return markdown
+
+    def replace(match: re.Match[str]) -> str:
+        kind, target = match.groups()
+        if kind == "setup":
+            return setup_markdown(_load(target))
+        name, _, key = target.partition("/")
+        tables = _load(name)["tables"]
+        if key not in tables:
+            raise PluginError(f"{page.file.src_uri}: no table {key!r} in {name}.json (it has {list(tables)})")
+        return table_markdown(tables[key])
+
+    return MARKER.sub(replace, markdown)
+
+
+# --- plots ----------------------------------------------------------------------------------------
+
+INPUT_COLOURS = {"numpy": "#4c72b0", "jax, 1 device": "#55a868", "jax, another sharding": "#c4a35a"}
+BAR_STYLE = {"color": "#c44e52", "linestyle": "--", "linewidth": 1.2}
+
+
+def _svg(fig: Any) -> str:
+    buffer = io.StringIO()
+    fig.savefig(buffer, format="svg", bbox_inches="tight", facecolor="white", metadata={"Date": None})
+    return buffer.getvalue()
+
+
+def _figure(width: float, height: float) -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    matplotlib.rcParams["svg.hashsalt"] = "einshard"  # the same SVG for the same results
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height))
+    ax = fig.add_subplot()
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.grid(axis="y", color="#dddddd", linewidth=0.6)
+    ax.set_axisbelow(True)
+    return fig, ax
+
+
+def placement_svg(results: dict[str, Any]) -> str:
+    """einshard / device_put for each layout (a group) and input (a bar), with the bar as a line."""
+    table = results["tables"]["placement"]
+    records = table["records"]
+    layouts = {r["expression"]: r["layout"] for r in records}
+    expressions = list(layouts)
+    fig, ax = _figure(7.0, 3.2)
+    width = 0.8 / len(INPUT_COLOURS)
+    for j, (source, colour) in enumerate(INPUT_COLOURS.items()):
+        xs, ys = [], []
+        for i, expression in enumerate(expressions):
+            for r in records:
+                kind = "jax, another sharding" if r["input"].startswith("jax, x") else r["input"]
+                if r["expression"] == expression and kind == source:
+                    xs.append(i + (j - (len(INPUT_COLOURS) - 1) / 2) * width)
+                    ys.append(r["ratio"])
+        ax.bar(xs, ys, width * 0.92, color=colour, label=source)
+    ax.axhline(1.0, color="#888888", linewidth=0.8)
+    ax.axhline(table["bar"], **BAR_STYLE, label=f"bar: {table['bar']:g}")
+    top = max(r["ratio"] for r in records)
+    ax.set_ylim(0, max(1.3, top + 0.1))
+    ax.set_xticks(range(len(expressions)))
+    ax.set_xticklabels([f"{e}\n{layouts[e]}" for e in expressions])
+    ax.set_ylabel("einshard / device_put\n(median per-pair ratio)")
+    ax.set_title("Placing a 64 MiB float32 array on 8 CPU devices (lower is faster)", fontsize=10)
+    ax.legend(fontsize=8, ncols=4, loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
+    return _svg(fig)
+
+
+RULE_MEASURES = {
+    "cold": ("cold", "#c44e52"),
+    "warm": ("warm", "#55a868"),
+    "easylm": ("EasyLM match_partition_rules", "#8172b2"),
+    "flatten": ("tree_flatten_with_path alone", "#999999"),
+}
+
+
+def rules_svg(results: dict[str, Any]) -> str:
+    """µs per leaf to resolve a rule table, per tree, with the 2 µs bar as a line."""
+    table = results["tables"]["resolve"]
+    records = table["records"]
+    trees = list(dict.fromkeys(r["tree"] for r in records))
+    leaves = {r["tree"]: r["leaves"] for r in records}
+    fig, ax = _figure(7.0, 3.2)
+    width = 0.8 / len(RULE_MEASURES)
+    for j, (key, (label, colour)) in enumerate(RULE_MEASURES.items()):
+        values = [
+            next(r["us_per_leaf"] for r in records if r["tree"] == t and r["key"] == key) for t in trees
+        ]
+        xs = [i + (j - (len(RULE_MEASURES) - 1) / 2) * width for i in range(len(trees))]
+        bars = ax.bar(xs, values, width * 0.92, color=colour, label=label)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
+    ax.axhline(table["bar"], **BAR_STYLE, label=f"bar for cold: {table['bar']:g} µs")
+    ax.set_xticks(range(len(trees)))
+    ax.set_xticklabels([f"{t} ({leaves[t]:,} leaves)" for t in trees])
+    ax.set_ylabel("µs per leaf")
+    ax.set_title("Resolving a 13-rule table: pytree_shardings(abstract tree, rules)", fontsize=10)
+    ax.legend(fontsize=8, ncols=3, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
+    return _svg(fig)
+
+
+def on_files(files: Files, config: Any) -> Files:
+    """Adds the plots, drawn from ``benchmarks/results/*.json``, as generated files of the site."""
+    files.append(File.generated(config, PLACEMENT_SVG, content=placement_svg(_load("placement"))))
+    files.append(File.generated(config, RULES_SVG, content=rules_svg(_load("rules"))))
+    return files
+
+
+def on_serve(server: Any, config: Any, builder: Any) -> Any:
+    """``mkdocs serve`` rebuilds when a results file changes."""
+    server.watch(str(RESULTS))
+    return server
