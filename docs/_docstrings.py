@@ -57,9 +57,11 @@ def _fence_doctests(text: str) -> str:
 class RenderDocstrings(griffe.Extension):
     """Rewrites the docstrings of the einshard package once Griffe has loaded it."""
 
-    # The names the API reference renders, so that links to them resolve (mkdocs strict mode
-    # fails on a link to anything else).
-    public: set[str] = set()
+    def __init__(self) -> None:
+        super().__init__()
+        # The names the API reference renders, so that links to them resolve (mkdocs strict mode
+        # fails on a link to anything else).
+        self.public: set[str] = set()
 
     def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
         if pkg.path != "einshard":
