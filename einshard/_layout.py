@@ -49,6 +49,15 @@ class Layout:
     mesh_shape: tuple[int, ...]
     spec: tuple[int | None, ...]
 
+    def __repr__(self) -> str:
+        # The expression by its text: the parsed form, with every character span, buries the layout.
+        fields = ", ".join(
+            f"{field.name}={getattr(self, field.name)!r}"
+            for field in dataclasses.fields(self)
+            if field.name != "expression"
+        )
+        return f"Layout({self.expression.text!r}, {fields})"
+
     @property
     def replication(self) -> int:
         """How many devices hold each block."""
@@ -268,8 +277,9 @@ def _resolve_counts(expression: Expression, n_devices: int) -> tuple[int, ...]:
             )
         else:
             hint = _fitting_hint(expression, elements, n_devices)
+        plural = "" if fixed == 1 else "s"
         raise EinshardError(
-            f"the expression needs exactly {fixed} devices, but there are {n_devices}",
+            f"the expression needs exactly {fixed} device{plural}, but there are {n_devices}",
             expression=text,
             span=expression.right_span,
             hint=hint,
