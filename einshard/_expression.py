@@ -330,6 +330,13 @@ def _parse_right(text: str, start: int, end: int) -> RightElement:
             f"An element is [name][count][*], with the name first; put a space before {rest!r}: "
             f"'{word[:i]} {rest}'.",
         )
+    if char.isdecimal():  # a digit of another script: 0.2.0 read it as a count, silently
+        raise _error(
+            text,
+            f"count digit {char!r} is not an ASCII digit",
+            (at, at + 1),
+            f"Counts are written with the digits 0-9: for {char!r}, write '{int(char)}'.",
+        )
     raise _error(
         text,
         f"unexpected character {char!r} on the right-hand side",

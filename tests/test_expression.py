@@ -213,6 +213,17 @@ class TestErrorMessages:
         assert shown == "    '模型 y -> 模型* z'"
         assert caret == "    " + " " * (1 + 2 * 2 + 6 + 2 * 2 + 2) + "^"
 
+    def test_a_count_in_another_script_names_its_ascii_digit(self):
+        self.check(
+            lambda: einshard.parse("x y -> x y٢"),
+            [
+                "count digit '٢' is not an ASCII digit",
+                "    'x y -> x y٢'",
+                "               ^",
+                "Counts are written with the digits 0-9: for '٢', write '2'.",
+            ],
+        )
+
     def test_counts_do_not_fit(self):
         self.check(
             lambda: compile_layout("x y -> x4 y", 2, 8),

@@ -446,3 +446,27 @@ class TestMatching:
         for _ in range(3):
             p, s, _ = step(p, s, x, y)
         assert step._cache_size() == 1
+
+
+def test_a_param_left_on_one_device_gets_its_state_replicated_beside_placed_ones():
+    # A bias no rule names stays where it was built; jit moves it, so its state goes beside the others.
+    params = make_params()
+    params["hidden"]["w"] = einshard.einshard(params["hidden"]["w"], "x y -> x y*")
+    tx = optax.adam(1e-2)
+    state = init_sharded(tx, params)
+    mu = state[0].mu
+    assert mu["hidden"]["w"].sharding == params["hidden"]["w"].sharding
+    for path in (("hidden", "b"), ("out", "w"), ("out", "b")):
+        leaf = mu[path[0]][path[1]]
+        assert leaf.sharding.is_fully_replicated
+        assert leaf.sharding.device_set == params["hidden"]["w"].sharding.device_set
+    notes = {row.path: row.note for row in explain_opt_state(state, params).rows}
+    assert notes["0/mu/hidden/b"] == "mirrors hidden/b, which is on one device: replicated"
+    # The step runs with the mixed params, and matches plain optax.
+    x, y = make_batch()
+    new_params, _, _ = jax.jit(make_step(tx))(params, state, x, y)
+    plain = make_params()
+    expected, _, _ = make_step(tx)(plain, tx.init(plain), x, y)
+    leaves = jax.tree_util.tree_leaves
+    for got, want in zip(leaves(new_params), leaves(expected), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

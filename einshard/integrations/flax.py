@@ -47,6 +47,7 @@ Linen variables go through the core functions as they are:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -211,6 +212,11 @@ def create_sharded(factory: Callable[..., T], rules: RulesLike, *args: Any, **kw
     ``unmatched=`` etc. to change them), the devices those of the call
     (:func:`einshard.use_devices`, or the ambient mesh).
 
+    The rules decide every layout, so the factory runs with Flax's eager
+    sharding off: a model annotated with ``nnx.with_partitioning`` (logical
+    axis names) is built without the mesh those names would need, and its
+    annotations are left as metadata.
+
     Args:
         factory: Builds the object: a module class, ``nnx.Optimizer``, or any
             function returning an NNX object (or a tuple of them, e.g. a model
@@ -241,7 +247,9 @@ def create_sharded(factory: Callable[..., T], rules: RulesLike, *args: Any, **kw
         for i, value in zip(dynamic, values, strict=True):
             filled[i] = value
         call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, filled)
-        return shard_module(factory(*call_args, **call_kwargs), rules)
+        with _no_eager_sharding():
+            built = factory(*call_args, **call_kwargs)
+        return shard_module(built, rules)
 
     return nnx.jit(build)(*(leaves[i] for i in dynamic))
 
@@ -337,6 +345,12 @@ def _place_like(optimizer: Any, params: Any) -> Any:
 
 def _is_nnx_node(leaf: Any) -> bool:
     return isinstance(leaf, (nnx.Pytree, nnx.Variable))
+
+
+def _no_eager_sharding() -> contextlib.AbstractContextManager[Any]:
+    """Turns off Flax's eager sharding (by ``with_partitioning`` annotations), where Flax has it."""
+    use_eager_sharding = getattr(nnx, "use_eager_sharding", None)
+    return contextlib.nullcontext() if use_eager_sharding is None else use_eager_sharding(False)
 
 
 def _is_dynamic(leaf: Any) -> bool:

@@ -259,9 +259,20 @@ class _Placer:
             _param_sharding(leaf, param.path) if param.shape is not None else None
             for leaf, param in zip(matcher.leaves, matcher.params, strict=True)
         ]
-        self.default = next((s for s in self.shardings if isinstance(s, NamedSharding)), None) or next(
+        named = [s for s in self.shardings if isinstance(s, NamedSharding)]
+        self.default = max(named, key=lambda s: s.num_devices, default=None) or next(
             (s for s in self.shardings if isinstance(s, SingleDeviceSharding)), None
         )
+        # Beside placed params, a param on one device is one left as built (a bias no rule or
+        # decorator names): jit moves it to the others' devices, so its state goes there too,
+        # replicated, instead of pinning the compiled init to two device sets.
+        self.on_one_device = [
+            isinstance(s, SingleDeviceSharding) and self.default is not None and self.default.num_devices > 1
+            for s in self.shardings
+        ]
+        self.shardings = [
+            None if one else s for s, one in zip(self.shardings, self.on_one_device, strict=True)
+        ]
 
     def replicated(self, rank: int, near: Sharding | None = None) -> Sharding:
         """A replicated sharding on the devices of ``near``, else on those of the params."""
@@ -286,7 +297,8 @@ class _Placer:
             what = "adafactor placeholder" if match.adafactor and shape == (1,) else f"shape {shape}"
             return self.replicated(rank, sharding), f"{what} beside {param.path}: replicated"
         if sharding is None:
-            note = f"{'mirrors' if match.kind == 'mirror' else 'reduces'} {param.path}, which is not placed"
+            where = "is on one device" if self.on_one_device[match.param] else "is not placed"
+            note = f"{'mirrors' if match.kind == 'mirror' else 'reduces'} {param.path}, which {where}"
             return self.replicated(rank), note + ": replicated"
         if match.kind == "mirror":
             if _fits(sharding, shape):
