@@ -109,9 +109,10 @@ def einshard(x: Any, expression: str, *, devices: Devices | None = None) -> Any:
                 f"cannot make an array of {type(x).__name__}: {error}",
                 hint="Pass a jax.Array, a NumPy array, a scalar, or a jax.ShapeDtypeStruct.",
             ) from None
-        if x.dtype == object:
+        if x.dtype.kind in "OUSV":  # objects, strings, bytes, records: no JAX dtype holds them
+            what = "Python objects" if x.dtype == object else f"dtype {x.dtype}"
             raise EinshardError(
-                "cannot shard an array of Python objects",
+                f"cannot shard an array of {what}",
                 hint="Pass numbers: a jax.Array, a NumPy array, a scalar or a nested list of numbers.",
             )
     shape = tuple(np.shape(x))

@@ -125,6 +125,12 @@ def _cover(text: str, spans: list[tuple[int, int]], *, before_arrow: bool) -> tu
     return at, at
 
 
+def _merged(first: RightElement, second: RightElement) -> str:
+    """One element splitting an axis as two elements of it would together."""
+    count = (first.count or 1) * (second.count or 1)
+    return f"{first.name}{count if count > 1 else ''}{'*' if first.star or second.star else ''}"
+
+
 def _error(text: str, headline: str, span: tuple[int, int], hint: str | None = None) -> EinshardError:
     return EinshardError(headline, expression=text, span=span, hint=hint)
 
@@ -298,9 +304,14 @@ def _parse_right(text: str, start: int, end: int) -> RightElement:
     if i == len(word):
         if digits.startswith("0"):
             fixed = digits.lstrip("0")
-            fix = (
-                f"write '{word[:digits_start]}{fixed}{'*' if star else ''}'" if fixed else "counts start at 1"
-            )
+            if fixed:
+                fix = f"write '{word[:digits_start]}{fixed}{'*' if star else ''}'"
+            elif star:
+                fix = f"write '{word[:digits_start]}*' (a count of 1, grown with the device count)"
+            elif name is not None:
+                fix = f"to leave axis '{name}' whole, write '{name}' with no count"
+            else:
+                fix = "leave out a replication count of 0"
             raise _error(
                 text,
                 f"count {digits!r} is not a positive integer without leading zeros",
@@ -399,7 +410,8 @@ def _check_names(expression: Expression) -> None:
                 f"axis {element.name!r} appears twice on the right-hand side",
                 element.span,
                 "An axis is split over one element; to split it further, multiply the counts "
-                f"(e.g. '{element.name}8' rather than '{element.name}2 {element.name}4').",
+                f"(e.g. {_merged(placed[element.name], element)!r} rather than "
+                f"'{placed[element.name]} {element}').",
             )
         placed[element.name] = element
         if element.name not in seen:

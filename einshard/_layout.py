@@ -169,7 +169,7 @@ def compile_layout(text: str, n_dims: int | None, n_devices: int) -> Layout:
     >>> layout.element_sizes, layout.shards, layout.mesh_shape
     ((2, 4, 2), (4, 2), (2, 4, 2))
     """
-    if not isinstance(n_devices, int) or n_devices < 1:
+    if not isinstance(n_devices, int) or isinstance(n_devices, bool) or n_devices < 1:
         raise EinshardError(f"the device count must be a positive integer, not {n_devices!r}")
     expression = parse(text)
     n_dims = _check_rank(expression, n_dims)

@@ -11,6 +11,7 @@ consecutive ambient axes whose sizes multiply to its size.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -130,9 +131,10 @@ def _mismatch_error(layout: Layout, axes: Sequence[tuple[str, int]]) -> Einshard
 def suggest_for_mesh(layout: Layout, sizes: Sequence[int]) -> str | None:
     """An expression with the same axes and shard counts as ``layout`` that fits the mesh.
 
-    Keeps the sharded elements in their order and with their counts, and
-    puts standalone replication counts where the mesh needs them; if the
-    counts cannot be kept, gives each sharded axis one mesh axis in order.
+    Keeps the sharded elements with their counts, in their order if that fits
+    and else in the first order that does, and puts standalone replication
+    counts where the mesh needs them; if the counts cannot be kept, gives each
+    sharded axis one mesh axis in order.
     """
     expression = layout.expression
     sizes = [s for s in sizes if s > 1]
@@ -147,22 +149,9 @@ def suggest_for_mesh(layout: Layout, sizes: Sequence[int]) -> str | None:
         for e, size in zip(right, layout.element_sizes, strict=True)
         if e.name is not None and size == 1
     ]
-    parts: list[str] = []
-    j = 0
-    for name, count in sharded:
-        start = _find_run(sizes, j, count)
-        if start is None:
-            parts = []
-            break
-        replication = math.prod(sizes[j : start[0]])
-        if replication > 1:
-            parts.append(str(replication))
-        parts.append(f"{name}{count}")
-        j = start[1]
-    else:
-        rest = math.prod(sizes[j:])
-        if rest > 1:
-            parts.append(str(rest))
+    # Few sharded axes (one per mesh axis at most), so trying every order is cheap.
+    orders = itertools.permutations(sharded) if len(sharded) <= 6 else iter([tuple(sharded)])
+    parts = next((fit for order in orders if (fit := _fit_runs(order, sizes)) is not None), [])
     if not parts and sharded:
         for (name, _), size in zip(sharded, sizes, strict=False):
             parts.append(f"{name}{size}")
@@ -174,6 +163,25 @@ def suggest_for_mesh(layout: Layout, sizes: Sequence[int]) -> str | None:
     if expression.has_ellipsis:
         parts.append("...")
     return expression.with_right(parts)
+
+
+def _fit_runs(sharded: Sequence[tuple[str, int]], sizes: Sequence[int]) -> list[str] | None:
+    """RIGHT elements giving each ``(name, count)`` a run of mesh axes, in order, or ``None``."""
+    parts: list[str] = []
+    j = 0
+    for name, count in sharded:
+        run = _find_run(sizes, j, count)
+        if run is None:
+            return None
+        replication = math.prod(sizes[j : run[0]])
+        if replication > 1:
+            parts.append(str(replication))
+        parts.append(f"{name}{count}")
+        j = run[1]
+    rest = math.prod(sizes[j:])
+    if rest > 1:
+        parts.append(str(rest))
+    return parts
 
 
 def _find_run(sizes: Sequence[int], j: int, count: int) -> tuple[int, int] | None:

@@ -147,6 +147,12 @@ class TestInputs:
     def test_object_arrays_are_rejected(self):
         with pytest.raises(EinshardError, match="Python objects"):
             einshard.einshard(["a", object()], "x -> x*")
+        with pytest.raises(EinshardError, match="cannot shard an array of dtype <U1"):
+            einshard.einshard(["a", "b"], "... -> * ...")
+
+    def test_a_bool_is_no_device_count(self):
+        with pytest.raises(EinshardError, match="the device count must be a positive integer, not True"):
+            einshard.layout("x -> x*", (8,), n_devices=True)
 
     def test_indivisible_axis_fails_before_jax(self):
         with pytest.raises(EinshardError, match=r"has size 3, which does not split into") as info:
@@ -290,6 +296,9 @@ class TestAmbientMesh:
         with jax.set_mesh(mesh):
             fitted = einshard.make_sharding(suggestion, shape=(8 * N_DEVICES, 2 * N_DEVICES))
         assert fitted.mesh == mesh
+        # The suggestion keeps every axis's shard count, reordering the elements to fit.
+        assert suggestion == f"x y -> y2 x{N_DEVICES // 2}"
+        assert fitted.shard_shape((8 * N_DEVICES, 2 * N_DEVICES)) == (16, N_DEVICES)
 
 
 def test_tutorial_mlp_is_one_all_reduce():

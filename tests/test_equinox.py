@@ -218,8 +218,11 @@ def test_decorator_mistakes_are_clear_errors():
         sharded(wieght="o i -> o* i")(type("Bad", (eqx.nn.Linear,), {"__module__": __name__}))
     with pytest.raises(einshard.EinshardError, match="is static"):
         sharded(in_features="... -> * ...")(type("Bad", (eqx.nn.Linear,), {"__module__": __name__}))
-    with pytest.raises(einshard.EinshardError, match="for every user of it"):
+    with pytest.raises(einshard.EinshardError, match="for every user of it") as info:
         sharded(weight="o i -> o* i")(eqx.nn.Linear)
+    assert "class ShardedLinear(equinox.nn.Linear): pass" in str(info.value)  # the public path
+    with pytest.raises(einshard.EinshardError, match="the expression for 'weight' is an int, not a string"):
+        sharded(weight=4)
     with pytest.raises(einshard.EinshardError, match="not on the left"):
         sharded(weight="o i -> o z*")
     with pytest.raises(einshard.EinshardError, match=r"eqx\.Module subclass"):

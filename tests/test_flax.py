@@ -131,6 +131,14 @@ def test_state_tree_and_explain_plan_an_abstract_model():
     assert not report.unused_rules
 
 
+def test_shard_module_says_what_is_not_an_nnx_object():
+    with pytest.raises(einshard.EinshardError, match="Dense object is not an NNX object") as info:
+        shard_module(nn.Dense(16), NNX_RULES)
+    assert "einshard.shard_pytree(module.init(...), rules)" in str(info.value)
+    with pytest.raises(einshard.EinshardError, match="int object is not an NNX object"):
+        state_tree(3)
+
+
 def test_shard_module_on_an_abstract_model_gives_sharded_structs():
     abstract = shard_module(nnx.eval_shape(lambda: MLP(rngs=nnx.Rngs(0))), NNX_RULES)
     kernel = abstract.linear1.kernel.get_value()

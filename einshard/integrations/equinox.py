@@ -54,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
@@ -154,8 +155,9 @@ def sharded(
         if expression is None:
             continue
         if not isinstance(expression, str):
+            kind = type(expression).__name__
             raise EinshardError(
-                f"the expression for {name!r} is a {type(expression).__name__}, not a string",
+                f"the expression for {name!r} is {'an' if kind[0] in 'aeiou' else 'a'} {kind}, not a string",
                 hint="Write it like weight='o i -> o* i'.",
             )
         try:
@@ -178,6 +180,16 @@ def sharded(
     return decorate
 
 
+def _public_name(cls: type) -> str:
+    """``equinox.nn.Linear`` rather than ``equinox.nn._linear.Linear``: the shortest importable path."""
+    parts = cls.__module__.split(".")
+    for end in range(1, len(parts) + 1):
+        module = sys.modules.get(".".join(parts[:end]))
+        if module is not None and getattr(module, cls.__name__, None) is cls:
+            return f"{module.__name__}.{cls.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _check_class(cls: Any, table: Mapping[str, str | None]) -> None:
     if not (isinstance(cls, type) and issubclass(cls, eqx.Module)):
         raise EinshardError(
@@ -186,9 +198,9 @@ def _check_class(cls: Any, table: Mapping[str, str | None]) -> None:
         )
     if cls.__module__.split(".")[0] == "equinox":
         raise EinshardError(
-            f"@sharded would change {cls.__module__}.{cls.__qualname__} for every user of it",
+            f"@sharded would change {_public_name(cls)} for every user of it",
             hint=f"Decorate a subclass of your own: @sharded(...) class Sharded{cls.__name__}"
-            f"({cls.__module__.split('.')[0]}.{cls.__qualname__}): pass",
+            f"({_public_name(cls)}): pass",
         )
     fields = {field.name: field for field in dataclasses.fields(cls)}
     for name in table:

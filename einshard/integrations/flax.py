@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -81,6 +82,17 @@ _REPLICATE = [(r".*", "... -> * ...")]
 
 def _split_state(obj: Any) -> tuple[Any, Any]:
     """The RNG state and the rest of an NNX object's state, as two ``nnx.State``."""
+    nodes = jax.tree_util.tree_leaves(obj, is_leaf=nnx.graph.is_graph_node)
+    if not any(nnx.graph.is_graph_node(node) for node in nodes):
+        linen = sys.modules.get("flax.linen")  # loaded only by those who use linen
+        if linen is not None and isinstance(obj, linen.Module):
+            hint = (
+                "A linen module holds no state: shard its variables with einshard.shard_pytree("
+                "module.init(...), rules), or create them sharded with init_sharded(module, rules, ...)."
+            )
+        else:
+            hint = "Pass an NNX object: a module, an nnx.Optimizer, or a tuple, list or dict of them."
+        raise EinshardError(f"{type(obj).__name__} object is not an NNX object", hint=hint)
     try:
         rng_state, state = nnx.state(obj, nnx.RngState, ...)
     except Exception as error:  # nnx's own message says what it could not traverse
