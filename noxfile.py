@@ -224,7 +224,9 @@ def examples(session: nox.Session) -> None:
 def benchmarks(session: nox.Session) -> None:
     """Runs every ``benchmarks/bench_*.py``; fails if a benchmark misses its bar.
 
-    Extra arguments go to every script: ``nox -s benchmarks -- --no-fail``.
+    Each script writes its results to ``benchmarks/results/<name>.json`` (``bench_rules.py``:
+    ``rules.json``), which the docs' benchmark page and plots are built from. Extra arguments
+    go to every script: ``nox -s benchmarks -- --no-fail``.
     """
     scripts = sorted((ROOT / "benchmarks").glob("bench_*.py"))
     if not scripts:
@@ -233,4 +235,5 @@ def benchmarks(session: nox.Session) -> None:
     _show_versions(session, "jax", "jaxlib", "numpy")
     for script in scripts:
         session.log(f"--- {script.relative_to(ROOT)} ---")
-        session.run("python", str(script), *session.posargs, env=CPU_ONLY)
+        results = ROOT / "benchmarks" / "results" / f"{script.stem.removeprefix('bench_')}.json"
+        session.run("python", str(script), "--json", str(results), *session.posargs, env=CPU_ONLY)

@@ -6,9 +6,10 @@ time this module
 * adds two generated SVG plots to the site (:func:`on_files`): ``benchmarks/placement.svg``
   (einshard / device_put per layout and input, with the 1.05 bar) and ``benchmarks/rules.svg``
   (resolving a rule table, µs per leaf, with the 2 µs bar); nothing is written to ``docs/``;
-* replaces the markers ``<!-- benchmark-table: FILE/TABLE -->`` (a table as the script printed
-  it) and ``<!-- benchmark-setup: FILE -->`` (versions, machine, load) in a page's Markdown
-  (:func:`on_page_markdown`).
+* replaces markers in a page's Markdown (:func:`on_page_markdown`):
+  ``<!-- benchmark-table: FILE/TABLE -->`` by a table as the script printed it,
+  ``<!-- benchmark-setup: FILE -->`` by the versions, machine and load it was measured with, and
+  ``<!-- benchmark-bars -->`` by every bar with its worst measured value and verdict.
 
 It reads JSON and draws with matplotlib; it never imports JAX.
 """
@@ -25,7 +26,7 @@ from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File, Files
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-MARKER = re.compile(r"<!--\s*benchmark-(table|setup):\s*([\w./-]+)\s*-->")
+MARKER = re.compile(r"<!--\s*benchmark-(table|setup|bars)(?::\s*([\w./-]+))?\s*-->")
 
 PLACEMENT_SVG = "benchmarks/placement.svg"
 RULES_SVG = "benchmarks/rules.svg"
@@ -99,6 +100,55 @@ def setup_markdown(results: dict[str, Any]) -> str:
     return text + "."
 
 
+def _worst(records: list[dict[str, Any]], field: str, **where: Any) -> tuple[float, str]:
+    """The largest ``field`` among the records held to a bar (and matching ``where``); PASS/FAIL."""
+    held = [r for r in records if r.get("bar") is not None and all(r[k] == v for k, v in where.items())]
+    if not held:
+        raise PluginError(f"no records held to a bar for {field} {where}")
+    value = max(r[field] for r in held)
+    return value, "PASS" if all(r["verdict"] == "PASS" for r in held) else "**FAIL**"
+
+
+def bars_markdown() -> str:
+    """Every bar, what it is measured against, the worst measured value and the verdict."""
+    placement = _load("placement")["tables"]
+    rules = _load("rules")["tables"]
+    rows = []
+    worst, verdict = _worst(placement["placement"]["records"], "ratio")
+    rows.append(
+        f"| `einshard(x, e)`, 64 MiB, every layout and input | `jax.device_put(x, make_sharding(e))` "
+        f"| ratio ≤ {placement['placement']['bar']:g} | {worst:.3f} | {verdict} |"
+    )
+    worst, verdict = _worst(placement["per_call"]["records"], "us")
+    rows.append(
+        f"| cached `make_sharding(e)`, repeated | (absolute) "
+        f"| ≤ {placement['per_call']['bar']:g} µs | {worst:.2f} µs | {verdict} |"
+    )
+    resolve = rules["resolve"]["records"]
+    worst, verdict = _worst(resolve, "us_per_leaf", key="cold")
+    easylm = [r["us_per_leaf"] for r in resolve if r["key"] == "easylm"]
+    rows.append(
+        f"| resolving a rule table, cold, per leaf | EasyLM `match_partition_rules`: "
+        f"{min(easylm):.1f}–{max(easylm):.1f} µs "
+        f"| ≤ {rules['resolve']['bar']:g} µs | {worst:.2f} µs | {verdict} |"
+    )
+    worst, verdict = _worst(rules["shard_pytree"]["records"], "ratio")
+    rows.append(
+        f"| `shard_pytree(tree, rules)`, 424 MiB LLaMA-shaped tree | `jax.device_put(tree, shardings)` "
+        f"| ratio ≤ {rules['shard_pytree']['bar']:g} | {worst:.3f} | {verdict} |"
+    )
+    if "memory" in rules:
+        worst, verdict = _worst(rules["memory"]["records"], "peak_over_model")
+        other = [r["peak_over_model"] for r in rules["memory"]["records"] if r["bar"] is None]
+        against = f"init-then-shard: {other[0]:.2f} × model" if other else "init-then-shard"
+        rows.append(
+            f"| `init_sharded`, peak host memory | {against} "
+            f"| ≤ {rules['memory']['bar']:g} × model | {worst:.2f} × model | {verdict} |"
+        )
+    head = "| what | measured against | bar | worst measured | verdict |\n|:---|:---|---:|---:|:---|"
+    return "\n".join([head, *rows])
+
+
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
     """Replaces the benchmark markers with the tables and set-up of the committed results."""
     if "benchmark-" not in markdown:
@@ -106,6 +156,10 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
 
     def replace(match: re.Match[str]) -> str:
         kind, target = match.groups()
+        if kind == "bars":
+            return bars_markdown()
+        if target is None:
+            raise PluginError(f"{page.file.src_uri}: {match.group(0)} names no results file")
         if kind == "setup":
             return setup_markdown(_load(target))
         name, _, key = target.partition("/")
@@ -160,7 +214,8 @@ def placement_svg(results: dict[str, Any]) -> str:
                 if r["expression"] == expression and kind == source:
                     xs.append(i + (j - (len(INPUT_COLOURS) - 1) / 2) * width)
                     ys.append(r["ratio"])
-        ax.bar(xs, ys, width * 0.92, color=colour, label=source)
+        bars = ax.bar(xs, ys, width * 0.92, color=colour, label=source)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
     ax.axhline(1.0, color="#888888", linewidth=0.8)
     ax.axhline(table["bar"], **BAR_STYLE, label=f"bar: {table['bar']:g}")
     top = max(r["ratio"] for r in records)
@@ -168,7 +223,7 @@ def placement_svg(results: dict[str, Any]) -> str:
     ax.set_xticks(range(len(expressions)))
     ax.set_xticklabels([f"{e}\n{layouts[e]}" for e in expressions])
     ax.set_ylabel("einshard / device_put\n(median per-pair ratio)")
-    ax.set_title("Placing a 64 MiB float32 array on 8 CPU devices (lower is faster)", fontsize=10)
+    ax.set_title("einshard against jax.device_put: a 64 MiB float32 array, 8 CPU devices", fontsize=10)
     ax.legend(fontsize=8, ncols=4, loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
     return _svg(fig)
 
