@@ -68,7 +68,17 @@ def is_array_leaf(leaf: Any) -> bool:
 
     Python scalars, strings, functions and other objects pass through untouched.
     """
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+    kind = type(leaf)
+    if kind in _ARRAY_TYPES:  # by identity first: isinstance against jax.Array's ABC is slow
+        return True
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
+        if not issubclass(kind, Tracer):  # whether a tracer is an array can depend on the tracer
+            _ARRAY_TYPES.add(kind)
+        return True
+    return False
+
+
+_ARRAY_TYPES: set[type] = {jax.ShapeDtypeStruct, np.ndarray}
 
 
 def plan_tree(

@@ -83,16 +83,7 @@ class Rules:
     '... -> * ...'
     """
 
-    __slots__ = (
-        "_combined",
-        "_compiled",
-        "_digit_blind",
-        "_memo",
-        "indivisible",
-        "rules",
-        "strict",
-        "unmatched",
-    )
+    __slots__ = ("_table", "indivisible", "rules", "strict", "unmatched")
 
     def __init__(
         self,
@@ -107,15 +98,8 @@ class Rules:
         self.indivisible: Indivisible = indivisible or (base.indivisible if base else "error")
         self.strict = strict if strict is not None else (base.strict if base else False)
         _check_policies(self.unmatched, self.indivisible)
-        if base is not None:
-            self.rules: tuple[Rule, ...] = base.rules
-            self._compiled: tuple[re.Pattern[str], ...] = base._compiled
-            self._combined: re.Pattern[str] | None = base._combined
-            self._memo: dict[str, int] = base._memo
-            self._digit_blind: bool = base._digit_blind
-            return
-        self.rules, self._compiled, self._combined, self._memo = _compile_table(tuple(_pairs(rules)))
-        self._digit_blind = _digit_blind(self.rules)
+        self._table: _Table = base._table if base is not None else _compile_table(tuple(_pairs(rules)))
+        self.rules: tuple[Rule, ...] = self._table.rules
 
     def __len__(self) -> int:
         return len(self.rules)
@@ -155,32 +139,75 @@ class Rules:
 
     def match(self, path: str) -> Rule | None:
         """The first rule whose regex matches ``path``, or ``None``."""
-        index = self._memo.get(path)
-        if index is None:
-            # Digit-blind tables decide once per digit pattern: 'layers/17/w' as 'layers/00/w'.
-            # (Both keys share the memo: under digit-blindness they resolve alike.)
-            key = _digits_to_zero(path) if self._digit_blind else path
-            index = self._memo.get(key)
-            if index is None:
-                index = self._first(key, 0)
-            if len(self._memo) < 1_000_000:  # paths of one model are few; bound it anyway
-                self._memo[key] = self._memo[path] = index
+        index = self._table.first(path)
         return None if index < 0 else self.rules[index]
 
     def matches(self, path: str) -> Iterator[Rule]:
         """Every rule whose regex matches ``path``, in table order."""
-        for rule, regex in zip(self.rules, self._compiled, strict=True):
+        for rule, regex in zip(self.rules, self._table.compiled, strict=True):
             if regex.search(path):
                 yield rule
 
-    def _first(self, path: str, start: int) -> int:
-        if self._combined is not None and start == 0:
-            found = self._combined.match(path)
+
+# A table searches rule by rule until this many paths missed its memo; then it builds the
+# one-scan regex of all its rules. Building that costs about as much as 100 rule-by-rule
+# searches, and a model's paths, seen digit-blind, are often fewer.
+_COMBINE_AFTER = 64
+
+
+class _Table:
+    """A compiled table, shared by every :class:`Rules` built from the same pairs.
+
+    Holds the memo of which rule each path resolved to (it depends on the pairs only) and,
+    once enough paths have been searched, one regex that finds the first match in a scan.
+    """
+
+    __slots__ = ("_combined", "_misses", "compiled", "digit_blind", "memo", "rules")
+
+    def __init__(self, rules: tuple[Rule, ...], compiled: tuple[re.Pattern[str], ...]) -> None:
+        self.rules = rules
+        self.compiled = compiled
+        self.digit_blind = _digit_blind(rules)
+        self.memo: dict[str, int] = {}
+        self._misses = 0
+        self._combined: re.Pattern[str] | bool | None = False  # False: not built yet
+
+    def first(self, path: str) -> int:
+        """The index of the first rule whose regex matches ``path``, or -1; memoised."""
+        index = self.memo.get(path)
+        if index is None:
+            # Digit-blind tables decide once per digit pattern: 'layers/17/w' as 'layers/00/w'.
+            # (Both keys share the memo: under digit-blindness they resolve alike.)
+            key = _digits_to_zero(path) if self.digit_blind else path
+            index = self.memo.get(key)
+            if index is None:
+                index = self.search(key)
+            if len(self.memo) < 1_000_000:  # paths of one model are few; bound it anyway
+                self.memo[key] = self.memo[path] = index
+        return index
+
+    def search(self, path: str) -> int:
+        """The first matching rule's index, or -1, without the memo."""
+        self._misses += 1
+        combined = self.combined() if self._misses > _COMBINE_AFTER else None
+        if combined is not None:
+            found = combined.match(path)
             return -1 if found is None or found.lastgroup is None else int(found.lastgroup[1:])
-        for i in range(start, len(self.rules)):
-            if self._compiled[i].search(path):
+        return self.search_each(path)
+
+    def search_each(self, path: str) -> int:
+        """The first matching rule's index, or -1, searching rule by rule."""
+        for i, regex in enumerate(self.compiled):
+            if regex.search(path):
                 return i
         return -1
+
+    def combined(self) -> re.Pattern[str] | None:
+        """The one-scan regex (built on first use), or ``None`` if the table cannot have one."""
+        if self._combined is False:
+            self._combined = _combine(self.rules)
+        assert self._combined is not True
+        return self._combined
 
 
 def _check_policies(unmatched: str, indivisible: str) -> None:
@@ -223,16 +250,20 @@ def _pairs(rules: object) -> list[tuple[str, str]]:
 
 
 @functools.lru_cache(maxsize=64)
-def _compile_table(
-    pairs: tuple[tuple[str, str], ...],
-) -> tuple[tuple[Rule, ...], tuple[re.Pattern[str], ...], re.Pattern[str] | None, dict[str, int]]:
-    """Compiles a table once per process; tables built from the same pairs share the work.
-
-    That includes the memo of which rule each path resolved to: it depends on the pairs only.
-    """
+def _compile_table(pairs: tuple[tuple[str, str], ...]) -> _Table:
+    """Compiles a table once per process; tables built from the same pairs share the work."""
     rules = tuple(Rule(pattern, expression, i) for i, (pattern, expression) in enumerate(pairs))
-    compiled = tuple(_compile_rule(rule) for rule in rules)
-    return rules, compiled, _combine(rules), {}
+    compiled = []
+    doubts = []
+    with warnings.catch_warnings(record=True) as caught:  # one context for all: entering costs
+        warnings.simplefilter("always")
+        for rule in rules:
+            seen = len(caught)
+            compiled.append(_compile_rule(rule))
+            doubts += [(rule, warning.message) for warning in caught[seen:]]
+    for rule, message in doubts:  # e.g. "possible nested set": name the rule it comes from
+        warnings.warn(f"rule {rule.index} {rule}: {message}", EinshardWarning, stacklevel=3)
+    return _Table(rules, tuple(compiled))
 
 
 _DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
@@ -258,9 +289,7 @@ def _digit_blind(rules: Sequence[Rule]) -> bool:
 
 def _compile_rule(rule: Rule) -> re.Pattern[str]:
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            regex = re.compile(rule.pattern)
+        regex = re.compile(rule.pattern)
     except re.error as error:
         at = error.pos if error.pos is not None else len(rule.pattern)
         raise EinshardError(
@@ -271,8 +300,6 @@ def _compile_rule(rule: Rule) -> re.Pattern[str]:
             "paths like 'layers/0/mlp/w1/kernel'.",
             context=[f"in rule {rule.index} {rule}"],
         ) from None
-    for warning in caught:  # e.g. "possible nested set": name the rule it comes from
-        warnings.warn(f"rule {rule.index} {rule}: {warning.message}", EinshardWarning, stacklevel=5)
     try:
         parse(rule.expression)
     except EinshardError as error:

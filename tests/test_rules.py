@@ -146,6 +146,13 @@ def test_combined_regex_is_first_search(patterns, path):
     expected = next((i for i, p in enumerate(patterns) if re.search(p, path)), None)
     found = rules.match(path)
     assert (found.index if found else None) == expected
+    # Both matchers: rule by rule (a table's first searches) and the one-scan regex (later ones).
+    table = rules._table
+    assert table.search_each(path) == (-1 if expected is None else expected)
+    combined = table.combined()
+    assert combined is not None
+    scanned = combined.match(path)
+    assert (int(scanned.lastgroup[1:]) if scanned and scanned.lastgroup else None) == expected
     assert [r.index for r in rules.matches(path)] == [i for i, p in enumerate(patterns) if re.search(p, path)]
 
 
@@ -450,8 +457,36 @@ def test_digit_blind_matching_is_exact(patterns, path):
     expected = next((i for i, p in enumerate(patterns) if re.search(p, path)), None)
     found = rules.match(path)
     assert (found.index if found else None) == expected
+    # Both matchers: rule by rule (a table's first searches) and the one-scan regex (later ones).
+    table = rules._table
+    assert table.search_each(path) == (-1 if expected is None else expected)
+    combined = table.combined()
+    assert combined is not None
+    scanned = combined.match(path)
+    assert (int(scanned.lastgroup[1:]) if scanned and scanned.lastgroup else None) == expected
 
 
 def test_doubtful_regex_is_a_warning_naming_the_rule():
     with pytest.warns(EinshardWarning, match=r"rule 0 \('\[\[a\]', 'x -> x\*'\): Possible nested set"):
         Rules([("[[a]", "x -> x*")])
+
+
+def test_many_paths_switch_to_the_one_scan_regex_with_the_same_answers():
+    from einshard import _rules
+
+    patterns = ["emb", "q_proj/w$", "(k|v)_proj", "norm_[a-c]$", "x{2,}", ".*y$"]
+    rules = Rules([(p, REPLICATE) for p in [*patterns, "zzz_never"]])
+    paths = [
+        f"{kind}_{letter}{'y' * (i % 2)}"
+        for i, (kind, letter) in enumerate(
+            (kind, letter)
+            for kind in ("emb", "q_proj/w", "k_proj", "norm", "xx", "plain")
+            for letter in "abcdefghijklmnop"
+        )
+    ]
+    assert len(paths) > _rules._COMBINE_AFTER  # past the threshold: later searches use the scan
+    for path in paths:
+        expected = next((i for i, p in enumerate(patterns) if re.search(p, path)), None)
+        found = rules.match(path)
+        assert (found.index if found else None) == expected, path
+    assert rules._table.combined() is not None
