@@ -220,12 +220,14 @@ def placement_svg(results: dict[str, Any]) -> str:
     ax.axhline(table["bar"], **BAR_STYLE, label=f"bar: {table['bar']:g}")
     top = max(r["ratio"] for r in records)
     ax.set_ylim(0, max(1.3, top + 0.1))
-    ax.set_xticks(range(len(expressions)))
-    ax.set_xticklabels([f"{e}\n{layouts[e]}" for e in expressions])
-    ax.set_ylabel("einshard / device_put\n(median per-pair ratio)")
-    ax.set_title("einshard against jax.device_put: a 64 MiB float32 array, 8 CPU devices", fontsize=10)
-    ax.legend(fontsize=8, ncols=4, loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
-    return _svg(fig)
+    return _finish(
+        fig,
+        ax,
+        [f"{e}\n{layouts[e]}" for e in expressions],
+        ylabel="einshard / device_put\n(median per-pair ratio)",
+        title="einshard against jax.device_put: a 64 MiB float32 array, 8 CPU devices",
+        legend=(4, -0.22),
+    )
 
 
 RULE_MEASURES = {
@@ -252,11 +254,26 @@ def rules_svg(results: dict[str, Any]) -> str:
         bars = ax.bar(xs, values, width * 0.92, color=colour, label=label)
         ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
     ax.axhline(table["bar"], **BAR_STYLE, label=f"bar for cold: {table['bar']:g} µs")
-    ax.set_xticks(range(len(trees)))
-    ax.set_xticklabels([f"{t} ({leaves[t]:,} leaves)" for t in trees])
-    ax.set_ylabel("µs per leaf")
-    ax.set_title("Resolving a 13-rule table: pytree_shardings(abstract tree, rules)", fontsize=10)
-    ax.legend(fontsize=8, ncols=3, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
+    return _finish(
+        fig,
+        ax,
+        [f"{t} ({leaves[t]:,} leaves)" for t in trees],
+        ylabel="µs per leaf",
+        title="Resolving a 13-rule table: pytree_shardings(abstract tree, rules)",
+        legend=(3, -0.12),
+    )
+
+
+def _finish(
+    fig: Any, ax: Any, ticks: list[str], *, ylabel: str, title: str, legend: tuple[int, float]
+) -> str:
+    """Labels a grouped bar chart (one tick per group), puts the legend below it, and draws it."""
+    columns, below = legend
+    ax.set_xticks(range(len(ticks)))
+    ax.set_xticklabels(ticks)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, ncols=columns, loc="upper center", bbox_to_anchor=(0.5, below), frameon=False)
     return _svg(fig)
 
 

@@ -132,6 +132,20 @@ class TestRulesTable:
             Rules([], unmatched="skip")  # type: ignore[arg-type]
 
 
+def assert_first_match(rules, patterns, path):
+    """The table's answer is the first re.search match, by both matchers."""
+    expected = next((i for i, p in enumerate(patterns) if re.search(p, path)), None)
+    found = rules.match(path)
+    assert (found.index if found else None) == expected
+    # Both matchers: rule by rule (a table's first searches) and the one-scan regex (later ones).
+    table = rules._table
+    assert table.search_each(path) == (-1 if expected is None else expected)
+    combined = table.combined()
+    assert combined is not None
+    scanned = combined.match(path)
+    assert (int(scanned.lastgroup[1:]) if scanned and scanned.lastgroup else None) == expected
+
+
 PATTERNS = ["a", "b$", "^a", "a/b", "(a|c)/", ".*", "x", "b/\\d+", "c$", "^$", "a.*c", "[bc]+$"]
 
 
@@ -143,16 +157,7 @@ PATTERNS = ["a", "b$", "^a", "a/b", "(a|c)/", ".*", "x", "b/\\d+", "c$", "^$", "
 def test_combined_regex_is_first_search(patterns, path):
     """The one-scan matcher gives the rule a loop of re.search would."""
     rules = Rules([(p, REPLICATE) for p in patterns])
-    expected = next((i for i, p in enumerate(patterns) if re.search(p, path)), None)
-    found = rules.match(path)
-    assert (found.index if found else None) == expected
-    # Both matchers: rule by rule (a table's first searches) and the one-scan regex (later ones).
-    table = rules._table
-    assert table.search_each(path) == (-1 if expected is None else expected)
-    combined = table.combined()
-    assert combined is not None
-    scanned = combined.match(path)
-    assert (int(scanned.lastgroup[1:]) if scanned and scanned.lastgroup else None) == expected
+    assert_first_match(rules, patterns, path)
     assert [r.index for r in rules.matches(path)] == [i for i, p in enumerate(patterns) if re.search(p, path)]
 
 
@@ -454,16 +459,7 @@ def test_init_sharded_in_parts(monkeypatch):
 def test_digit_blind_matching_is_exact(patterns, path):
     """Tables whose regexes cannot tell digits apart match once per digit pattern, exactly."""
     rules = Rules([(p, REPLICATE) for p in patterns])
-    expected = next((i for i, p in enumerate(patterns) if re.search(p, path)), None)
-    found = rules.match(path)
-    assert (found.index if found else None) == expected
-    # Both matchers: rule by rule (a table's first searches) and the one-scan regex (later ones).
-    table = rules._table
-    assert table.search_each(path) == (-1 if expected is None else expected)
-    combined = table.combined()
-    assert combined is not None
-    scanned = combined.match(path)
-    assert (int(scanned.lastgroup[1:]) if scanned and scanned.lastgroup else None) == expected
+    assert_first_match(rules, patterns, path)
 
 
 def test_doubtful_regex_is_a_warning_naming_the_rule():
