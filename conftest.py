@@ -10,6 +10,7 @@ collected (its module would fail to import).
 
 import importlib.util
 import os
+from pathlib import Path
 
 import jax
 import pytest
@@ -49,6 +50,30 @@ else:
     # nox -s fuzz: many more examples for the properties that take theirs from the profile.
     hypothesis.settings.register_profile("fuzz", deadline=None, max_examples=5000)
     hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "einshard"))
+
+
+ROOT = Path(__file__).parent
+
+
+def _readme_collector():
+    """The docs' example runner for README.md, when the docs tools (Sybil) are installed."""
+    if N_DEVICES != DOCTEST_DEVICES or _missing("sybil"):
+        return None
+    spec = importlib.util.spec_from_file_location("_einshard_doc_examples", ROOT / "docs" / "_examples.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.collector(ROOT, ["README.md"])
+
+
+_README = _readme_collector()
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector):
+    """Runs README.md's examples when it is named (``pytest docs README.md``, as nox -s docs does)."""
+    if _README is not None and file_path == ROOT / "README.md":
+        return _README(file_path, parent)
+    return None
 
 
 def pytest_report_header(config: pytest.Config) -> str:

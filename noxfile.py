@@ -188,13 +188,15 @@ def tests_oldest_jax(session: nox.Session) -> None:
 
 @nox.session(python=NEWEST_PYTHON)
 def docs(session: nox.Session) -> None:
-    """Runs every example on the documentation pages (8 devices), then builds the site strictly.
+    """Runs every example on the documentation pages and in README.md (8 devices), then builds the site.
 
     The site lands in ``site/``. Extra arguments go to pytest: ``nox -s docs -- -k rules``.
     """
     session.install("--upgrade", "-e", ".[all]", "jax", *_group("docs"))
     _show_versions(session, "jax", "flax", "equinox", "optax", "mkdocs", "mkdocs-material", "sybil")
-    session.run("pytest", "docs", *session.posargs, env={"EINSHARD_TEST_DEVICES": "8", **CPU_ONLY})
+    session.run(
+        "pytest", "docs", "README.md", *session.posargs, env={"EINSHARD_TEST_DEVICES": "8", **CPU_ONLY}
+    )
     session.run("mkdocs", "build", "--strict", env={**CPU_ONLY, **QUIET_MKDOCS})
 
 
