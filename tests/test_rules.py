@@ -486,3 +486,36 @@ def test_many_paths_switch_to_the_one_scan_regex_with_the_same_answers():
         found = rules.match(path)
         assert (found.index if found else None) == expected, path
     assert rules._table.combined() is not None
+
+
+_PLAIN_TREES = st.recursive(
+    st.one_of(st.integers(), st.none(), st.floats(allow_nan=False)),
+    lambda children: st.one_of(
+        st.lists(children, max_size=3),
+        st.tuples(children, children),
+        st.dictionaries(
+            st.one_of(st.sampled_from(["w", "b", "layers", "0", "x/y"]), st.integers(0, 12)),
+            children,
+            max_size=3,
+        ),
+        st.dictionaries(st.sampled_from(["a", "b"]), children, max_size=2).map(
+            lambda d: {"layers": [d, d, d]}
+        ),
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tree=_PLAIN_TREES)
+def test_paths_read_off_the_structure_are_those_of_the_key_paths(tree):
+    """Dicts, lists, tuples and None: the structure gives the paths tree_flatten_with_path gives."""
+    from einshard import _pytrees
+
+    try:
+        treedef = jax.tree_util.tree_structure(tree)
+    except ValueError:  # dict keys of mixed types JAX cannot sort
+        return
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    expected = [einshard._rules.path_string(key_path) for key_path, _ in flat]
+    assert _pytrees._structure_paths(treedef) == expected
