@@ -202,8 +202,12 @@ class AnnotatedMLP(nnx.Module):
 
     def __init__(self, *, rngs: nnx.Rngs):
         init = nnx.initializers.lecun_normal()
-        self.linear1 = nnx.Linear(8, 32, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), rngs=rngs)
-        self.linear2 = nnx.Linear(32, 8, kernel_init=nnx.with_partitioning(init, ("mlp", "embed")), rngs=rngs)
+        self.linear1 = nnx.Linear(
+            D_IN, HIDDEN, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), rngs=rngs
+        )
+        self.linear2 = nnx.Linear(
+            HIDDEN, D_OUT, kernel_init=nnx.with_partitioning(init, ("mlp", "embed")), rngs=rngs
+        )
 
 
 def test_create_sharded_builds_an_annotated_model_by_the_rules():
