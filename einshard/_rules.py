@@ -162,7 +162,7 @@ class _Table:
     once enough paths have been searched, one regex that finds the first match in a scan.
     """
 
-    __slots__ = ("_combined", "_misses", "compiled", "digit_blind", "memo", "rules")
+    __slots__ = ("_built", "_combined", "_misses", "compiled", "digit_blind", "memo", "rules")
 
     def __init__(self, rules: tuple[Rule, ...], compiled: tuple[re.Pattern[str], ...]) -> None:
         self.rules = rules
@@ -170,7 +170,8 @@ class _Table:
         self.digit_blind = _digit_blind(rules)
         self.memo: dict[str, int] = {}
         self._misses = 0
-        self._combined: re.Pattern[str] | bool | None = False  # False: not built yet
+        self._built = False  # whether the one-scan regex was built (it may be None: no such regex)
+        self._combined: re.Pattern[str] | None = None
 
     def first(self, path: str) -> int:
         """The index of the first rule whose regex matches ``path``, or -1; memoised."""
@@ -188,8 +189,10 @@ class _Table:
 
     def search(self, path: str) -> int:
         """The first matching rule's index, or -1, without the memo."""
-        self._misses += 1
-        combined = self.combined() if self._misses > _COMBINE_AFTER else None
+        if self._misses < _COMBINE_AFTER:
+            self._misses += 1
+            return self.search_each(path)
+        combined = self.combined()
         if combined is not None:
             found = combined.match(path)
             return -1 if found is None or found.lastgroup is None else int(found.lastgroup[1:])
@@ -204,9 +207,8 @@ class _Table:
 
     def combined(self) -> re.Pattern[str] | None:
         """The one-scan regex (built on first use), or ``None`` if the table cannot have one."""
-        if self._combined is False:
-            self._combined = _combine(self.rules)
-        assert self._combined is not True
+        if not self._built:
+            self._combined, self._built = _combine(self.rules), True
         return self._combined
 
 

@@ -255,24 +255,20 @@ class _Placer:
 
     def __init__(self, matcher: _Matcher) -> None:
         self.matcher = matcher
-        self.shardings = [
+        placed = [
             _param_sharding(leaf, param.path) if param.shape is not None else None
             for leaf, param in zip(matcher.leaves, matcher.params, strict=True)
         ]
-        named = [s for s in self.shardings if isinstance(s, NamedSharding)]
+        named = [s for s in placed if isinstance(s, NamedSharding)]
         self.default = max(named, key=lambda s: s.num_devices, default=None) or next(
-            (s for s in self.shardings if isinstance(s, SingleDeviceSharding)), None
+            (s for s in placed if isinstance(s, SingleDeviceSharding)), None
         )
         # Beside placed params, a param on one device is one left as built (a bias no rule or
         # decorator names): jit moves it to the others' devices, so its state goes there too,
         # replicated, instead of pinning the compiled init to two device sets.
-        self.on_one_device = [
-            isinstance(s, SingleDeviceSharding) and self.default is not None and self.default.num_devices > 1
-            for s in self.shardings
-        ]
-        self.shardings = [
-            None if one else s for s, one in zip(self.shardings, self.on_one_device, strict=True)
-        ]
+        spread = self.default is not None and self.default.num_devices > 1
+        self.on_one_device = [spread and isinstance(s, SingleDeviceSharding) for s in placed]
+        self.shardings = [None if one else s for s, one in zip(placed, self.on_one_device, strict=True)]
 
     def replicated(self, rank: int, near: Sharding | None = None) -> Sharding:
         """A replicated sharding on the devices of ``near``, else on those of the params."""
