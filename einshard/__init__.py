@@ -25,5 +25,6 @@ from ._pytrees import pytree_shardings as pytree_shardings
 from ._pytrees import shard_pytree as shard_pytree
 from ._rules import Rule as Rule
 from ._rules import Rules as Rules
+from ._tree_shardings import shardings_of as shardings_of
 
 __version__ = "0.3.0.dev0"

@@ -13,6 +13,9 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import sys
+import threading
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -20,10 +23,18 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from ._devices import DeviceOrder
-from ._errors import EinshardError
+from ._errors import EinshardError, EinshardWarning
 from ._layout import Layout, compile_layout
 
-__all__ = ["ambient_mesh", "ambient_spec", "layout_sharding", "mesh_axis_names"]
+__all__ = [
+    "ambient_mesh",
+    "ambient_spec",
+    "device_mesh",
+    "layout_mesh_shape",
+    "layout_sharding",
+    "mesh_axis_names",
+    "shared_mesh_shape",
+]
 
 AxisRuns = tuple[tuple[str, ...], ...]
 
@@ -33,21 +44,156 @@ def mesh_axis_names(n: int) -> tuple[str, ...]:
     return tuple(f"a{i}" for i in range(n))
 
 
+def prime_factors(n: int) -> tuple[int, ...]:
+    """The prime factors of ``n``, smallest first (``12`` -> ``(2, 2, 3)``).
+
+    Trial division: ``n`` is a count of real devices here, so it is small.
+    """
+    factors = []
+    p = 2
+    while p * p <= n:
+        while n % p == 0:
+            factors.append(p)
+            n //= p
+        p += 1
+    if n > 1:
+        factors.append(n)
+    return tuple(factors)
+
+
+def shared_mesh_shape(n_devices: int) -> tuple[int, ...]:
+    """The shape of the one mesh every layout over ``n_devices`` devices is written on, if it fits.
+
+    Its axes are the prime factors of the device count, smallest first. A
+    layout's mesh axes are written as runs of consecutive axes of this mesh, so
+    every layout over a power-of-two count fits, and so does every layout whose
+    counts grow along the right-hand side's order (``x2 y 3`` on 6, ``x4 3``
+    on 12); the others (``x3 2`` on 6) get a mesh of their own (see
+    :func:`layout_mesh_shape`).
+
+    >>> shared_mesh_shape(8), shared_mesh_shape(12), shared_mesh_shape(1)
+    ((2, 2, 2), (2, 2, 3), (1,))
+    """
+    return prime_factors(n_devices) or (1,)
+
+
+def layout_mesh_shape(layout: Layout) -> tuple[int, ...]:
+    """The mesh ``layout`` is written on: the shared one when it fits, else one of its own.
+
+    A layout of its own order splits each of its mesh axes into its prime
+    factors, largest first, so that the common orders that do not fit the
+    shared mesh (``x3 4`` and ``x6 2`` on 12 devices) still share one mesh.
+    """
+    shared = shared_mesh_shape(layout.n_devices)
+    if _runs(layout.mesh_shape, shared) is not None:
+        return shared
+    return tuple(p for size in layout.mesh_shape for p in reversed(prime_factors(size))) or (1,)
+
+
+def _runs(targets: Sequence[int], sizes: Sequence[int]) -> tuple[tuple[int, ...], ...] | None:
+    """For each target size, the indices of a run of consecutive ``sizes`` whose product it is.
+
+    Size-1 entries of ``sizes`` join no run. ``None`` when the targets do not
+    split that way.
+    """
+    indices = [i for i, size in enumerate(sizes) if size > 1]
+    runs = []
+    k = 0
+    for target in targets:
+        run: list[int] = []
+        product = 1
+        while product < target and k < len(indices):
+            run.append(indices[k])
+            product *= sizes[indices[k]]
+            k += 1
+        if product != target:
+            return None
+        runs.append(tuple(run))
+    return tuple(runs)
+
+
 @functools.lru_cache(maxsize=256)
-def _own_mesh(devices: DeviceOrder, mesh_shape: tuple[int, ...]) -> Mesh:
-    shape = mesh_shape or (1,)  # a mesh needs an axis, even with one device
+def device_mesh(devices: DeviceOrder, mesh_shape: tuple[int, ...]) -> Mesh:
+    """The einshard mesh of this shape over this device order, cached (equal orders, equal meshes)."""
     grid = np.empty(len(devices), dtype=object)
     grid[:] = devices
-    return Mesh(grid.reshape(shape), mesh_axis_names(len(shape)))
+    return Mesh(grid.reshape(mesh_shape), mesh_axis_names(len(mesh_shape)))
 
 
 @functools.lru_cache(maxsize=4096)
 def layout_sharding(text: str, n_dims: int | None, devices: DeviceOrder) -> tuple[Layout, NamedSharding]:
-    """The layout and the ``NamedSharding`` on einshard's own mesh, cached."""
+    """The layout and the ``NamedSharding`` on einshard's mesh over ``devices``, cached.
+
+    All layouts over one device order are written on one mesh where they fit
+    (:func:`shared_mesh_shape`), so arrays of any two of them meet in one
+    ``jit``; a layout that does not fit gets a mesh of its own, and the first
+    time a process hands out layouts on two meshes of one device order, an
+    :class:`~einshard.EinshardWarning` says so.
+    """
     layout = compile_layout(text, n_dims, len(devices))
-    names = mesh_axis_names(len(layout.mesh_shape))
-    spec = PartitionSpec(*(None if axis is None else names[axis] for axis in layout.spec))
-    return layout, NamedSharding(_own_mesh(devices, layout.mesh_shape), spec)
+    mesh_shape = layout_mesh_shape(layout)
+    runs = _runs(layout.mesh_shape, mesh_shape)
+    assert runs is not None  # layout_mesh_shape chose a mesh the layout fits
+    names = mesh_axis_names(len(mesh_shape))
+    spec = []
+    for axis in layout.spec:
+        if axis is None:
+            spec.append(None)
+        else:
+            run = tuple(names[i] for i in runs[axis])
+            spec.append(run[0] if len(run) == 1 else run)
+    _note_mesh(devices, mesh_shape, layout)
+    return layout, NamedSharding(device_mesh(devices, mesh_shape), PartitionSpec(*spec))
+
+
+# For each device order, the meshes handed out so far, each with the first layout written on it.
+_meshes_seen: dict[DeviceOrder, dict[tuple[int, ...], Layout]] = {}
+_meshes_lock = threading.Lock()
+
+
+def _note_mesh(devices: DeviceOrder, mesh_shape: tuple[int, ...], layout: Layout) -> None:
+    """Warns the first time layouts on two different meshes of one device order are handed out."""
+    with _meshes_lock:
+        seen = _meshes_seen.setdefault(devices, {})
+        if mesh_shape in seen:
+            return
+        earlier = next(iter(seen.items()), None)
+        seen[mesh_shape] = layout
+    if earlier is None:
+        return
+    shared = shared_mesh_shape(len(devices))
+    # Name the layout that is off the shared mesh first, and suggest how it would fit.
+    odd, other = (layout, earlier[1]) if mesh_shape != shared else (earlier[1], layout)
+    suggestion = suggest_for_mesh(odd, shared)
+    fix = f" An order that fits it: {suggestion!r}." if suggestion not in (None, odd.expression.text) else ""
+    warnings.warn(
+        f"{odd.expression.text!r} and {other.expression.text!r} are laid out on meshes of different "
+        f"shapes over the same {len(devices)} devices ({_shape_text(layout_mesh_shape(odd))} and "
+        f"{_shape_text(layout_mesh_shape(other))}), so arrays of the two cannot meet in one jit when "
+        f"JAX must write an output of one on the other's mesh. Layouts whose counts multiply up in "
+        f"the order {_shape_text(shared)} all share one mesh.{fix} See 'Layouts that cannot share a "
+        "mesh' on the expressions page of the docs.",
+        EinshardWarning,
+        stacklevel=_user_stacklevel(),
+    )
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return " × ".join(map(str, shape))
+
+
+def _user_stacklevel() -> int:
+    """The stack level of the first frame outside einshard (and functools), for warnings."""
+    frame = sys._getframe(1)
+    level = 1
+    package = __name__.rpartition(".")[0]
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not (module == package or module.startswith(package + ".") or module == "functools"):
+            return level
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 def ambient_mesh() -> tuple[AbstractMesh, Mesh | None] | None:

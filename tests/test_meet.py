@@ -1,0 +1,369 @@
+"""Arrays sharded by any two (or three) expressions meet in one jit.
+
+Every layout over one device order is written on one mesh (the prime factors of
+the device count), so JAX can write any output of a jit over arrays of
+different layouts. The property tests draw random valid expressions, place
+arrays by them, and run elementwise, matmul/einsum, concatenate and reduction
+steps that return every input and every result: they compile, their values
+equal NumPy's, and every output is a ``NamedSharding`` on the shared mesh. The
+layouts that cannot share a mesh (device counts with different prime factors,
+counts in the "wrong" order: ``x3 2`` on 6 devices) must instead have been
+warned about.
+
+The jits run in a child process (``meet_worker.py``), because jaxlib 0.12's
+Shardy partitioner aborts the process on some layouts over meshes whose axis
+sizes are coprime (6, 12 devices). Exactly those cases are recognised by the
+abort's own message, checked to compile and give the right values under the
+GSPMD partitioner, and allowed; any other failure fails the test. A separate
+test pins the upstream bug itself: it fails when a jaxlib fixes it, so the
+known-limits section of the docs gets updated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+import einshard
+from einshard._layout import compile_layout
+from einshard._sharding import layout_mesh_shape, prime_factors, shared_mesh_shape
+
+from conftest import N_DEVICES  # type: ignore[import-not-found]
+
+HERE = Path(__file__).parent
+WORKER = HERE / "meet_worker.py"
+XLA_ABORT = "Could not slice dimension"  # hlo_sharding_util.cc's check, see docs/expressions.md
+JAXLIB = tuple(int(part) for part in jax.lib.__version__.split(".")[:3] if part.isdigit())
+SHARDY_BUG = JAXLIB >= (0, 12, 0)  # first seen in jaxlib 0.12.0; 0.8.1 to 0.11.0 compile these cases
+
+# The suite runs at 8, 16 and 6 devices; the 8-device run also covers 12 (a count with
+# two prime factors where the factor order matters).
+COUNTS = [N_DEVICES, 12] if N_DEVICES == 8 else [N_DEVICES]
+
+
+class Worker:
+    """A long-lived child process running cases; restarted after XLA aborts it."""
+
+    def __init__(self, n_devices: int, partitioner: str) -> None:
+        self.args = [sys.executable, str(WORKER), str(n_devices), partitioner]
+        self.process: subprocess.Popen[str] | None = None
+        self.shared_mesh = ""
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+
+    def _start(self) -> subprocess.Popen[str]:
+        self.stderr.seek(0)
+        self.stderr.truncate()
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONWARNINGS": "ignore"}
+        process = subprocess.Popen(
+            self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=env
+        )
+        assert process.stdout is not None
+        ready = process.stdout.readline()
+        assert ready, self._stderr_text()
+        self.shared_mesh = json.loads(ready)["shared_mesh"]
+        return process
+
+    def _stderr_text(self) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read()[-4000:]
+
+    def ask(self, case: dict) -> dict:
+        if self.process is not None and self.process.poll() is not None:
+            self._stop()
+        if self.process is None:
+            self.process = self._start()
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(json.dumps(case) + "\n")
+        self.process.stdin.flush()
+        compiling = False
+        while True:
+            line = self.process.stdout.readline()
+            if not line:  # the child died: XLA aborted it
+                self._stop()
+                return {"crashed": True, "compiling": compiling, "stderr": self._stderr_text()}
+            answer = json.loads(line)
+            if answer.get("compiling"):
+                compiling = True
+                continue
+            assert "worker_error" not in answer, answer["worker_error"]
+            return answer
+
+    def _stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            for stream in (self.process.stdin, self.process.stdout):
+                if stream is not None:
+                    stream.close()
+            self.process = None
+
+    def close(self) -> None:
+        self._stop()
+        self.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def workers():
+    started: dict[tuple[int, str], Worker] = {}
+
+    def get(n_devices: int, partitioner: str = "shardy") -> Worker:
+        key = (n_devices, partitioner)
+        if key not in started:
+            started[key] = Worker(n_devices, partitioner)
+        return started[key]
+
+    yield get
+    for worker in started.values():
+        worker.close()
+
+
+# --- random valid expressions for a 2-D array -------------------------------------------------
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(2, n + 1) if n % d == 0]
+
+
+@st.composite
+def expressions(draw: st.DrawFn, n_devices: int) -> str:
+    """A valid expression for an array ``x y`` on ``n_devices`` devices: counts in any order,
+    standalone copies, unsplit names anywhere, and stars that resolve to the same counts."""
+    factors: list[int] = []
+    rest = n_devices
+    while rest > 1:
+        factor = draw(st.sampled_from(_divisors(rest)))
+        factors.append(factor)
+        rest //= factor
+    roles = draw(st.permutations(["x", "y"] + ["r"] * len(factors)))
+    elements: list[tuple[str, int]] = []
+    counts = iter(factors)
+    for role in roles:
+        if role == "r":
+            elements.append(("", next(counts)))
+        else:
+            # A name takes the next factor or none (it may also stay unsplit).
+            elements.append((role, 1))
+    # Give the names some of the factors: a name next to a copy count may absorb it.
+    merged: list[tuple[str, int]] = []
+    for name, count in elements:
+        if name and merged and merged[-1][0] == "" and draw(st.booleans()):
+            merged[-1] = (name, merged[-1][1])
+        else:
+            merged.append((name, count))
+    assert math.prod(c for _, c in merged) == n_devices
+    star = draw(st.sampled_from([None, *range(len(merged))]))
+    parts = []
+    for i, (name, count) in enumerate(merged):
+        if i == star and count > 1:
+            parts.append(f"{name}*")  # '*' on a count c alone resolves to c
+        elif name:
+            parts.append(f"{name}{count}" if count > 1 else name)
+        else:
+            parts.append(str(count))
+    if star is None and draw(st.booleans()) and all(c == 1 for n, c in merged if n):
+        return "... -> * ..." if n_devices > 1 else "... -> ..."
+    return "x y -> " + " ".join(parts)
+
+
+def _meshes(exprs: list[str], n_devices: int) -> set[tuple[int, ...]]:
+    return {layout_mesh_shape(compile_layout(e, 2, n_devices)) for e in exprs}
+
+
+def _check(workers, n_devices: int, case: dict) -> None:
+    """Runs ``case`` and asserts what the module docstring says."""
+    worker = workers(n_devices)
+    answer = worker.ask(case)
+    exprs = case["exprs"]
+    if case.get("ambient") is None and len(_meshes(exprs, n_devices)) > 1:
+        # Layouts on two meshes: documented as unable to meet, and warned about.
+        assert not answer.get("crashed") or answer["compiling"], answer
+        assert any("cannot meet in one jit" in w for w in answer.get("warnings", [])), (exprs, answer)
+        return
+    if answer.get("crashed"):
+        # Exactly jaxlib's Shardy abort, on meshes with coprime axis sizes; GSPMD compiles the case.
+        assert SHARDY_BUG and answer["compiling"] and XLA_ABORT in answer["stderr"], (exprs, answer)
+        assert len(set(prime_factors(n_devices))) > 1, (exprs, answer)
+        answer = workers(n_devices, "gspmd").ask(case)
+        assert not answer.get("crashed"), (exprs, answer)
+    assert "jax_error" not in answer, (exprs, answer)
+    assert answer["warnings"] == [], (exprs, answer)
+    if answer["values_equal"] is not None:
+        assert answer["values_equal"], (exprs, answer)
+    assert answer["outputs_named"], (exprs, answer)
+    # Every output is written on the inputs' one mesh: the shared one, unless the user's
+    # ambient mesh, or every input has the same layout of its own order.
+    assert len(answer["input_meshes"]) == 1 and answer["output_meshes"] == answer["input_meshes"], answer
+    fits = all(layout_mesh_shape(compile_layout(e, 2, n_devices)) == shared_mesh_shape(n_devices) for e in exprs)
+    if case.get("ambient") is None and fits:
+        assert answer["input_meshes"] == [worker.shared_mesh], (exprs, answer)
+
+
+PROPERTY = settings(
+    max_examples=int(os.environ.get("EINSHARD_MEET_EXAMPLES", "25")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+
+@pytest.mark.parametrize("n_devices", COUNTS)
+@PROPERTY
+@given(data=st.data())
+def test_pairs_meet_in_one_jit(workers, n_devices, data):
+    exprs = [data.draw(expressions(n_devices)) for _ in range(2)]
+    op = data.draw(st.sampled_from(["add", "matmul", "einsum", "concat", "reduce"]))
+    _check(workers, n_devices, {"exprs": exprs, "op": op})
+
+
+@pytest.mark.parametrize("n_devices", COUNTS)
+@PROPERTY
+@given(data=st.data())
+def test_triples_meet_in_one_jit(workers, n_devices, data):
+    exprs = [data.draw(expressions(n_devices)) for _ in range(3)]
+    op = data.draw(st.sampled_from(["add", "concat"]))
+    _check(workers, n_devices, {"exprs": exprs, "op": op})
+
+
+@pytest.mark.parametrize("n_devices", COUNTS)
+@PROPERTY
+@given(data=st.data())
+def test_abstract_inputs_lower_in_one_jit(workers, n_devices, data):
+    """``ShapeDtypeStruct``s carrying the shardings lower and compile to outputs on the shared mesh."""
+    exprs = [data.draw(expressions(n_devices)) for _ in range(2)]
+    op = data.draw(st.sampled_from(["add", "matmul", "concat", "reduce"]))
+    _check(workers, n_devices, {"exprs": exprs, "op": op, "input": "struct"})
+
+
+def _ambient(n_devices: int) -> list[list]:
+    """A (data, model) mesh for the device count, model the larger factor."""
+    factors = prime_factors(n_devices)
+    data = factors[0] if len(factors) > 1 else 1
+    return [["data", data], ["model", n_devices // data]]
+
+
+@pytest.mark.parametrize("axis_types", ["auto", "explicit"])
+@pytest.mark.parametrize("n_devices", COUNTS)
+@PROPERTY
+@given(data=st.data())
+def test_pairs_meet_under_an_ambient_mesh(workers, n_devices, axis_types, data):
+    exprs = [data.draw(expressions(n_devices)) for _ in range(2)]
+    # Explicit axes: JAX makes the step say how operands of different layouts meet.
+    ops = ["add", "concat"] if axis_types == "explicit" else ["add", "matmul", "concat", "reduce"]
+    op = data.draw(st.sampled_from(ops))
+    case = {"exprs": exprs, "op": op, "ambient": _ambient(n_devices), "axis_types": axis_types}
+    answer = workers(n_devices).ask(case)
+    # An expression that does not fit the user's mesh is an EinshardError, checked elsewhere.
+    assume("einshard_error" not in answer)
+    _check(workers, n_devices, case)
+
+
+# --- the shared mesh, without a jit -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 6, 8, 12, 16, 64, 96, 1024])
+def test_every_power_of_two_layout_and_every_ordered_one_fits_the_shared_mesh(n):
+    shared = shared_mesh_shape(n)
+    assert math.prod(shared) == n
+    assert list(shared) == sorted(shared)
+    # Counts that grow along the right-hand side fit; a power of two always does.
+    for text in ["x y -> x y*", "x y -> x* y", "x y -> x y *", "x y -> * x y", "... -> * ..."]:
+        assert layout_mesh_shape(compile_layout(text, 2, n)) == shared, text
+    if n & (n - 1) == 0 and n >= 4:
+        for text in ["x y -> x2 y*", "x y -> y2 x*", "x y -> x* y 2", "x y -> 2 x y*"]:
+            assert layout_mesh_shape(compile_layout(text, 2, n)) == shared, text
+
+
+def test_orders_that_do_not_fit_share_their_own_mesh():
+    # On 12 devices 'x3 4' and 'x6 2' (3 first) share a mesh, which is not the shared one.
+    own = {layout_mesh_shape(compile_layout(t, 1, 12)) for t in ["x -> x3 4", "x -> x6 2", "x -> x3 2 2"]}
+    assert own == {(3, 2, 2)}
+    assert layout_mesh_shape(compile_layout("x -> x4 3", 1, 12)) == shared_mesh_shape(12) == (2, 2, 3)
+
+
+def test_equal_layouts_give_equal_hashable_shardings_on_one_mesh():
+    n = N_DEVICES
+    a = einshard.make_sharding("x y -> x y*")
+    b = einshard.make_sharding("a b -> a b*")
+    c = einshard.make_sharding(f"x y -> x y{n}")
+    assert a == b == c and hash(a) == hash(b) == hash(c)
+    d = einshard.make_sharding("x y -> x* y")
+    assert d.mesh is a.mesh  # every layout over the device order: one mesh object
+    assert d != a
+
+
+def _device_subset(k: int) -> tuple:
+    # A device order no other test uses, so the warnings here are this test's first.
+    devices = jax.devices()
+    return tuple(reversed(devices[:k]))
+
+
+@pytest.mark.skipif(N_DEVICES < 6, reason="needs 6 devices")
+def test_layouts_on_two_meshes_warn_once_naming_both_and_a_fitting_order():
+    devices = _device_subset(6)
+    first = einshard.make_sharding("x -> x2 3", devices=devices)  # the shared (2, 3) mesh
+    with pytest.warns(einshard.EinshardWarning) as record:
+        odd = einshard.make_sharding("x -> x3 2", devices=devices)  # needs 3 first: (3, 2)
+    assert first.mesh.axis_sizes == (2, 3) and odd.mesh.axis_sizes == (3, 2)
+    (message,) = [str(w.message) for w in record]
+    assert "'x -> x3 2' and 'x -> x2 3'" in message
+    assert "cannot meet in one jit" in message
+    assert "An order that fits it: 'x -> 2 x3'" in message
+    # The suggestion fits the shared mesh; nothing more is said for the same meshes.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert einshard.make_sharding("x -> 2 x3", devices=devices).mesh is first.mesh
+        einshard.make_sharding("y -> y3 2", devices=devices)
+        einshard.make_sharding("y -> y2 3", devices=devices)
+    # The layout is 0.2.0's all the same: devices 0, 2, 4 hold block 0 ('x3' outer).
+    positions = {devices.index(d): idx for d, idx in odd.devices_indices_map((6,)).items()}
+    assert [positions[p][0].start for p in range(6)] == [0, 0, 2, 2, 4, 4]
+
+
+def _reproducer() -> str:
+    """The upstream report's reproducer, as docs/expressions.md shows it (so the two cannot drift)."""
+    page = (HERE.parent / "docs" / "expressions.md").read_text()
+    section = page[page.index("{ #shardy-abort }") :]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start : section.index("```\n", start)]
+
+
+def test_the_shardy_abort_is_still_in_this_jaxlib():
+    """The upstream bug the docs describe. Fails once a jaxlib fixes it: then update
+    'Known limits' in docs/expressions.md and ``SHARDY_BUG`` above."""
+    code = _reproducer()
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=300,
+    )
+    if SHARDY_BUG:
+        assert result.returncode != 0 and XLA_ABORT in result.stderr, result.stderr[-2000:]
+    else:
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "P(None, ('a', 'b'))" in result.stdout
+
+
+def test_gspmd_compiles_the_case_shardy_aborts_on():
+    code = _reproducer().replace("import jax\n", "import jax\njax.config.update('jax_use_shardy_partitioner', False)\n", 1)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONWARNINGS": "ignore"},
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert np.isclose(float(result.stdout.split()[-1]), 24.0)
