@@ -63,11 +63,15 @@ def train(model: MLP, x: jax.Array, target: jax.Array, steps: int) -> tuple[MLP,
     tx = optax.adamw(1e-3)
     state = init_sharded(tx, eqx.filter(model, eqx.is_array))  # mu and nu born sharded like W1, W2
 
+    keep = einshard.shardings_of((model, state))  # the layouts to keep through every step
+
     @eqx.filter_jit
     def step(model: MLP, state: optax.OptState) -> tuple[MLP, optax.OptState, jax.Array]:
         loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, target)
         updates, state = tx.update(grads, state, eqx.filter(model, eqx.is_array))
-        return eqx.apply_updates(model, updates), state, loss
+        # Without this, XLA may re-lay some outputs, and the next step would compile again.
+        model, state = eqx.filter_shard((eqx.apply_updates(model, updates), state), keep)
+        return model, state, loss
 
     losses = []
     for _ in range(steps):

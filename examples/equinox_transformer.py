@@ -96,7 +96,9 @@ class Transformer(eqx.Module):
         return jax.vmap(self.head)(jax.vmap(self.ln_f)(x))
 
 
-def make_train_step(tx: optax.GradientTransformation):
+def make_train_step(tx: optax.GradientTransformation, keep):
+    """The step, keeping the layouts ``keep`` (from ``einshard.shardings_of``) through every call."""
+
     @eqx.filter_jit
     def train_step(model: Transformer, state: optax.OptState, tokens: jax.Array):
         def loss_fn(model: Transformer) -> jax.Array:
@@ -105,7 +107,9 @@ def make_train_step(tx: optax.GradientTransformation):
 
         loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
         updates, state = tx.update(grads, state, eqx.filter(model, eqx.is_array))
-        return eqx.apply_updates(model, updates), state, loss
+        # Without this, XLA may re-lay some outputs, and the next step would compile again.
+        model, state = eqx.filter_shard((eqx.apply_updates(model, updates), state), keep)
+        return model, state, loss
 
     return train_step
 
@@ -132,7 +136,7 @@ def main() -> None:
     shard = query.addressable_shards[0].data.shape
     print(f"\nquery weight {query.shape}: each device holds {shard} (heads split 4 ways, copied twice)")
 
-    train_step = make_train_step(tx)
+    train_step = make_train_step(tx, einshard.shardings_of((model, state)))
     losses = []
     for step in range(STEPS):
         model, state, loss = train_step(model, state, batch(step))

@@ -25,7 +25,7 @@ import optax
 from flax import nnx
 
 import einshard
-from einshard.integrations.flax import create_sharded, state_tree
+from einshard.integrations.flax import create_sharded, shard_module, state_tree
 
 VOCAB, D_MODEL, HEADS, D_FF, LAYERS = 64, 64, 8, 256, 2
 SEQ, BATCH, STEPS = 16, 16, 25
@@ -84,6 +84,9 @@ def train_step(model: Transformer, optimizer: nnx.Optimizer, tokens: jax.Array) 
 
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)
+    # Inside nnx.jit, sharding constraints: every variable keeps its rule's layout through the step
+    # (XLA would otherwise re-lay some, and the next step would compile again).
+    shard_module((model, optimizer), RULES)
     return loss
 
 

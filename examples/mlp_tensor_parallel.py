@@ -67,11 +67,13 @@ def train(params: Params, x: jax.Array, target: jax.Array, steps: int) -> tuple[
     tx = optax.adamw(1e-3)
     state = init_sharded(tx, params)  # mu and nu born sharded like W1 and W2
 
-    @jax.jit
-    def step(params: Params, state: optax.OptState) -> tuple[Params, optax.OptState, jax.Array]:
+    def train_step(params: Params, state: optax.OptState) -> tuple[Params, optax.OptState, jax.Array]:
         loss, grads = jax.value_and_grad(loss_fn)(params, x, target)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
+
+    # The outputs that are the next step's inputs keep their layouts (and the step compiles once).
+    step = jax.jit(train_step, out_shardings=(*einshard.shardings_of((params, state)), None))
 
     losses = []
     for _ in range(steps):

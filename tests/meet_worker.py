@@ -20,19 +20,16 @@ import traceback
 import warnings
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
 
-N_DEVICES = int(sys.argv[1])
-jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_num_cpu_devices", N_DEVICES)
-jax.config.update("jax_use_shardy_partitioner", sys.argv[2] == "shardy")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
 
 import einshard  # noqa: E402
 from einshard import _sharding  # noqa: E402
+
+N_DEVICES = 0  # set by main(), before JAX starts its backend
 
 # Each op takes the placed arrays and returns the inputs and the results, so every
 # input's layout must also be expressible on the mesh JAX writes the outputs on.
@@ -136,6 +133,11 @@ def shared_mesh_text(n_devices: int) -> str:
 
 
 def main() -> None:
+    global N_DEVICES
+    N_DEVICES = int(sys.argv[1])
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", N_DEVICES)
+    jax.config.update("jax_use_shardy_partitioner", sys.argv[2] == "shardy")
     print(json.dumps({"ready": jax.device_count(), "shared_mesh": shared_mesh_text(N_DEVICES)}), flush=True)
     for line in sys.stdin:
         try:
