@@ -1,7 +1,8 @@
 """Development tasks: ``python3 -m pip install 'nox[uv]' && python3 -m nox -s <session>``.
 
 Sessions: ``lint`` (ruff), ``types`` (pyright), ``tests`` (Python 3.11 and 3.12,
-each with the newest JAX it can get, on 8, 16 and 6 simulated CPU devices),
+each with the newest JAX it can get, on 8, 16 and 6 simulated CPU devices, and the
+tests of layouts meeting in one jit on 12),
 ``tests_oldest_jax`` (the JAX floor of pyproject.toml), ``fuzz`` (Hypothesis
 with many examples), ``docs`` (runs every example on the documentation pages,
 then builds the site in strict mode), ``docs_serve`` (serves it locally),
@@ -36,6 +37,7 @@ PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
 PYTHONS = ["3.11", "3.12"]
 NEWEST_PYTHON = PYTHONS[-1]
 TEST_DEVICE_COUNTS = [8, 16, 6]
+MEET_TESTS = ["pytest", "tests/test_meet.py", "tests/test_training_steps.py"]
 CPU_ONLY = {"JAX_PLATFORMS": "cpu"}  # no probing for accelerators
 QUIET_MKDOCS = {"NO_MKDOCS_2_WARNING": "1"}  # the end-of-life banner of Material for MkDocs
 
@@ -143,7 +145,7 @@ def types(session: nox.Session) -> None:
 
 @nox.session(python=PYTHONS)
 def tests(session: nox.Session) -> None:
-    """The test suite and the doctests, on 8, 16 and 6 simulated CPU devices.
+    """The test suite and the doctests, on 8, 16 and 6 simulated CPU devices (and 12 for some).
 
     Installs the newest JAX this Python can get (``--upgrade``), with every
     optional framework, so the integrations are tested too. Extra arguments go
@@ -158,6 +160,10 @@ def tests(session: nox.Session) -> None:
             *session.posargs,
             env={"EINSHARD_TEST_DEVICES": str(count), **CPU_ONLY},
         )
+    if not session.posargs:
+        # 12 devices: two prime factors, so the order of the counts matters for the shared mesh.
+        session.log("--- 12 simulated CPU devices: layouts meeting in one jit, training steps ---")
+        session.run(*MEET_TESTS, env={"EINSHARD_TEST_DEVICES": "12", **CPU_ONLY})
 
 
 @nox.session(python=NEWEST_PYTHON)

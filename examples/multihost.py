@@ -103,7 +103,8 @@ def run(args):
     y = einshard.from_process_local(y_all[mine], BATCH)
     say(f"batch {x.shape}: my rows {mine.start}:{mine.stop}, {len(x.addressable_shards)} shards")
 
-    step = jax.jit(train_step)
+    # out_shardings: the parameters keep their layouts from step to step (and it compiles once).
+    step = jax.jit(train_step, out_shardings=(einshard.shardings_of(params), None))
     for i in range(3):
         params, loss = step(params, x, y)
         say(f"step {i}: loss {float(np.asarray(loss.addressable_data(0))):.6f}")

@@ -98,7 +98,7 @@ def run(case: dict) -> dict:
     def step(*xs):
         return (*xs, fn(*xs))
 
-    print(json.dumps({"compiling": True}), flush=True)  # a crash after this line is XLA's
+    print(json.dumps({"compiling": True, **result}), flush=True)  # a crash after this line is XLA's
     try:
         with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
             if case.get("input") == "struct":
