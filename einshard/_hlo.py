@@ -55,7 +55,7 @@ def _bits(dtype: str) -> int:
         return _BITS[dtype]
     digits = re.search(r"\d+", dtype)
     if digits is None:
-        raise ValueError(f"unknown HLO element type {dtype!r}")
+        raise AssertionError(f"einshard cannot read this XLA text (please report it): unknown HLO element type {dtype!r}")
     return int(digits.group())
 
 
@@ -109,7 +109,15 @@ class Instruction:
         match = re.search(rf"(?:^|[\s,]){re.escape(key)}=", self.attributes)
         if match is None:
             return None
-        return _balanced_value(self.attributes, match.end())
+        value = _balanced_value(self.attributes, match.end())
+        if value.startswith("mesh["):
+            # The named form may carry its device order after a comma, before the axes:
+            # mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}
+            whole = re.compile(r"mesh\[[^\]]*\](?:,?\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{[^}]*\}")
+            named = whole.match(self.attributes, match.end())
+            if named:
+                return named.group(0)
+        return value
 
     def called(self) -> list[tuple[str, str]]:
         """``(role, computation)`` for every computation this instruction calls."""
@@ -326,7 +334,7 @@ def parse_module(text: str) -> Module:
         if instruction is not None:
             computations[current].append(instruction)
     if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
+        raise AssertionError("einshard cannot read this XLA text (please report it): no ENTRY computation in the HLO text")
     frames = {}
     for frame, location in frame_locations.items():
         if location in locations:
@@ -342,7 +350,7 @@ def _iota_groups(text: str) -> list[list[int]]:
     """``[G,S]<=[d1,d2,...]T(perm)``: iota over the dims, transposed, reshaped into G groups of S."""
     match = re.fullmatch(r"\[([\d,]+)\]\s*<=\s*\[([\d,]+)\]\s*(?:T\(([\d,]+)\))?", text.strip())
     if match is None:
-        raise ValueError(f"unknown iota replica groups {text!r}")
+        raise AssertionError(f"einshard cannot read this XLA text (please report it): unknown iota replica groups {text!r}")
     shape = [int(n) for n in match.group(1).split(",")]
     dims = [int(n) for n in match.group(2).split(",")]
     perm = [int(n) for n in match.group(3).split(",")] if match.group(3) else list(range(len(dims)))
@@ -367,14 +375,14 @@ _MESH_AXIS = re.compile(r"'?([^'=,\s\]]+)'?\s*=\s*(\d+)")
 def _named_groups(text: str) -> list[list[int]]:
     """``mesh['a'=2,'b'=4] {'b'}`` (optionally with device ids after the axes, and sub-axes
     ``'b':(1)2``): the devices that vary over the listed (sub-)axes, the others fixed."""
-    match = re.match(r"mesh\[(.*?)\]\s*(.*?)\s*\{(.*)\}\s*$", text.strip(), re.DOTALL)
+    match = re.match(r"mesh\[(.*?)\],?\s*(.*?)\s*\{([^{}]*)\}\s*$", text.strip(), re.DOTALL)
     if match is None:
-        raise ValueError(f"unknown named-mesh replica groups {text!r}")
+        raise AssertionError(f"einshard cannot read this XLA text (please report it): unknown named-mesh replica groups {text!r}")
     axes = [(name, int(size)) for name, size in _MESH_AXIS.findall(match.group(1))]
     devices_text = match.group(2).strip()
     total = math.prod(size for _, size in axes)
     if devices_text:
-        iota = re.search(r"<=\s*\[([\d,]+)\]\s*(?:T\(([\d,]+)\))?", devices_text)
+        iota = re.search(r"(?:<=|device_ids=\()\s*\[([\d,]+)\]\s*(?:T\(([\d,]+)\))?", devices_text)
         listed = re.search(r"\[([\d,\s]+)\]", devices_text)
         if iota:
             dims = [int(n) for n in iota.group(1).split(",")]
@@ -383,7 +391,7 @@ def _named_groups(text: str) -> list[list[int]]:
         elif listed:
             ids = [int(n) for n in listed.group(1).split(",") if n.strip()]
         else:
-            raise ValueError(f"unknown device ids in named-mesh replica groups {text!r}")
+            raise AssertionError(f"einshard cannot read this XLA text (please report it): unknown device ids in named-mesh replica groups {text!r}")
     else:
         ids = list(range(total))
     # Split each axis into its sub-axes as named (pre-size, size), finest first within an axis.
@@ -434,7 +442,7 @@ def parse_replica_groups(text: str | None, num_devices: int) -> list[list[int]]:
         return _iota_groups(text)
     if text.startswith("mesh"):
         return _named_groups(text)
-    raise ValueError(f"unknown replica groups {text!r}")
+    raise AssertionError(f"einshard cannot read this XLA text (please report it): unknown replica groups {text!r}")
 
 
 def device_groups(instruction: Instruction, num_devices: int) -> list[list[int]]:

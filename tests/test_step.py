@@ -261,10 +261,15 @@ def test_the_named_mesh_form_of_this_jax_is_read_as_xla_prints_it():
         ("mesh['x'=4] {'x':(1)2}", 4, [[0, 2], [1, 3]]),
         ("mesh['x'=4] {'x':(2)2}", 4, [[0, 1], [2, 3]]),
         ("mesh['x'=2,'y'=2] <=[2,2]T(1,0) {'y'}", 4, [[0, 2], [1, 3]]),
+        # jax 0.10 prints the device order as device_ids=(...) after a comma
+        ("mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}", 8, [[0, 1, 2, 3], [4, 5, 6, 7]]),
     ],
 )
 def test_replica_groups_in_every_printed_form(text, n, groups):
     assert sorted(_hlo.parse_replica_groups(text, n)) == sorted(groups)
+    line = f"  %ar = f32[8]{{0}} all-reduce(%a), channel_id=1, replica_groups={text}, use_global_device_ids=true"
+    instruction = _hlo._parse_instruction(line, "main")
+    assert instruction is not None and instruction.attribute("replica_groups") == text
 
 
 OLD_STYLE = """HloModule jit_step, num_partitions=4
