@@ -336,24 +336,29 @@ def _with_rules(fn: Callable[..., Any], args: tuple, kwargs: dict, rules: RulesL
     return tuple(out[: len(args)]), dict(zip(kwargs, out[len(args) :], strict=True))
 
 
-def _lower(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, int]:
-    """Lowers the step; returns the lowered program and the number of array leaves."""
+def _compile(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, int]:
+    """Compiles the step; returns the compiled program and the number of array leaves."""
     import jax
 
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
     if callable(getattr(fn, "lower", None)):
-        return fn.lower(*args, **kwargs), len(dynamic)
+        compiled = fn.lower(*args, **kwargs).compile()
+        # jax.jit and nnx.jit give JAX's Compiled; equinox.filter_jit wraps it without as_text,
+        # so such a step is compiled below, inside a jit of our own, like any function.
+        if callable(getattr(compiled, "as_text", None)):
+            return compiled, len(dynamic)
 
     def flat(*arrays: Any) -> Any:
         full = list(leaves)
         for i, array in zip(dynamic, arrays, strict=True):
             full[i] = array
         call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
-        return fn(*call_args, **call_kwargs)
+        # Outputs that are not arrays (an Equinox module's functions) stay out of the program.
+        return [leaf for leaf in jax.tree_util.tree_leaves(fn(*call_args, **call_kwargs)) if isinstance(leaf, jax.Array)]
 
     flat.__name__ = getattr(fn, "__name__", "step")
-    return jax.jit(flat, keep_unused=True).lower(*[leaves[i] for i in dynamic]), len(dynamic)
+    return jax.jit(flat, keep_unused=True).lower(*[leaves[i] for i in dynamic]).compile(), len(dynamic)
 
 
 def _mesh_of(compiled: Any, n: int) -> tuple[tuple[tuple[str, int], ...], list[int]]:
@@ -422,8 +427,7 @@ def _compile_and_read(fn: Callable[..., Any], args: tuple, kwargs: dict, rules: 
     paths = _leaf_paths(fn, args, kwargs)
     array_paths = [path for path, leaf in paths if _is_array(leaf)]
     start = time.perf_counter()
-    lowered, n_arrays = _lower(fn, args, kwargs)
-    compiled = lowered.compile()
+    compiled, n_arrays = _compile(fn, args, kwargs)
     compile_seconds = time.perf_counter() - start
     start = time.perf_counter()
     text = compiled.as_text()
@@ -527,6 +531,12 @@ class _Flow:
             name = big[0]
         return None
 
+    def parameter_size(self, index: int) -> int:
+        for instruction in self.entry.values():
+            if instruction.opcode == "parameter" and instruction.operands == (str(index),):
+                return self._size(instruction.name)
+        return -1
+
     def _size(self, name: str) -> int:
         instruction = self.all.get(name)
         if instruction is None:
@@ -607,8 +617,12 @@ def _rows(
             shape = result_shape if collective.kind == "all-gather" else source_shape
             param = None
             if paths is not None and module.entry == instruction.computation:
-                parameter = flow.parameter(instruction.operands[index]) if index < len(instruction.operands) else None
-                if parameter is None and collective.kind in ("all-reduce", "reduce-scatter") and has_grad:
+                operand = instruction.operands[index] if index < len(instruction.operands) else None
+                parameter = flow.parameter(operand) if operand is not None else None
+                if parameter is not None and flow.parameter_size(parameter) != flow._size(operand or ""):
+                    parameter = None  # a value computed from a parameter is not that parameter
+                backward = _phase(op_name, has_grad) == "backward"
+                if parameter is None and collective.kind in ("all-reduce", "reduce-scatter") and backward:
                     start = [instruction]
                     if len(instruction.shapes) > 1:
                         start = [
@@ -720,11 +734,14 @@ def _report(
 
 def _estimated(report: StepReport, bandwidth: float | None, latency: float, flops_per_second: float | None) -> StepReport:
     rows = []
+    started: set[str] = set()
     for row in report.rows:
         seconds = None
         if bandwidth is not None:
             _, steps = _RING[row.kind]
-            hops = steps(row.group_size) if row.group_size > 1 else 0
+            # The arrays of a combined collective travel together: its latency is paid once.
+            hops = steps(row.group_size) if row.group_size > 1 and row.instruction not in started else 0
+            started.add(row.instruction)
             seconds = row.traffic / bandwidth + row.times * hops * latency
         rows.append(dataclasses.replace(row, seconds=seconds))
     communication = sum(r.seconds for r in rows if r.seconds is not None) if bandwidth is not None else None
@@ -756,8 +773,16 @@ def _in_child(
     fn: Callable[..., Any] | str, args: tuple, kwargs: dict, n_devices: int, rules: RulesLike | None
 ) -> StepReport:
     payload = {"fn": fn, "args": _portable(args), "kwargs": _portable(kwargs), "rules": rules}
+    # A step defined in the script being run lives in __main__: the child runs that file as
+    # __mp_main__ first, as multiprocessing's spawn does, so that pickle finds it there.
+    main = sys.modules.get("__main__")
+    main_file = getattr(main, "__file__", None)
+    main_path = os.path.abspath(main_file) if main_file and main_file.endswith(".py") else None
     try:
         data = pickle.dumps(payload)
+        if b"__main__" not in data:  # nothing from the running script: the child need not run it
+            main_path = None
+        data = pickle.dumps(main_path) + data
     except Exception as error:  # noqa: BLE001 - any pickling failure means the same to the user
         raise EinshardError(
             f"the step cannot cross into a child process with {n_devices} devices: {error}",
@@ -808,8 +833,18 @@ def _child() -> None:
         jax.config.update("jax_num_cpu_devices", count)
     except AttributeError:  # older JAX: XLA_FLAGS does it
         pass
+    jax.devices()  # start the backend now: the parent's script may set XLA_FLAGS when it runs
     try:
-        payload = pickle.loads(sys.stdin.buffer.read())
+        stream = io.BytesIO(sys.stdin.buffer.read())
+        main_path = pickle.load(stream)
+        if main_path is not None:
+            import runpy
+            import types
+
+            main = types.ModuleType("__mp_main__")
+            main.__dict__.update(runpy.run_path(main_path, run_name="__mp_main__"))
+            sys.modules["__main__"] = sys.modules["__mp_main__"] = main
+        payload = pickle.load(stream)
         report = _compile_and_read(_resolve(payload["fn"]), payload["args"], payload["kwargs"], payload["rules"])
         answer: tuple[str, Any] = ("ok", report)
     except EinshardError as error:
