@@ -123,8 +123,17 @@ def main(argv: list[str] | None = None) -> int:
     results.table(
         "strategies",
         "What the LLaMA-shaped step costs per device, by rule table (MiB per device per step; "
-        f"step time: communication + compute, ms, at {LATENCY * 1e6:g} µs latency, {FLOPS_PER_SECOND / 1e12:g} TFLOP/s)",
-        ["table", "devices", "collectives", *KINDS, "total MiB", "peak memory MiB", *(f"ms at {g} GB/s" for g in gbs)],
+        f"step time: communication + compute, ms, at {LATENCY * 1e6:g} µs latency, "
+        f"{FLOPS_PER_SECOND / 1e12:g} TFLOP/s)",
+        [
+            "table",
+            "devices",
+            "collectives",
+            *KINDS,
+            "total MiB",
+            "peak memory MiB",
+            *(f"ms at {g} GB/s" for g in gbs),
+        ],
         rows,
         {"devices", "collectives", *KINDS, "total MiB", "peak memory MiB", *(f"ms at {g} GB/s" for g in gbs)},
         bar=None,

@@ -55,7 +55,9 @@ def _bits(dtype: str) -> int:
         return _BITS[dtype]
     digits = re.search(r"\d+", dtype)
     if digits is None:
-        raise AssertionError(f"einshard cannot read this XLA text (please report it): unknown HLO element type {dtype!r}")
+        raise AssertionError(
+            f"einshard cannot read this XLA text (please report it): unknown HLO element type {dtype!r}"
+        )
     return int(digits.group())
 
 
@@ -84,7 +86,8 @@ _SHAPE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,\s]*)\]")
 def parse_shapes(text: str) -> tuple[Shape, ...]:
     """The array types in a (tuple) type: ``(f32[2]{0}, bf16[3,4]{1,0})`` -> two shapes."""
     return tuple(
-        Shape(dtype, tuple(int(d) for d in dims.split(",") if d.strip())) for dtype, dims in _SHAPE.findall(text)
+        Shape(dtype, tuple(int(d) for d in dims.split(",") if d.strip()))
+        for dtype, dims in _SHAPE.findall(text)
     )
 
 
@@ -136,7 +139,10 @@ class Instruction:
         value = self.attribute("metadata")
         if not value:
             return {}
-        return {k: v1 if v1 else v2 for k, v1, v2 in re.findall(r'(\w+)=(?:"((?:[^"\\]|\\.)*)"|(\S+?))(?=[\s}]|$)', value)}
+        return {
+            k: v1 if v1 else v2
+            for k, v1, v2 in re.findall(r'(\w+)=(?:"((?:[^"\\]|\\.)*)"|(\S+?))(?=[\s}]|$)', value)
+        }
 
     def trip_count(self) -> int | None:
         """The known trip count of a ``while``, from its backend config, or ``None``."""
@@ -334,7 +340,9 @@ def parse_module(text: str) -> Module:
         if instruction is not None:
             computations[current].append(instruction)
     if entry is None:
-        raise AssertionError("einshard cannot read this XLA text (please report it): no ENTRY computation in the HLO text")
+        raise AssertionError(
+            "einshard cannot read this XLA text (please report it): no ENTRY computation in the HLO text"
+        )
     frames = {}
     for frame, location in frame_locations.items():
         if location in locations:
@@ -350,7 +358,9 @@ def _iota_groups(text: str) -> list[list[int]]:
     """``[G,S]<=[d1,d2,...]T(perm)``: iota over the dims, transposed, reshaped into G groups of S."""
     match = re.fullmatch(r"\[([\d,]+)\]\s*<=\s*\[([\d,]+)\]\s*(?:T\(([\d,]+)\))?", text.strip())
     if match is None:
-        raise AssertionError(f"einshard cannot read this XLA text (please report it): unknown iota replica groups {text!r}")
+        raise AssertionError(
+            f"einshard cannot read this XLA text (please report it): unknown iota replica groups {text!r}"
+        )
     shape = [int(n) for n in match.group(1).split(",")]
     dims = [int(n) for n in match.group(2).split(",")]
     perm = [int(n) for n in match.group(3).split(",")] if match.group(3) else list(range(len(dims)))
@@ -373,11 +383,17 @@ _MESH_AXIS = re.compile(r"'?([^'=,\s\]]+)'?\s*=\s*(\d+)")
 
 
 def _named_groups(text: str) -> list[list[int]]:
-    """``mesh['a'=2,'b'=4] {'b'}`` (optionally with device ids after the axes, and sub-axes
-    ``'b':(1)2``): the devices that vary over the listed (sub-)axes, the others fixed."""
+    """The groups of the named-mesh form ``mesh['a'=2,'b'=4] {'b'}``.
+
+    The mesh may carry device ids after its axes, and the groups name sub-axes ``'b':(1)2``:
+    each group holds the devices that vary over the listed (sub-)axes, the others fixed.
+    """
     match = re.match(r"mesh\[(.*?)\],?\s*(.*?)\s*\{([^{}]*)\}\s*$", text.strip(), re.DOTALL)
     if match is None:
-        raise AssertionError(f"einshard cannot read this XLA text (please report it): unknown named-mesh replica groups {text!r}")
+        raise AssertionError(
+            "einshard cannot read this XLA text (please report it): "
+            f"unknown named-mesh replica groups {text!r}"
+        )
     axes = [(name, int(size)) for name, size in _MESH_AXIS.findall(match.group(1))]
     devices_text = match.group(2).strip()
     total = math.prod(size for _, size in axes)
@@ -391,7 +407,10 @@ def _named_groups(text: str) -> list[list[int]]:
         elif listed:
             ids = [int(n) for n in listed.group(1).split(",") if n.strip()]
         else:
-            raise AssertionError(f"einshard cannot read this XLA text (please report it): unknown device ids in named-mesh replica groups {text!r}")
+            raise AssertionError(
+                "einshard cannot read this XLA text (please report it): "
+                f"unknown device ids in named-mesh replica groups {text!r}"
+            )
     else:
         ids = list(range(total))
     # Split each axis into its sub-axes as named (pre-size, size), finest first within an axis.
@@ -400,9 +419,11 @@ def _named_groups(text: str) -> list[list[int]]:
     for item in re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", match.group(3)):
         chosen.append((item[0], int(item[1]) if item[1] else None, int(item[2]) if item[2] else None))
     for name, size in axes:
-        cuts = sorted({1, size} | {p for n, p, s in chosen if n == name and p} | {
-            p * s for n, p, s in chosen if n == name and p and s
-        })
+        cuts = sorted(
+            {1, size}
+            | {p for n, p, s in chosen if n == name and p}
+            | {p * s for n, p, s in chosen if n == name and p and s}
+        )
         for pre, nxt in itertools.pairwise(cuts):
             factors.append((name, pre, nxt // pre))
     varying = set()
@@ -436,13 +457,18 @@ def parse_replica_groups(text: str | None, num_devices: int) -> list[list[int]]:
         return [list(range(num_devices))]
     text = text.strip()
     if text.startswith("{"):
-        groups = [[int(n) for n in group.split(",") if n.strip()] for group in re.findall(r"\{([\d,\s]*)\}", text[1:-1])]
+        groups = [
+            [int(n) for n in group.split(",") if n.strip()]
+            for group in re.findall(r"\{([\d,\s]*)\}", text[1:-1])
+        ]
         return groups or [list(range(num_devices))]
     if text.startswith("["):
         return _iota_groups(text)
     if text.startswith("mesh"):
         return _named_groups(text)
-    raise AssertionError(f"einshard cannot read this XLA text (please report it): unknown replica groups {text!r}")
+    raise AssertionError(
+        f"einshard cannot read this XLA text (please report it): unknown replica groups {text!r}"
+    )
 
 
 def device_groups(instruction: Instruction, num_devices: int) -> list[list[int]]:

@@ -8,6 +8,7 @@ a child process with ``N`` simulated CPU devices.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
@@ -322,7 +323,9 @@ def _with_rules(fn: Callable[..., Any], args: tuple, kwargs: dict, rules: RulesL
 
     def placed(value: Any, sharding: Any) -> Any:
         return jax.tree_util.tree_map(
-            lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s) if _is_array(leaf) else leaf,
+            lambda leaf, s: (
+                jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s) if _is_array(leaf) else leaf
+            ),
             value,
             sharding,
             is_leaf=lambda x: x is None,
@@ -355,7 +358,11 @@ def _compile(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, in
             full[i] = array
         call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
         # Outputs that are not arrays (an Equinox module's functions) stay out of the program.
-        return [leaf for leaf in jax.tree_util.tree_leaves(fn(*call_args, **call_kwargs)) if isinstance(leaf, jax.Array)]
+        return [
+            leaf
+            for leaf in jax.tree_util.tree_leaves(fn(*call_args, **call_kwargs))
+            if isinstance(leaf, jax.Array)
+        ]
 
     flat.__name__ = getattr(fn, "__name__", "step")
     return jax.jit(flat, keep_unused=True).lower(*[leaves[i] for i in dynamic]).compile(), len(dynamic)
@@ -369,7 +376,7 @@ def _mesh_of(compiled: Any, n: int) -> tuple[tuple[tuple[str, int], ...], list[i
     for attribute in ("input_shardings", "output_shardings"):
         try:
             shardings += jax.tree_util.tree_leaves(getattr(compiled, attribute))
-        except Exception:  # noqa: BLE001 - older JAX may not have one of them
+        except Exception:
             continue
     for sharding in shardings:
         mesh = getattr(sharding, "mesh", None)
@@ -392,7 +399,9 @@ def _device_assignment(sharding: Any, n: int) -> list[int] | None:
     return [d.id for d in devices]
 
 
-def _axes(groups: Sequence[Sequence[int]], mesh: tuple[tuple[str, int], ...], positions: list[int]) -> tuple[str, ...] | None:
+def _axes(
+    groups: Sequence[Sequence[int]], mesh: tuple[tuple[str, int], ...], positions: list[int]
+) -> tuple[str, ...] | None:
     """The mesh axes a collective's groups run over, or ``None`` when they are not whole axes."""
     sizes = [size for _, size in mesh]
 
@@ -421,7 +430,9 @@ def _axes(groups: Sequence[Sequence[int]], mesh: tuple[tuple[str, int], ...], po
     return tuple(mesh[a][0] for a in sorted(varying))
 
 
-def _compile_and_read(fn: Callable[..., Any], args: tuple, kwargs: dict, rules: RulesLike | None) -> StepReport:
+def _compile_and_read(
+    fn: Callable[..., Any], args: tuple, kwargs: dict, rules: RulesLike | None
+) -> StepReport:
     if rules is not None:
         args, kwargs = _with_rules(fn, args, kwargs, rules)
     paths = _leaf_paths(fn, args, kwargs)
@@ -445,7 +456,7 @@ def _memory(compiled: Any) -> dict[str, int | None]:
     """Per-device buffer sizes from ``memory_analysis()`` (``None`` where the backend has none)."""
     try:
         stats = compiled.memory_analysis()
-    except Exception:  # noqa: BLE001 - not every backend implements it
+    except Exception:
         stats = None
     fields = {
         "argument_bytes": "argument_size_in_bytes",
@@ -455,9 +466,13 @@ def _memory(compiled: Any) -> dict[str, int | None]:
     }
     if isinstance(stats, (list, tuple)):
         stats = stats[0] if stats else None
-    out: dict[str, int | None] = {k: None if stats is None else int(getattr(stats, v)) for k, v in fields.items()}
+    out: dict[str, int | None] = {
+        k: None if stats is None else int(getattr(stats, v)) for k, v in fields.items()
+    }
     if stats is not None:
-        out["peak_bytes"] = out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]  # type: ignore[operator]
+        out["peak_bytes"] = (
+            out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
+        )  # type: ignore[operator]
     else:
         out["peak_bytes"] = None
     return out
@@ -466,7 +481,7 @@ def _memory(compiled: Any) -> dict[str, int | None]:
 def _flops(compiled: Any) -> float | None:
     try:
         cost = compiled.cost_analysis()
-    except Exception:  # noqa: BLE001 - not every backend implements it
+    except Exception:
         return None
     if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
         cost = cost[0] if cost else None
@@ -478,13 +493,32 @@ def _flops(compiled: Any) -> float | None:
 # --- rows and attribution ---------------------------------------------------------------------------
 
 # Ops a value passes through unchanged in meaning (a parameter stays that parameter).
-_THROUGH = {"get-tuple-element", "bitcast", "copy", "reshape", "convert", "transpose", "dynamic-slice", "slice"}
+_THROUGH = {
+    "get-tuple-element",
+    "bitcast",
+    "copy",
+    "reshape",
+    "convert",
+    "transpose",
+    "dynamic-slice",
+    "slice",
+}
 # Ops that combine a gradient with same-shaped state (an optimizer update), elementwise.
 _ELEMENTWISE = _THROUGH | {
     "add", "subtract", "multiply", "divide", "negate", "select", "sqrt", "rsqrt", "maximum", "minimum",
     "clamp", "power", "abs", "sign", "exponential", "log", "tanh", "all-reduce", "dynamic-update-slice",
 }  # fmt: skip
-_MIXING = {"dot", "convolution", "reduce", "reduce-window", "scatter", "gather", "sort", "custom-call", "while"}
+_MIXING = {
+    "dot",
+    "convolution",
+    "reduce",
+    "reduce-window",
+    "scatter",
+    "gather",
+    "sort",
+    "custom-call",
+    "while",
+}
 
 
 def _phase(op_name: str, has_grad: bool) -> str:
@@ -545,8 +579,11 @@ class _Flow:
         return shapes[0].size if len(shapes) == 1 else 0
 
     def updated(self, start: list[_hlo.Instruction], forward_read: set[int]) -> int | None:
-        """The parameter a gradient updates: a same-sized parameter met downstream, through
-        elementwise work; one the forward pass reads is preferred (not an optimizer moment)."""
+        """The parameter a gradient updates, or ``None``.
+
+        That is a same-sized parameter met downstream, through elementwise work; one the
+        forward or backward pass reads is preferred (not an optimizer moment).
+        """
         seen = {i.name for i in start}
         frontier = list(start)
         candidates: list[tuple[int, int]] = []
@@ -600,7 +637,9 @@ def _rows(
     flow = _Flow(module)
     found = _hlo.collectives(module)
     has_grad = any(
-        "transpose(" in module.source(i)[0] for instructions in module.computations.values() for i in instructions
+        "transpose(" in module.source(i)[0]
+        for instructions in module.computations.values()
+        for i in instructions
     )
     forward_read = flow.forward_read(has_grad) if has_grad and paths is not None else set()
     rows = []
@@ -646,7 +685,9 @@ def _rows(
                     axes=axes,
                     times=collective.times,
                     times_known=collective.times_known,
-                    traffic=round(fraction(group_size) * shape.bytes) * collective.times if group_size > 1 else 0,
+                    traffic=round(fraction(group_size) * shape.bytes) * collective.times
+                    if group_size > 1
+                    else 0,
                     seconds=None,
                     phase=phase,
                     op_name=op_name,
@@ -732,7 +773,9 @@ def _report(
     )
 
 
-def _estimated(report: StepReport, bandwidth: float | None, latency: float, flops_per_second: float | None) -> StepReport:
+def _estimated(
+    report: StepReport, bandwidth: float | None, latency: float, flops_per_second: float | None
+) -> StepReport:
     rows = []
     started: set[str] = set()
     for row in report.rows:
@@ -783,7 +826,7 @@ def _in_child(
         if b"__main__" not in data:  # nothing from the running script: the child need not run it
             main_path = None
         data = pickle.dumps(main_path) + data
-    except Exception as error:  # noqa: BLE001 - any pickling failure means the same to the user
+    except Exception as error:
         raise EinshardError(
             f"the step cannot cross into a child process with {n_devices} devices: {error}",
             hint="Give the step as an importable 'module:function' string (or a module-level function), "
@@ -829,10 +872,8 @@ def _child() -> None:
     import jax
 
     count = int(os.environ["JAX_NUM_CPU_DEVICES"])
-    try:
+    with contextlib.suppress(AttributeError):  # older JAX: XLA_FLAGS does it
         jax.config.update("jax_num_cpu_devices", count)
-    except AttributeError:  # older JAX: XLA_FLAGS does it
-        pass
     jax.devices()  # start the backend now: the parent's script may set XLA_FLAGS when it runs
     try:
         stream = io.BytesIO(sys.stdin.buffer.read())
@@ -845,11 +886,13 @@ def _child() -> None:
             main.__dict__.update(runpy.run_path(main_path, run_name="__mp_main__"))
             sys.modules["__main__"] = sys.modules["__mp_main__"] = main
         payload = pickle.load(stream)
-        report = _compile_and_read(_resolve(payload["fn"]), payload["args"], payload["kwargs"], payload["rules"])
+        report = _compile_and_read(
+            _resolve(payload["fn"]), payload["args"], payload["kwargs"], payload["rules"]
+        )
         answer: tuple[str, Any] = ("ok", report)
     except EinshardError as error:
         answer = ("error", error)
-    except Exception as error:  # noqa: BLE001 - reported to the parent
+    except Exception as error:
         answer = ("error", f"{type(error).__name__}: {error}")
     out.write(pickle.dumps(answer))
     out.flush()
@@ -892,13 +935,15 @@ def _columns(report: StepReport) -> tuple[list[str], list[list[str]], list[str]]
     kinds = ", ".join(f"{kind} {_size(b)}" for kind, b in report.bytes_by_kind.items())
     mesh = " × ".join(f"{name}={size}" for name, size in report.mesh)
     footer = [
-        f"{report.collectives} collective{'' if report.collectives == 1 else 's'} on {report.n_devices} devices "
-        f"(mesh {mesh}): {_size(report.bytes)} per device per step" + (f" ({kinds})" if kinds else ""),
+        f"{report.collectives} collective{'' if report.collectives == 1 else 's'} "
+        f"on {report.n_devices} devices (mesh {mesh}): {_size(report.bytes)} per device per step"
+        + (f" ({kinds})" if kinds else ""),
     ]
     if report.peak_bytes is not None:
         footer.append(
-            f"memory per device: {_size(report.peak_bytes)} at the peak (arguments {_size(report.argument_bytes or 0)}, "
-            f"outputs {_size(report.output_bytes or 0)}, aliased {_size(report.alias_bytes or 0)}, "
+            f"memory per device: {_size(report.peak_bytes)} at the peak "
+            f"(arguments {_size(report.argument_bytes or 0)}, outputs {_size(report.output_bytes or 0)}, "
+            f"aliased {_size(report.alias_bytes or 0)}, "
             f"temporaries {_size(report.temp_bytes or 0)})"
         )
     if report.flops is not None:
@@ -910,7 +955,10 @@ def _columns(report: StepReport) -> tuple[list[str], list[list[str]], list[str]]
         )
         if report.compute_seconds is not None:
             bound = "communication" if report.communication_bound else "compute"
-            text += f", compute {_seconds(report.compute_seconds)} at {report.flops_per_second:.3g} FLOP/s: {bound}-bound"
+            text += (
+                f", compute {_seconds(report.compute_seconds)} at {report.flops_per_second:.3g} FLOP/s: "
+                f"{bound}-bound"
+            )
         footer.append(text)
     return header, body, footer
 

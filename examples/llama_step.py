@@ -129,7 +129,12 @@ def train_step(params: dict[str, Any], batch: jax.Array) -> dict[str, Any]:
 def report(strategy: str, n_devices: int | None = None, **estimate: float) -> einshard.StepReport:
     """The step report of one strategy; ``n_devices``: planned in a child process."""
     return einshard.explain_step(
-        train_step, abstract_params(), abstract_batch(), rules=STRATEGIES[strategy], n_devices=n_devices, **estimate
+        train_step,
+        abstract_params(),
+        abstract_batch(),
+        rules=STRATEGIES[strategy],
+        n_devices=n_devices,
+        **estimate,
     )
 
 

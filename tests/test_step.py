@@ -1,6 +1,8 @@
 """explain_step: the collectives, bytes, memory and flops of a compiled step, checked against hand
 computations; the HLO reader on captured snippets of every format XLA prints."""
 
+# ruff: noqa: E501  (the captured HLO text keeps XLA's long lines)
+
 from __future__ import annotations
 
 import math
@@ -57,12 +59,12 @@ def fsdp_step(params, x):
     return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
 
 
-D, F, O, B = 16 * N, 32 * N, 8 * N, 4 * N  # every axis divides by the device count
+D, F, OUT, B = 16 * N, 32 * N, 8 * N, 4 * N  # every axis divides by the device count
 
 
 def _params(e1: str, e2: str) -> dict:
     w1 = jax.random.normal(jax.random.key(0), (D, F))
-    w2 = jax.random.normal(jax.random.key(1), (F, O))
+    w2 = jax.random.normal(jax.random.key(1), (F, OUT))
     return {"w1": einshard.einshard(w1, e1), "w2": einshard.einshard(w2, e2)}
 
 
@@ -80,13 +82,15 @@ def test_tensor_parallel_mlp_forward_is_one_all_reduce_of_the_activations():
     assert [(r.kind, r.phase) for r in report.rows] == [("all-reduce", "forward")]
     (row,) = report.rows
     expected = jax.jit(mlp)(params, x)
-    assert row.bytes == expected.addressable_shards[0].data.nbytes == B * O * 4
-    assert (row.dtype, row.shape, row.group_size, row.times) == ("f32", (B, O), N, 1)
+    assert row.bytes == expected.addressable_shards[0].data.nbytes == B * OUT * 4
+    assert (row.dtype, row.shape, row.group_size, row.times) == ("f32", (B, OUT), N, 1)
     assert row.axes == _all_axes(report)
     assert row.source == f"{Path(__file__)}:{_line('second matmul')}"
     assert "dot_general" in row.op_name
     assert report.collectives == 1 and report.bytes == row.bytes
-    np.testing.assert_allclose(expected, mlp({k: np.asarray(v) for k, v in params.items()}, np.ones((B, D))), rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(
+        expected, mlp({k: np.asarray(v) for k, v in params.items()}, np.ones((B, D))), rtol=1e-4, atol=1e-3
+    )
 
 
 def test_data_parallel_gradients_are_all_reduced_once_per_parameter_with_its_path():
@@ -126,14 +130,20 @@ def test_fsdp_gathers_each_weight_whole_in_the_forward_pass_and_reduces_its_grad
     gathers = [r for r in report.rows if r.kind == "all-gather"]
     assert sorted((r.param, r.bytes, r.phase) for r in gathers) == [
         ("params/w1", D * F * 4, "forward"),
-        ("params/w2", F * O * 4, "forward"),
+        ("params/w2", F * OUT * 4, "forward"),
     ]
     # XLA's CPU backend reduces a gradient with an all-reduce and keeps its slice, where GPU and
     # TPU emit a reduce-scatter; either is the gradient of one parameter, whole before slicing.
     reduces = [r for r in report.rows if r.kind in ("all-reduce", "reduce-scatter")]
-    assert sorted((r.param, r.bytes) for r in reduces) == [("params/w1", D * F * 4), ("params/w2", F * O * 4)]
-    assert report.bytes == 2 * (D * F + F * O) * 4  # hand computation: gather + reduce each weight
-    assert report.bytes_by_kind == {"all-gather": (D * F + F * O) * 4, reduces[0].kind: (D * F + F * O) * 4}
+    assert sorted((r.param, r.bytes) for r in reduces) == [
+        ("params/w1", D * F * 4),
+        ("params/w2", F * OUT * 4),
+    ]
+    assert report.bytes == 2 * (D * F + F * OUT) * 4  # hand computation: gather + reduce each weight
+    assert report.bytes_by_kind == {
+        "all-gather": (D * F + F * OUT) * 4,
+        reduces[0].kind: (D * F + F * OUT) * 4,
+    }
 
 
 @pytest.mark.parametrize("names", [("data", "model"), ("model", "data")])
@@ -160,7 +170,7 @@ def test_a_jitted_step_keeps_its_donation_and_totals_are_the_sum_of_the_rows():
     assert plain.alias_bytes == 0 and donated.alias_bytes == param_bytes
     assert plain.peak_bytes == plain.argument_bytes + plain.output_bytes + plain.temp_bytes
     assert plain.argument_bytes == param_bytes + x.size * 4 // N
-    assert plain.flops and plain.flops > 2 * (B * 4 // N) * (D * F + F * O)  # at least the forward matmuls
+    assert plain.flops and plain.flops > 2 * (B * 4 // N) * (D * F + F * OUT)  # at least the forward matmuls
     assert plain.bytes == sum(r.total_bytes for r in plain.rows)
     assert plain.traffic == sum(r.traffic for r in plain.rows)
     assert plain.bytes_by_kind == {"all-reduce": plain.bytes}
@@ -189,11 +199,11 @@ def test_a_loop_body_counts_its_trip_count():
 
 
 def test_rules_give_abstract_arguments_their_shardings():
-    abstract = jax.eval_shape(lambda: {"w1": jnp.zeros((D, F)), "w2": jnp.zeros((F, O))})
+    abstract = jax.eval_shape(lambda: {"w1": jnp.zeros((D, F)), "w2": jnp.zeros((F, OUT))})
     x = jax.ShapeDtypeStruct((B, D), jnp.float32)
     rules = [(r"w1$", "x y -> x y*"), (r"w2$", "y z -> y* z"), (r"^x$", "... -> * ...")]
     report = einshard.explain_step(mlp, abstract, x, rules=rules)
-    assert [(r.kind, r.bytes) for r in report.rows] == [("all-reduce", B * O * 4)]
+    assert [(r.kind, r.bytes) for r in report.rows] == [("all-reduce", B * OUT * 4)]
 
 
 # A module-level step: it pickles by reference, so it crosses into a child process.
@@ -203,7 +213,10 @@ def dp_step(params, x):
 
 def test_planning_64_devices_in_a_child_process_gives_the_formula():
     d, f, o = 128, 256, 64
-    abstract = {"w1": jax.ShapeDtypeStruct((d, f), jnp.float32), "w2": jax.ShapeDtypeStruct((f, o), jnp.float32)}
+    abstract = {
+        "w1": jax.ShapeDtypeStruct((d, f), jnp.float32),
+        "w2": jax.ShapeDtypeStruct((f, o), jnp.float32),
+    }
     x = jax.ShapeDtypeStruct((256, d), jnp.float32)
     rules = [(r"^x$", "b d -> b* d"), (r".*", "... -> * ...")]
     report = einshard.explain_step(dp_step, abstract, x, rules=rules, n_devices=64, bandwidth=1e10)
@@ -268,7 +281,9 @@ def test_the_named_mesh_form_of_this_jax_is_read_as_xla_prints_it():
 )
 def test_replica_groups_in_every_printed_form(text, n, groups):
     assert sorted(_hlo.parse_replica_groups(text, n)) == sorted(groups)
-    line = f"  %ar = f32[8]{{0}} all-reduce(%a), channel_id=1, replica_groups={text}, use_global_device_ids=true"
+    line = (
+        f"  %ar = f32[8]{{0}} all-reduce(%a), channel_id=1, replica_groups={text}, use_global_device_ids=true"
+    )
     instruction = _hlo._parse_instruction(line, "main")
     assert instruction is not None and instruction.attribute("replica_groups") == text
 
