@@ -16,6 +16,7 @@ Pure text processing: no JAX, so every format XLA prints is unit-tested on captu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -47,6 +48,7 @@ COLLECTIVES = {
     "collective-permute-start": "collective-permute",
 }
 
+_CALL_ROLES = ("calls=", "body=", "condition=", "to_apply=", "_computation=", "branch_computations=")
 _BITS = {"pred": 8, "s4": 4, "u4": 4, "s2": 2, "u2": 2, "c64": 64, "c128": 128, "token": 0}
 
 
@@ -103,28 +105,24 @@ class Instruction:
     computation: str
     root: bool = False
 
-    @property
+    @functools.cached_property
     def shapes(self) -> tuple[Shape, ...]:
         return parse_shapes(self.type)
 
+    @functools.cached_property
+    def _attributes(self) -> dict[str, str]:
+        return _split_attributes(self.attributes)
+
     def attribute(self, key: str) -> str | None:
         """The raw value of ``key=...`` (balanced braces / brackets / quotes), or ``None``."""
-        match = re.search(rf"(?:^|[\s,]){re.escape(key)}=", self.attributes)
-        if match is None:
-            return None
-        value = _balanced_value(self.attributes, match.end())
-        if value.startswith("mesh["):
-            # The named form may carry its device order after a comma, before the axes:
-            # mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}
-            whole = re.compile(r"mesh\[[^\]]*\](?:,?\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{[^}]*\}")
-            named = whole.match(self.attributes, match.end())
-            if named:
-                return named.group(0)
-        return value
+        return self._attributes.get(key)
 
-    def called(self) -> list[tuple[str, str]]:
+    @functools.cached_property
+    def called(self) -> tuple[tuple[str, str], ...]:
         """``(role, computation)`` for every computation this instruction calls."""
-        out = []
+        if not any(role in self.attributes for role in _CALL_ROLES):
+            return ()  # most instructions: no need to split their attributes
+        out: list[tuple[str, str]] = []
         for role in ("calls", "body", "condition", "to_apply", "true_computation", "false_computation"):
             value = self.attribute(role)
             if value:
@@ -132,9 +130,9 @@ class Instruction:
         branches = self.attribute("branch_computations")
         if branches:
             out += [("branch", name) for name in re.findall(r"%?([\w.\-]+)", branches)]
-        return out
+        return tuple(out)
 
-    @property
+    @functools.cached_property
     def metadata(self) -> dict[str, str]:
         value = self.attribute("metadata")
         if not value:
@@ -158,31 +156,52 @@ class Instruction:
         return int(trip["n"]) if isinstance(trip, dict) and "n" in trip else None
 
 
-def _balanced_value(text: str, start: int) -> str:
-    """The value starting at ``text[start]``: up to the ``,`` that closes it at depth 0."""
+_TOKENS = re.compile(r'[{}\[\]()",\\]')
+
+
+def _top_level_end(text: str, start: int, closer: str) -> int:
+    """The index of the first ``closer`` (``,`` or ``)``) at depth 0 from ``start``, or ``len``."""
     depth = 0
     quote = False
-    i = start
-    while i < len(text):
-        char = text[i]
+    escaped = -1
+    for match in _TOKENS.finditer(text, start):
+        char, position = match.group(), match.start()
         if quote:
+            if position == escaped:
+                continue
             if char == "\\":
-                i += 1
+                escaped = position + 1
             elif char == '"':
                 quote = False
         elif char == '"':
             quote = True
+        elif depth == 0 and char == closer:
+            return position
         elif char in "{[(":
             depth += 1
         elif char in "}])":
             depth -= 1
-            if depth < 0:
-                break
-        elif char == "," and depth == 0:
-            # The named-mesh form has a space between its two parts: mesh['a'=2] {'a'}.
-            break
-        i += 1
-    return text[start:i].strip()
+    return len(text)
+
+
+def _split_attributes(text: str) -> dict[str, str]:
+    """``a=1, b={x, y}, c="s"`` -> ``{'a': '1', 'b': '{x, y}', 'c': '"s"'}`` (top-level commas)."""
+    out: dict[str, str] = {}
+    previous = None
+    start = 0
+    while start < len(text):
+        end = _top_level_end(text, start, ",")
+        key, _, value = text[start:end].strip().partition("=")
+        key, value = key.strip(), value.strip()
+        if key == "device_ids" and previous == "replica_groups" and out[previous].startswith("mesh["):
+            # jax 0.10's named form carries its device order after a comma:
+            # replica_groups=mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}
+            out[previous] += f", device_ids={value}"
+        elif key:
+            out[key] = value
+            previous = key
+        start = end + 1
+    return out
 
 
 @dataclasses.dataclass
@@ -209,7 +228,7 @@ class Module:
                 if instruction.opcode.endswith("-done") or instruction.opcode.endswith("-update"):
                     continue
                 trip = instruction.trip_count() if instruction.opcode == "while" else None
-                for role, callee in instruction.called():
+                for role, callee in instruction.called:
                     if role in ("body", "condition"):
                         factor, known = (trip, True) if trip is not None else (1, False)
                         if role == "condition" and trip is not None:
@@ -275,15 +294,8 @@ def _parse_instruction(line: str, computation: str) -> Instruction | None:
     if opcode_match is None:
         return None
     opcode = opcode_match.group(1)
-    depth = 0
     start = opcode_match.end()
-    end = len(rest)
-    for i in range(start - 1, len(rest)):
-        depth += rest[i] in "({["
-        depth -= rest[i] in ")}]"
-        if depth == 0:
-            end = i
-            break
+    end = _top_level_end(rest, start, ")")
     operand_text = rest[start:end]
     operands = tuple(re.findall(r"%([\w.\-]+)", operand_text))
     if opcode == "parameter":

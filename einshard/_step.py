@@ -540,13 +540,18 @@ class _Flow:
         for instruction in self.entry.values():
             for operand in instruction.operands:
                 self.users.setdefault(operand, []).append(instruction)
+        self.parameters = {
+            int(i.operands[0]): i
+            for i in self.entry.values()
+            if i.opcode == "parameter" and i.operands and i.operands[0].isdigit()
+        }
         self.simple: dict[str, bool] = {}
         for name, instructions in module.computations.items():
             self.simple[name] = not any(i.opcode in _MIXING for i in instructions)
 
     def passes(self, instruction: _hlo.Instruction, allowed: set[str]) -> bool:
         if instruction.opcode == "fusion":
-            return all(self.simple.get(callee, False) for _, callee in instruction.called())
+            return all(self.simple.get(callee, False) for _, callee in instruction.called)
         return instruction.opcode in allowed
 
     def parameter(self, name: str, depth: int = 8) -> int | None:
@@ -566,10 +571,8 @@ class _Flow:
         return None
 
     def parameter_size(self, index: int) -> int:
-        for instruction in self.entry.values():
-            if instruction.opcode == "parameter" and instruction.operands == (str(index),):
-                return self._size(instruction.name)
-        return -1
+        instruction = self.parameters.get(index)
+        return -1 if instruction is None else self._size(instruction.name)
 
     def _size(self, name: str) -> int:
         instruction = self.all.get(name)
