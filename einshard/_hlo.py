@@ -295,7 +295,11 @@ def _parse_instruction(line: str, computation: str) -> Instruction | None:
         return None
     opcode = opcode_match.group(1)
     start = opcode_match.end()
-    end = _top_level_end(rest, start, ")")
+    if opcode == "constant" and not rest.startswith("(", start):
+        end = rest.find(")", start)  # a literal (braces and numbers only) can be long: skip it whole
+        end = len(rest) if end < 0 else end
+    else:
+        end = _top_level_end(rest, start, ")")
     operand_text = rest[start:end]
     operands = tuple(re.findall(r"%([\w.\-]+)", operand_text))
     if opcode == "parameter":

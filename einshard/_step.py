@@ -639,8 +639,9 @@ def _rows(
 ) -> list[StepRow]:
     flow = _Flow(module)
     found = _hlo.collectives(module)
+    # A backward pass shows as op names 'transpose(jvp(...))'; the raw text is enough to tell.
     has_grad = any(
-        "transpose(" in module.source(i)[0]
+        "transpose(" in i.attributes and "transpose(" in module.source(i)[0]
         for instructions in module.computations.values()
         for i in instructions
     )
