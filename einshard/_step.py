@@ -295,6 +295,43 @@ def _leaf_paths(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[tuple
     return out
 
 
+def _jax_names(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[str]:
+    """The names JAX gives the leaves in the program's metadata: ``params['w1']``."""
+    import jax
+
+    names, _ = _named(fn, args, kwargs)
+    out = []
+    for name, value in zip(names[: len(args)], args, strict=True):
+        out += [
+            f"{name}{jax.tree_util.keystr(path)}"
+            for path, _ in jax.tree_util.tree_flatten_with_path(value)[0]
+        ]
+    for name in sorted(kwargs):
+        out += [
+            f"{name}{jax.tree_util.keystr(p)}"
+            for p, _ in jax.tree_util.tree_flatten_with_path(kwargs[name])[0]
+        ]
+    return out
+
+
+def _parameter_paths(module: _hlo.Module, paths: list[str], jax_names: list[str]) -> list[str | None]:
+    """The path of each parameter of the program, by position.
+
+    ``jax.jit`` drops unused arguments from the program (``keep_unused=False``); then the
+    positions shift, and each parameter is found by the name JAX wrote in its metadata.
+    """
+    parameters = {
+        int(i.operands[0]): i
+        for i in module.computations[module.entry]
+        if i.opcode == "parameter" and i.operands and i.operands[0].isdigit()
+    }
+    if len(parameters) == len(paths):
+        return list(paths)
+    by_name = dict(zip(jax_names, paths, strict=True))
+    count = max(parameters, default=-1) + 1
+    return [by_name.get(module.source(parameters[k])[0]) if k in parameters else None for k in range(count)]
+
+
 def _with_rules(fn: Callable[..., Any], args: tuple, kwargs: dict, rules: RulesLike) -> tuple[tuple, dict]:
     """The arguments as ``ShapeDtypeStruct`` leaves with the shardings the rules give them."""
     import jax
@@ -437,15 +474,20 @@ def _compile_and_read(
         args, kwargs = _with_rules(fn, args, kwargs, rules)
     paths = _leaf_paths(fn, args, kwargs)
     array_paths = [path for path, leaf in paths if _is_array(leaf)]
+    jax_names = [
+        name
+        for (path, leaf), name in zip(paths, _jax_names(fn, args, kwargs), strict=True)
+        if _is_array(leaf)
+    ]
     start = time.perf_counter()
-    compiled, n_arrays = _compile(fn, args, kwargs)
+    compiled, _ = _compile(fn, args, kwargs)
     compile_seconds = time.perf_counter() - start
     start = time.perf_counter()
     text = compiled.as_text()
     module = _hlo.parse_module(text)
     n = module.num_partitions
     mesh, positions = _mesh_of(compiled, n)
-    rows = _rows(module, mesh, positions, array_paths if len(array_paths) == n_arrays else None)
+    rows = _rows(module, mesh, positions, _parameter_paths(module, array_paths, jax_names))
     memory = _memory(compiled)
     flops = _flops(compiled)
     analysis_seconds = time.perf_counter() - start
@@ -635,7 +677,7 @@ def _rows(
     module: _hlo.Module,
     mesh: tuple[tuple[str, int], ...],
     positions: list[int],
-    paths: list[str] | None,
+    paths: list[str | None] | None,
 ) -> list[StepRow]:
     flow = _Flow(module)
     found = _hlo.collectives(module)

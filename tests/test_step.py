@@ -185,6 +185,17 @@ def test_a_jitted_step_keeps_its_donation_and_totals_are_the_sum_of_the_rows():
     assert "params/w1" in text and "all-reduce" in text and f"on {N} devices" in text
 
 
+def test_a_jitted_step_that_drops_an_unused_argument_still_names_its_parameters():
+    params = _params("... -> * ...", "... -> * ...")
+    x = einshard.einshard(jnp.ones((B * 4, D)), "b d -> b* d")
+
+    def step(unused, params, x):
+        return sgd_step(params, x)
+
+    report = einshard.explain_step(jax.jit(step), jnp.zeros(3), params, x)
+    assert sorted(r.param for r in report.rows) == ["params/w1", "params/w2"]
+
+
 def test_a_loop_body_counts_its_trip_count():
     w = einshard.einshard(jnp.ones((5, D, D)), "l x y -> l x y*")
     x = einshard.einshard(jnp.ones((B, D)), "... -> * ...")
