@@ -950,8 +950,8 @@ def _child() -> None:
 def _seconds(value: float | None) -> str:
     if value is None:
         return "-"
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
-        if value >= scale or unit == "µs":
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9)):
+        if value >= scale or unit == "ns":
             return f"{value / scale:.3g} {unit}"
     raise AssertionError("unreachable")
 
