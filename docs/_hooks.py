@@ -5,7 +5,9 @@ time this module
 
 * adds two generated SVG plots to the site (:func:`on_files`): ``benchmarks/placement.svg``
   (einshard / device_put per layout and input, with the 1.05 bar) and ``benchmarks/rules.svg``
-  (resolving a rule table, µs per leaf, with the 2 µs bar); nothing is written to ``docs/``;
+  (resolving a rule table, µs per leaf, with the 2 µs bar), and ``cost/strategies.svg`` (what a
+  LLaMA-shaped step costs under four rule tables, from ``bench_step.py``); nothing is written to
+  ``docs/``;
 * replaces markers in a page's Markdown (:func:`on_page_markdown`):
   ``<!-- benchmark-table: FILE/TABLE -->`` by a table as the script printed it,
   ``<!-- benchmark-setup: FILE -->`` by the versions, machine and load it was measured with, and
@@ -277,10 +279,68 @@ def _finish(
     return _svg(fig)
 
 
+STEP_SVG = "cost/strategies.svg"
+KIND_COLOURS = {
+    "all-reduce": "#4c72b0",
+    "all-gather": "#55a868",
+    "reduce-scatter": "#8172b2",
+    "all-to-all": "#c4a35a",
+    "collective-permute": "#999999",
+}
+
+
+def step_svg(results: dict[str, Any]) -> str:
+    """The step report of each rule table on 8 and 64 devices: MiB per device per step, stacked
+    by kind of collective (left), and the estimated step time at each bandwidth (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    matplotlib.rcParams["svg.hashsalt"] = "einshard"
+    from matplotlib.figure import Figure
+
+    records = results["tables"]["strategies"]["records"]
+    labels = [f"{r['strategy']}\n{r['devices']} devices" for r in records]
+    fig = Figure(figsize=(10.0, 3.6))
+    left, right = fig.subplots(1, 2)
+    for ax in (left, right):
+        ax.spines[["top", "right"]].set_visible(False)
+        ax.grid(axis="x", color="#dddddd", linewidth=0.6)
+        ax.set_axisbelow(True)
+    ys = list(range(len(records)))[::-1]
+    base = [0.0] * len(records)
+    for kind, colour in KIND_COLOURS.items():
+        values = [r["bytes_by_kind"].get(kind, 0) / 2**20 for r in records]
+        if any(values):
+            left.barh(ys, values, left=base, color=colour, label=kind, height=0.7)
+            base = [b + v for b, v in zip(base, values, strict=True)]
+    left.set_yticks(ys, labels, fontsize=7)
+    left.set_xlabel("MiB per device per step")
+    left.legend(fontsize=7, frameon=False)
+    left.set_title("Bytes each device's collectives move", fontsize=9)
+    bandwidths = list(records[0]["step_seconds"])
+    height = 0.8 / len(bandwidths)
+    for j, (bandwidth, colour) in enumerate(zip(bandwidths, ("#c44e52", "#4c72b0"), strict=False)):
+        values = [r["step_seconds"][bandwidth] * 1e3 for r in records]
+        right.barh(
+            [y + (0.5 - j) * height for y in ys],
+            values,
+            height * 0.9,
+            color=colour,
+            label=f"{bandwidth} GB/s",
+        )
+    right.set_yticks(ys, [""] * len(ys))
+    right.set_xlabel("estimated ms per step (communication + compute)")
+    right.legend(fontsize=7, frameon=False)
+    right.set_title("Estimated step time", fontsize=9)
+    fig.tight_layout()
+    return _svg(fig)
+
+
 def on_files(files: Files, config: Any) -> Files:
     """Adds the plots, drawn from ``benchmarks/results/*.json``, as generated files of the site."""
     files.append(File.generated(config, PLACEMENT_SVG, content=placement_svg(_load("placement"))))
     files.append(File.generated(config, RULES_SVG, content=rules_svg(_load("rules"))))
+    files.append(File.generated(config, STEP_SVG, content=step_svg(_load("step"))))
     return files
 
 

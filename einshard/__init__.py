@@ -25,6 +25,9 @@ from ._pytrees import pytree_shardings as pytree_shardings
 from ._pytrees import shard_pytree as shard_pytree
 from ._rules import Rule as Rule
 from ._rules import Rules as Rules
+from ._step import StepReport as StepReport
+from ._step import StepRow as StepRow
+from ._step import explain_step as explain_step
 from ._tree_shardings import shardings_of as shardings_of
 
 __version__ = "0.3.0.dev0"

@@ -1,0 +1,542 @@
+"""Reading a compiled XLA program's text (``compiled.as_text()``): collectives, loops, sources.
+
+Pure text processing: no JAX, so every format XLA prints is unit-tested on captured snippets
+(tests/test_step.py). What is read:
+
+* computations and their instructions (name, result type, opcode, operands, attributes);
+* the collectives (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute; the
+  ``-start`` of an async pair counts, its ``-done`` does not) with their device groups, in every
+  form XLA prints them: explicit lists ``{{0,1},{2,3}}``, iota ``[2,4]<=[8]`` and
+  ``[4,2]<=[2,4]T(1,0)``, and the named-mesh form ``mesh['a'=2,'b'=4] {'b'}`` of newer XLA;
+* how many times each computation runs per step (a ``while`` body: its ``known_trip_count``);
+* where an instruction came from: ``op_name`` and the source file and line, written inline
+  (``source_file=... source_line=...``) or through the stack-frame tables of newer XLA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+import math
+import re
+from collections.abc import Iterable, Sequence
+
+__all__ = [
+    "COLLECTIVES",
+    "Collective",
+    "Instruction",
+    "Module",
+    "Shape",
+    "device_groups",
+    "parse_module",
+    "parse_replica_groups",
+    "parse_shapes",
+]
+
+# Opcode -> the collective's kind; the -start of an async pair stands for the pair.
+COLLECTIVES = {
+    "all-reduce": "all-reduce",
+    "all-reduce-start": "all-reduce",
+    "all-gather": "all-gather",
+    "all-gather-start": "all-gather",
+    "reduce-scatter": "reduce-scatter",
+    "all-to-all": "all-to-all",
+    "ragged-all-to-all": "all-to-all",
+    "collective-permute": "collective-permute",
+    "collective-permute-start": "collective-permute",
+}
+
+_CALL_ROLES = ("calls=", "body=", "condition=", "to_apply=", "_computation=", "branch_computations=")
+_BITS = {"pred": 8, "s4": 4, "u4": 4, "s2": 2, "u2": 2, "c64": 64, "c128": 128, "token": 0}
+
+
+def _bits(dtype: str) -> int:
+    if dtype in _BITS:
+        return _BITS[dtype]
+    digits = re.search(r"\d+", dtype)
+    if digits is None:
+        raise AssertionError(
+            f"einshard cannot read this XLA text (please report it): unknown HLO element type {dtype!r}"
+        )
+    return int(digits.group())
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One array type of an HLO instruction: ``f32[256,128]{1,0}`` -> ``('f32', (256, 128))``."""
+
+    dtype: str
+    dims: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.dims)
+
+    @property
+    def bytes(self) -> int:
+        return (self.size * _bits(self.dtype) + 7) // 8
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{','.join(map(str, self.dims))}]"
+
+
+_SHAPE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,\s]*)\]")
+
+
+def parse_shapes(text: str) -> tuple[Shape, ...]:
+    """The array types in a (tuple) type: ``(f32[2]{0}, bf16[3,4]{1,0})`` -> two shapes."""
+    return tuple(
+        Shape(dtype, tuple(int(d) for d in dims.split(",") if d.strip()))
+        for dtype, dims in _SHAPE.findall(text)
+    )
+
+
+@dataclasses.dataclass
+class Instruction:
+    """One HLO instruction; ``attributes`` is the text after the operand list."""
+
+    name: str
+    type: str
+    opcode: str
+    operands: tuple[str, ...]
+    attributes: str
+    computation: str
+    root: bool = False
+
+    @functools.cached_property
+    def shapes(self) -> tuple[Shape, ...]:
+        return parse_shapes(self.type)
+
+    @functools.cached_property
+    def _attributes(self) -> dict[str, str]:
+        return _split_attributes(self.attributes)
+
+    def attribute(self, key: str) -> str | None:
+        """The raw value of ``key=...`` (balanced braces / brackets / quotes), or ``None``."""
+        return self._attributes.get(key)
+
+    @functools.cached_property
+    def called(self) -> tuple[tuple[str, str], ...]:
+        """``(role, computation)`` for every computation this instruction calls."""
+        if not any(role in self.attributes for role in _CALL_ROLES):
+            return ()  # most instructions: no need to split their attributes
+        out: list[tuple[str, str]] = []
+        for role in ("calls", "body", "condition", "to_apply", "true_computation", "false_computation"):
+            value = self.attribute(role)
+            if value:
+                out += [(role, name) for name in re.findall(r"%?([\w.\-]+)", value)]
+        branches = self.attribute("branch_computations")
+        if branches:
+            out += [("branch", name) for name in re.findall(r"%?([\w.\-]+)", branches)]
+        return tuple(out)
+
+    @functools.cached_property
+    def metadata(self) -> dict[str, str]:
+        value = self.attribute("metadata")
+        if not value:
+            return {}
+        return {
+            k: v1 if v1 else v2
+            for k, v1, v2 in re.findall(r'(\w+)=(?:"((?:[^"\\]|\\.)*)"|(\S+?))(?=[\s}]|$)', value)
+        }
+
+    def trip_count(self) -> int | None:
+        """The known trip count of a ``while``, from its backend config, or ``None``."""
+        config = self.attribute("backend_config")
+        if not config:
+            return None
+        try:
+            value = json.loads(config)
+        except ValueError:
+            match = re.search(r'"?known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)', config)
+            return int(match.group(1)) if match else None
+        trip = value.get("known_trip_count") if isinstance(value, dict) else None
+        return int(trip["n"]) if isinstance(trip, dict) and "n" in trip else None
+
+
+_TOKENS = re.compile(r'[{}\[\]()",\\]')
+
+
+def _top_level_end(text: str, start: int, closer: str) -> int:
+    """The index of the first ``closer`` (``,`` or ``)``) at depth 0 from ``start``, or ``len``."""
+    depth = 0
+    quote = False
+    escaped = -1
+    for match in _TOKENS.finditer(text, start):
+        char, position = match.group(), match.start()
+        if quote:
+            if position == escaped:
+                continue
+            if char == "\\":
+                escaped = position + 1
+            elif char == '"':
+                quote = False
+        elif char == '"':
+            quote = True
+        elif depth == 0 and char == closer:
+            return position
+        elif char in "{[(":
+            depth += 1
+        elif char in "}])":
+            depth -= 1
+    return len(text)
+
+
+def _split_attributes(text: str) -> dict[str, str]:
+    """``a=1, b={x, y}, c="s"`` -> ``{'a': '1', 'b': '{x, y}', 'c': '"s"'}`` (top-level commas)."""
+    out: dict[str, str] = {}
+    previous = None
+    start = 0
+    while start < len(text):
+        end = _top_level_end(text, start, ",")
+        key, _, value = text[start:end].strip().partition("=")
+        key, value = key.strip(), value.strip()
+        if key == "device_ids" and previous == "replica_groups" and out[previous].startswith("mesh["):
+            # jax 0.10's named form carries its device order after a comma:
+            # replica_groups=mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}
+            out[previous] += f", device_ids={value}"
+        elif key:
+            out[key] = value
+            previous = key
+        start = end + 1
+    return out
+
+
+@dataclasses.dataclass
+class Module:
+    """A parsed HLO module: its computations, entry, and source tables."""
+
+    computations: dict[str, list[Instruction]]
+    entry: str
+    num_partitions: int
+    frames: dict[int, tuple[str, int]]  # stack frame id -> (file, line)
+
+    def instructions(self) -> dict[str, Instruction]:
+        return {i.name: i for instructions in self.computations.values() for i in instructions}
+
+    def times(self) -> dict[str, tuple[int, bool]]:
+        """How many times each computation runs per call of the entry, and whether that is known.
+
+        A ``while`` body runs its known trip count times (unknown: counted once, marked unknown);
+        a conditional's branches count as run; the done half of an async pair adds nothing.
+        """
+        calls: dict[str, list[tuple[str, int, bool]]] = {}
+        for computation, instructions in self.computations.items():
+            for instruction in instructions:
+                if instruction.opcode.endswith("-done") or instruction.opcode.endswith("-update"):
+                    continue
+                trip = instruction.trip_count() if instruction.opcode == "while" else None
+                for role, callee in instruction.called:
+                    if role in ("body", "condition"):
+                        factor, known = (trip, True) if trip is not None else (1, False)
+                        if role == "condition" and trip is not None:
+                            factor = trip + 1
+                        calls.setdefault(callee, []).append((computation, factor, known))
+                    else:
+                        calls.setdefault(callee, []).append((computation, 1, True))
+        memo: dict[str, tuple[int, bool]] = {self.entry: (1, True)}
+
+        def times(name: str, seen: frozenset[str]) -> tuple[int, bool]:
+            if name in memo:
+                return memo[name]
+            total, known = 0, True
+            for caller, factor, caller_known in calls.get(name, ()):
+                if caller in seen:
+                    continue
+                n, k = times(caller, seen | {name})
+                total += n * factor
+                known = known and k and caller_known
+            memo[name] = (total, known)
+            return memo[name]
+
+        return {name: times(name, frozenset()) for name in self.computations}
+
+    def source(self, instruction: Instruction) -> tuple[str, str | None, int | None]:
+        """``(op_name, file, line)`` of an instruction, from either form of its metadata."""
+        metadata = instruction.metadata
+        op_name = metadata.get("op_name", "").replace("\\'", "'")
+        file, line = metadata.get("source_file"), metadata.get("source_line")
+        if file is not None and line is not None and line.isdigit():
+            return op_name, file, int(line)
+        frame = metadata.get("stack_frame_id")
+        if frame is not None and frame.isdigit() and int(frame) in self.frames:
+            file, number = self.frames[int(frame)]
+            return op_name, file, number
+        return op_name, None, None
+
+
+_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_COMPUTATION = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?.*\{\s*$")
+
+
+def _split_type(text: str) -> tuple[str, str]:
+    """``'(f32[2], f32[3]) all-reduce(...)'`` -> the type and the rest."""
+    if text.startswith("("):
+        depth = 0
+        for i, char in enumerate(text):
+            depth += char == "("
+            depth -= char == ")"
+            if depth == 0:
+                return text[: i + 1], text[i + 1 :].lstrip()
+    type_, _, rest = text.partition(" ")
+    return type_, rest
+
+
+def _parse_instruction(line: str, computation: str) -> Instruction | None:
+    match = _INSTRUCTION.match(line)
+    if match is None:
+        return None
+    root, name, rest = match.groups()
+    type_, rest = _split_type(rest)
+    opcode_match = re.match(r"([\w\-]+)\(", rest)
+    if opcode_match is None:
+        return None
+    opcode = opcode_match.group(1)
+    start = opcode_match.end()
+    if opcode == "constant" and not rest.startswith("(", start):
+        end = rest.find(")", start)  # a literal (braces and numbers only) can be long: skip it whole
+        end = len(rest) if end < 0 else end
+    else:
+        end = _top_level_end(rest, start, ")")
+    operand_text = rest[start:end]
+    operands = tuple(re.findall(r"%([\w.\-]+)", operand_text))
+    if opcode == "parameter":
+        operands = (operand_text.strip(),)  # its number
+    if not operands and operand_text.strip() and opcode not in ("parameter", "constant", "iota"):
+        # Printed without '%' sigils: names are the last word of each comma-separated operand.
+        operands = tuple(part.split()[-1] for part in operand_text.split(",") if part.split())
+    attributes = rest[end + 1 :].lstrip(", ")
+    return Instruction(name, type_, opcode, operands, attributes, computation, bool(root))
+
+
+def parse_module(text: str) -> Module:
+    """Parses the text of a compiled HLO module (``compiled.as_text()``)."""
+    computations: dict[str, list[Instruction]] = {}
+    entry = None
+    current: str | None = None
+    partitions = re.search(r"num_partitions=(\d+)", text)
+    files: dict[int, str] = {}
+    locations: dict[int, tuple[int, int]] = {}
+    frame_locations: dict[int, int] = {}
+    table = None
+    for line in text.splitlines():
+        stripped = line.strip()
+        if current is None:
+            if stripped in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+                table = stripped
+                continue
+            if table and re.match(r"^\d+\s", stripped):
+                number, _, value = stripped.partition(" ")
+                if table == "FileNames":
+                    files[int(number)] = value.strip().strip('"')
+                elif table == "FileLocations":
+                    file_id = re.search(r"file_name_id=(\d+)", value)
+                    line_no = re.search(r"\bline=(\d+)", value)
+                    if file_id and line_no:
+                        locations[int(number)] = (int(file_id.group(1)), int(line_no.group(1)))
+                elif table == "StackFrames":
+                    location = re.search(r"file_location_id=(\d+)", value)
+                    if location:
+                        frame_locations[int(number)] = int(location.group(1))
+                continue
+            match = _COMPUTATION.match(line)
+            if match and not stripped.startswith("HloModule"):
+                table = None
+                current = match.group(2)
+                computations[current] = []
+                if match.group(1):
+                    entry = current
+            continue
+        if stripped == "}":
+            current = None
+            continue
+        instruction = _parse_instruction(line, current)
+        if instruction is not None:
+            computations[current].append(instruction)
+    if entry is None:
+        raise AssertionError(
+            "einshard cannot read this XLA text (please report it): no ENTRY computation in the HLO text"
+        )
+    frames = {}
+    for frame, location in frame_locations.items():
+        if location in locations:
+            file_id, number = locations[location]
+            frames[frame] = (files.get(file_id, "?"), number)
+    return Module(computations, entry, int(partitions.group(1)) if partitions else 1, frames)
+
+
+# --- device groups ---------------------------------------------------------------------------------
+
+
+def _iota_groups(text: str) -> list[list[int]]:
+    """``[G,S]<=[d1,d2,...]T(perm)``: iota over the dims, transposed, reshaped into G groups of S."""
+    match = re.fullmatch(r"\[([\d,]+)\]\s*<=\s*\[([\d,]+)\]\s*(?:T\(([\d,]+)\))?", text.strip())
+    if match is None:
+        raise AssertionError(
+            f"einshard cannot read this XLA text (please report it): unknown iota replica groups {text!r}"
+        )
+    shape = [int(n) for n in match.group(1).split(",")]
+    dims = [int(n) for n in match.group(2).split(",")]
+    perm = [int(n) for n in match.group(3).split(",")] if match.group(3) else list(range(len(dims)))
+    ids = _transposed_iota(dims, perm)
+    size = shape[-1] if len(shape) > 1 else shape[0]
+    return [ids[i : i + size] for i in range(0, len(ids), size)]
+
+
+def _transposed_iota(dims: Sequence[int], perm: Sequence[int]) -> list[int]:
+    """The flat ids of ``iota(prod(dims)).reshape(dims).transpose(perm)``, row-major."""
+    strides = [math.prod(dims[i + 1 :]) for i in range(len(dims))]
+    out_dims = [dims[p] for p in perm]
+    return [
+        sum(index[k] * strides[perm[k]] for k in range(len(perm)))
+        for index in itertools.product(*(range(d) for d in out_dims))
+    ]
+
+
+_MESH_AXIS = re.compile(r"'?([^'=,\s\]]+)'?\s*=\s*(\d+)")
+
+
+def _named_groups(text: str) -> list[list[int]]:
+    """The groups of the named-mesh form ``mesh['a'=2,'b'=4] {'b'}``.
+
+    The mesh may carry device ids after its axes, and the groups name sub-axes ``'b':(1)2``:
+    each group holds the devices that vary over the listed (sub-)axes, the others fixed.
+    """
+    match = re.match(r"mesh\[(.*?)\],?\s*(.*?)\s*\{([^{}]*)\}\s*$", text.strip(), re.DOTALL)
+    if match is None:
+        raise AssertionError(
+            "einshard cannot read this XLA text (please report it): "
+            f"unknown named-mesh replica groups {text!r}"
+        )
+    axes = [(name, int(size)) for name, size in _MESH_AXIS.findall(match.group(1))]
+    devices_text = match.group(2).strip()
+    total = math.prod(size for _, size in axes)
+    if devices_text:
+        iota = re.search(r"(?:<=|device_ids=\()\s*\[([\d,]+)\]\s*(?:T\(([\d,]+)\))?", devices_text)
+        listed = re.search(r"\[([\d,\s]+)\]", devices_text)
+        if iota:
+            dims = [int(n) for n in iota.group(1).split(",")]
+            perm = [int(n) for n in iota.group(2).split(",")] if iota.group(2) else list(range(len(dims)))
+            ids = _transposed_iota(dims, perm)
+        elif listed:
+            ids = [int(n) for n in listed.group(1).split(",") if n.strip()]
+        else:
+            raise AssertionError(
+                "einshard cannot read this XLA text (please report it): "
+                f"unknown device ids in named-mesh replica groups {text!r}"
+            )
+    else:
+        ids = list(range(total))
+    # Split each axis into its sub-axes as named (pre-size, size), finest first within an axis.
+    factors: list[tuple[str, int, int]] = []  # (axis, pre, size) for every piece, in mesh order
+    chosen = []
+    for item in re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", match.group(3)):
+        chosen.append((item[0], int(item[1]) if item[1] else None, int(item[2]) if item[2] else None))
+    for name, size in axes:
+        cuts = sorted(
+            {1, size}
+            | {p for n, p, s in chosen if n == name and p}
+            | {p * s for n, p, s in chosen if n == name and p and s}
+        )
+        for pre, nxt in itertools.pairwise(cuts):
+            factors.append((name, pre, nxt // pre))
+    varying = set()
+    for name, pre, size in chosen:
+        for index, (axis, p, s) in enumerate(factors):
+            if axis == name and (pre is None or (p >= pre and p * s <= pre * size)):
+                varying.add(index)
+    # Within an axis, a smaller pre-size is the more major piece.
+    ordered = []
+    for name, _ in axes:
+        ordered += sorted((i for i, f in enumerate(factors) if f[0] == name), key=lambda i: factors[i][1])
+    sizes = [factors[i][2] for i in ordered]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for position, coords in enumerate(itertools.product(*(range(s) for s in sizes))):
+        key = tuple(c for c, i in zip(coords, ordered, strict=True) if i not in varying)
+        groups.setdefault(key, []).append(ids[position])
+    return list(groups.values())
+
+
+def parse_replica_groups(text: str | None, num_devices: int) -> list[list[int]]:
+    """Device groups from a ``replica_groups=`` value, in any of the forms XLA prints.
+
+    >>> parse_replica_groups('{{0,1},{2,3}}', 4)
+    [[0, 1], [2, 3]]
+    >>> parse_replica_groups('[2,2]<=[2,2]T(1,0)', 4)
+    [[0, 2], [1, 3]]
+    >>> parse_replica_groups("mesh['a'=2,'b'=2] {'a'}", 4)
+    [[0, 2], [1, 3]]
+    """
+    if text is None or text.strip() in ("", "{}"):
+        return [list(range(num_devices))]
+    text = text.strip()
+    if text.startswith("{"):
+        groups = [
+            [int(n) for n in group.split(",") if n.strip()]
+            for group in re.findall(r"\{([\d,\s]*)\}", text[1:-1])
+        ]
+        return groups or [list(range(num_devices))]
+    if text.startswith("["):
+        return _iota_groups(text)
+    if text.startswith("mesh"):
+        return _named_groups(text)
+    raise AssertionError(
+        f"einshard cannot read this XLA text (please report it): unknown replica groups {text!r}"
+    )
+
+
+def device_groups(instruction: Instruction, num_devices: int) -> list[list[int]]:
+    """The device groups a collective runs over (a permute: the devices of each cycle)."""
+    pairs = instruction.attribute("source_target_pairs")
+    if instruction.opcode.startswith("collective-permute") and pairs is not None:
+        edges = [tuple(int(n) for n in pair.split(",")) for pair in re.findall(r"\{(\d+,\d+)\}", pairs)]
+        return _connected(edges)
+    return parse_replica_groups(instruction.attribute("replica_groups"), num_devices)
+
+
+def _connected(edges: Iterable[tuple[int, ...]]) -> list[list[int]]:
+    parent: dict[int, int] = {}
+
+    def find(x: int) -> int:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for a, b in edges:
+        parent[find(a)] = find(b)
+    groups: dict[int, list[int]] = {}
+    for x in sorted(parent):
+        groups.setdefault(find(x), []).append(x)
+    return list(groups.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction, as read from the text (before mapping onto a mesh)."""
+
+    instruction: Instruction
+    kind: str
+    groups: tuple[tuple[int, ...], ...]
+    times: int
+    times_known: bool
+
+
+def collectives(module: Module) -> list[Collective]:
+    """Every collective of the program that runs, with its groups and how often it runs."""
+    runs = module.times()
+    out = []
+    for computation, instructions in module.computations.items():
+        times, known = runs.get(computation, (0, True))
+        if times == 0:
+            continue
+        for instruction in instructions:
+            kind = COLLECTIVES.get(instruction.opcode)
+            if kind is None:
+                continue
+            groups = tuple(tuple(g) for g in device_groups(instruction, module.num_partitions))
+            out.append(Collective(instruction, kind, groups, times, known))
+    return out
