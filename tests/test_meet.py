@@ -31,6 +31,7 @@ import warnings
 from pathlib import Path
 
 import jax
+import jaxlib
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -45,7 +46,7 @@ from conftest import N_DEVICES  # type: ignore[import-not-found]
 HERE = Path(__file__).parent
 WORKER = HERE / "meet_worker.py"
 XLA_ABORT = "Could not slice dimension"  # hlo_sharding_util.cc's check, see docs/expressions.md
-JAXLIB = tuple(int(part) for part in jax.lib.__version__.split(".")[:3] if part.isdigit())
+JAXLIB = tuple(int(part) for part in jaxlib.__version__.split(".")[:3] if part.isdigit())
 SHARDY_BUG = JAXLIB >= (0, 12, 0)  # first seen in jaxlib 0.12.0; 0.8.1 to 0.11.0 compile these cases
 
 # The suite's own device count (nox -s tests runs this module at 8, 16, 6 and 12).
