@@ -15,8 +15,8 @@ import jax
 import numpy as np
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from oracles import assert_catalogued
 from reference_v020 import blocks_v020, expected_blocks, index_blocks
-from test_error_catalogue import MESSAGES, TEXT
 
 import einshard
 from conftest import N_DEVICES
@@ -28,25 +28,6 @@ REGEX_ALPHABET = "abw/0123456789.*+?()[]{}|^$\\-"
 
 relaxed = settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 REPLICATE = "... -> * ..."
-
-
-def _message_regex(template):
-    return re.compile("".join("(?s:.*)" if part is None else re.escape(part) for part in template))
-
-
-# The catalogue's messages: those the source raises that docs/errors.md shows.
-CATALOGUED = {
-    kind: [_message_regex(m.template) for m in MESSAGES if m.kind == kind and m.pattern().search(TEXT)]
-    for kind in ("error", "context")
-}
-
-
-def assert_catalogued(error):
-    """The error's headline and context lines are messages docs/errors.md shows."""
-    assert str(error).startswith(error.headline)
-    assert any(t.fullmatch(error.headline) for t in CATALOGUED["error"]), f"uncatalogued: {error.headline!r}"
-    for line in error.context:
-        assert any(t.fullmatch(line) for t in CATALOGUED["context"]), f"uncatalogued context: {line!r}"
 
 
 def expressions_or_junk():
