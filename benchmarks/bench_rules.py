@@ -19,8 +19,10 @@ tensor parallelism (the first matching regex wins; the last rule replicates):
    and tree again (every memo filled). Bar: cold ≤ 2 µs per leaf, on both
    trees. For reference, an EasyLM ``match_partition_rules`` (key path to a
    ``'/'``-joined string, ``re.search`` rule by rule, a ``PartitionSpec`` per
-   leaf), written here as EasyLM writes it, after the same regex-cache purge;
-   the ``÷ EasyLM`` column is measured in the same run.
+   leaf), written here as EasyLM writes it, timed cold (after the same
+   regex-cache purge) and warm (Python's regex cache filled); the ``÷ EasyLM``
+   column divides cold rows by the cold EasyLM time and warm rows by the warm
+   one, measured in the same run.
 2. **shard_pytree**: ``einshard.shard_pytree(tree, rules)`` (A) against
    ``jax.device_put(tree, shardings)`` with ``shardings =
    einshard.pytree_shardings(tree, rules)`` computed beforehand (B), on a
@@ -332,7 +334,13 @@ def resolve_rows(reps: int, seconds: float) -> tuple[list[list[str]], list[dict[
                 ),
                 "fresh": (seen, lambda t: einshard.pytree_shardings(t, einshard.Rules(LLAMA_RULES))),
                 "warm": (seen, lambda t, r=warm_rules: einshard.pytree_shardings(t, r)),
-                "easylm": (lambda t=tree: fresh_regexes(t), lambda t: match_partition_rules(EASYLM_RULES, t)),
+                # EasyLM both ways: after the purge (to divide cold rows by) and with Python's regex
+                # cache filled (to divide warm rows by).
+                "easylm_cold": (
+                    lambda t=tree: fresh_regexes(t),
+                    lambda t: match_partition_rules(EASYLM_RULES, t),
+                ),
+                "easylm": (lambda t=tree: t, lambda t: match_partition_rules(EASYLM_RULES, t)),
                 "flatten": (lambda t=tree: t, jax.tree_util.tree_flatten_with_path),
             },
             reps,
@@ -342,18 +350,30 @@ def resolve_rows(reps: int, seconds: float) -> tuple[list[list[str]], list[dict[
         ok = us["cold"] <= RESOLVE_BAR_US
         failed |= not ok
         label = f"{name} ({n} leaves)"
+        # Each row with the EasyLM reference measured the same way: cold rows after the regex-cache
+        # purge, the others with every cache filled.
         measures = [
-            ("cold", "cold: new Rules, unseen tree, regexes compiled", us["cold"], _common.verdict(ok)),
-            ("fresh", "new Rules from the same pairs, known tree", us["fresh"], "info"),
-            ("warm", "warm: the same Rules and tree again", us["warm"], "info"),
+            (
+                "cold",
+                "cold: new Rules, unseen tree, regexes compiled",
+                us["cold"],
+                _common.verdict(ok),
+                "cold",
+            ),
+            ("fresh", "new Rules from the same pairs, known tree", us["fresh"], "info", "warm"),
+            ("warm", "warm: the same Rules and tree again", us["warm"], "info", "warm"),
         ]
         if first is not None:
-            measures.append(("first", "the first call in the process", first / n * 1e6, "info"))
-        measures.append(("easylm", "EasyLM match_partition_rules", us["easylm"], "reference"))
-        measures.append(("flatten", "tree_flatten_with_path alone", us["flatten"], "floor"))
+            measures.append(("first", "the first call in the process", first / n * 1e6, "info", "cold"))
+        measures.append(
+            ("easylm_cold", "EasyLM match_partition_rules, cold", us["easylm_cold"], "reference", "cold")
+        )
+        measures.append(("easylm", "EasyLM match_partition_rules, warm", us["easylm"], "reference", "warm"))
+        measures.append(("flatten", "tree_flatten_with_path alone", us["flatten"], "floor", "warm"))
+        reference = {"cold": us["easylm_cold"], "warm": us["easylm"]}
         rows += [
-            [label, measure, f"{value:.2f}", f"{value / us['easylm']:.2f}", verdict]
-            for _, measure, value, verdict in measures
+            [label, measure, f"{value:.2f}", f"{value / reference[against]:.2f}", against, verdict]
+            for _, measure, value, verdict, against in measures
         ]
         records += [
             {
@@ -362,11 +382,12 @@ def resolve_rows(reps: int, seconds: float) -> tuple[list[list[str]], list[dict[
                 "key": key,
                 "measure": measure,
                 "us_per_leaf": value,
-                "over_easylm": value / us["easylm"],
+                "over_easylm": value / reference[against],
+                "easylm_reference": against,
                 "bar": RESOLVE_BAR_US if key == "cold" else None,
                 "verdict": verdict,
             }
-            for key, measure, value, verdict in measures
+            for key, measure, value, verdict, against in measures
         ]
     return rows, records, failed
 
@@ -442,21 +463,45 @@ def _status() -> dict[str, int]:
     return values
 
 
-def xla_temp_bytes(mode: str, init_fn: Callable[..., Any], rules: einshard.Rules, key: jax.Array) -> int:
-    """The scratch memory XLA's buffer assignment gives the init program, over all devices.
+def xla_temp_bytes(
+    mode: str, init_fn: Callable[..., Any], rules: einshard.Rules, key: jax.Array
+) -> tuple[int, int]:
+    """The scratch memory XLA's buffer assignment gives the init's programs, and how many there are.
 
-    Compiled again after the measurement (the program init_sharded ran is not reachable), for the
-    same shardings, so it is the same program.
+    ``init_sharded`` compiles a model of this size in parts, one program each, run one after
+    another: the scratch alive at once is the largest part's, times 8 (a sharded program runs
+    once per device, each with its own scratch). The programs are the ones it really makes: it
+    is called again with ``jax.jit`` wrapped, so that each function it compiles is lowered and
+    compiled for its arguments and answered with shapes, not run. Init-then-shard compiles
+    ``init_fn`` as one program, on one device. Returns ``(-1, programs)`` when XLA gives no memory
+    analysis or no program was caught (an einshard that no longer calls ``jax.jit``).
     """
+    compiled: list[Any] = []
     if mode == "init_sharded":
-        shardings = einshard.pytree_shardings(jax.eval_shape(init_fn, key), rules)
-        compiled = jax.jit(init_fn, out_shardings=shardings).lower(key).compile()
-        devices = N_DEVICES  # one program per device, each with its own scratch
+        real_jit = jax.jit
+
+        def recording_jit(fun: Callable[..., Any], *jit_args: Any, **jit_kwargs: Any) -> Callable[..., Any]:
+            jitted = real_jit(fun, *jit_args, **jit_kwargs)
+
+            def compile_only(*args: Any, **kwargs: Any) -> Any:
+                compiled.append(jitted.lower(*args, **kwargs).compile())
+                return jax.eval_shape(jitted, *args, **kwargs)
+
+            return compile_only
+
+        jax.jit = recording_jit
+        try:
+            einshard.init_sharded(init_fn, rules, key)
+        finally:
+            jax.jit = real_jit
+        devices = N_DEVICES
     else:
-        compiled = jax.jit(init_fn).lower(key).compile()
+        compiled.append(jax.jit(init_fn).lower(key).compile())
         devices = 1
-    analysis = compiled.memory_analysis()
-    return -1 if analysis is None else analysis.temp_size_in_bytes * devices
+    analyses = [program.memory_analysis() for program in compiled]
+    if not analyses or any(analysis is None for analysis in analyses):
+        return -1, len(compiled)
+    return max(analysis.temp_size_in_bytes for analysis in analyses) * devices, len(compiled)
 
 
 def memory_child(mode: str) -> int:
@@ -491,7 +536,7 @@ def memory_child(mode: str) -> int:
         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     )
     model = tree_bytes(params)
-    temp = xla_temp_bytes(mode, init_fn, rules, key)
+    temp, programs = xla_temp_bytes(mode, init_fn, rules, key)
     # Every leaf of 1 MiB or more must be split over all 8 devices, one eighth each.
     for leaf in jax.tree.leaves(params):
         if leaf.nbytes >= 2**20:
@@ -508,6 +553,7 @@ def memory_child(mode: str) -> int:
                 "seconds": seconds,
                 "method": method,
                 "xla_temp": temp,
+                "xla_programs": programs,
             }
         )
     )
@@ -546,6 +592,7 @@ def memory_rows() -> tuple[list[list[str]], list[dict[str, Any]], bool, str]:
                 f"{result['model'] / 2**30:.2f}",
                 f"{result['peak'] / 2**30:.2f}",
                 f"{temp / 2**30:.2f}" if temp >= 0 else "?",
+                str(result["xla_programs"]),
                 f"{result['after'] / 2**30:.2f}",
                 f"{result['seconds']:.1f}",
                 f"{ratio:.2f}",
@@ -558,6 +605,7 @@ def memory_rows() -> tuple[list[list[str]], list[dict[str, Any]], bool, str]:
                 "model_bytes": result["model"],
                 "peak_bytes": result["peak"],
                 "xla_temp_bytes": temp if temp >= 0 else None,
+                "xla_programs": result["xla_programs"],
                 "after_bytes": result["after"],
                 "seconds": result["seconds"],
                 "peak_over_model": ratio,
@@ -600,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
         "resolve",
         "Resolving rules: pytree_shardings(abstract tree, rules), µs per leaf; "
         f"bar: cold <= {RESOLVE_BAR_US:g}",
-        ["tree", "measure", "µs per leaf", "÷ EasyLM", "bar"],
+        ["tree", "measure", "µs per leaf", "÷ EasyLM", "EasyLM run", "bar"],
         rows,
         {"µs per leaf", "÷ EasyLM"},
         bar=RESOLVE_BAR_US,
@@ -627,9 +675,19 @@ def main(argv: list[str] | None = None) -> int:
             "memory",
             f"Peak host memory of an init, a fresh process each ({method} - RSS after starting JAX); "
             f"bar: init_sharded <= {MEMORY_BAR} x model",
-            ["init", "model GiB", "peak GiB", "XLA temp GiB", "after GiB", "seconds", "peak / model", "bar"],
+            [
+                "init",
+                "model GiB",
+                "peak GiB",
+                "XLA temp GiB",
+                "programs",
+                "after GiB",
+                "seconds",
+                "peak / model",
+                "bar",
+            ],
             rows,
-            {"model GiB", "peak GiB", "XLA temp GiB", "after GiB", "seconds", "peak / model"},
+            {"model GiB", "peak GiB", "XLA temp GiB", "programs", "after GiB", "seconds", "peak / model"},
             bar=MEMORY_BAR,
             records=records,
         )

@@ -141,7 +141,59 @@ def main_scenario(jax):
     result["loss"] = float(np.asarray(loss.addressable_data(0)))
     result["new_w1"] = shards(new_params["w1"])
     result["new_w2"] = shards(new_params["w2"])
+    result["local_inputs"] = local_inputs_scenario(jax)
     return result
+
+
+def local_optax_state(params):
+    """Adam's state after one step with the parameters as gradients: moments that are not zeros."""
+    import optax
+
+    tx = optax.adam(1e-3)
+    _, state = tx.update(params, tx.init(params), params)
+    return state
+
+
+def local_inputs_scenario(jax):
+    """shard_pytree, init_sharded and optax state from arrays committed to this process's devices.
+
+    Each process holds the whole value on one of its own devices (as after a
+    local computation); einshard must give every process's devices their own
+    blocks of it.
+    """
+    import einshard
+
+    local = jax.local_devices()
+    params = {
+        "w1": jax.device_put(full_value((8, 16)), local[0]),
+        "b": jax.device_put(full_value((16,)) + 1, local[2]),
+        "w2": jax.device_put(full_value((16, 8)) - 3, local[3]),
+    }
+    tree = einshard.shard_pytree(params, RULES)
+    out = {"pytree": {name: shards(leaf) for name, leaf in tree.items()}}
+    born = einshard.init_sharded(
+        lambda key: {"w1": jax.random.normal(key, (8, 16)), "w2": jax.random.uniform(key, (16, 8))},
+        RULES,
+        jax.random.key(1),
+    )
+    out["init"] = {name: shards(leaf) for name, leaf in born.items()}
+    try:
+        from einshard.integrations.optax import init_sharded as init_opt_state
+        from einshard.integrations.optax import shard_opt_state
+    except ImportError:
+        return out
+    import optax
+
+    state = shard_opt_state(local_optax_state(jax.device_put(params, local[1])), tree)
+    adam = state[0]
+    out["optax"] = {
+        "count": shards(adam.count),
+        **{f"mu/{name}": shards(leaf) for name, leaf in adam.mu.items()},
+        **{f"nu/{name}": shards(leaf) for name, leaf in adam.nu.items()},
+    }
+    born_state = init_opt_state(optax.adam(1e-3), tree)[0]
+    out["optax_init"] = {f"mu/{name}": shards(leaf) for name, leaf in born_state.mu.items()}
+    return out
 
 
 def die_scenario(jax, process_id):

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from reference_v020 import make_sharding_v020
+from reference_v020 import expected_blocks, index_blocks, make_sharding_v020
 
 import einshard
 from conftest import N_DEVICES
@@ -177,18 +177,26 @@ class TestTraced:
             return jnp.sum(w**2)
 
         w = jnp.arange(2.0 * N_DEVICES * 3).reshape(2 * N_DEVICES, 3)
-        np.testing.assert_allclose(np.asarray(jax.jit(jax.grad(loss))(w)), 2 * np.asarray(w))
-        np.testing.assert_allclose(np.asarray(jax.grad(loss)(w)), 2 * np.asarray(w))
+        # The cotangent is constrained like the value: the gradient comes out laid out as 'a* b'.
+        expected = expected_blocks("a b -> a* b", w.shape, jax.devices())
+        for grad in (jax.jit(jax.grad(loss))(w), jax.grad(loss)(w)):
+            np.testing.assert_allclose(np.asarray(grad), 2 * np.asarray(w))
+            assert index_blocks(grad.sharding, w.shape, (N_DEVICES, 1)) == expected
 
     def test_vmap_constrains_the_example_axes(self):
         @jax.jit
         def f(batch):
             return jax.vmap(lambda row: einshard.einshard(row + 1, "f -> f*"))(batch)
 
-        x = jnp.zeros((3, 2 * N_DEVICES))
+        x = jnp.arange(3.0 * 2 * N_DEVICES).reshape(3, 2 * N_DEVICES)
         y = f(x)
-        np.testing.assert_array_equal(np.asarray(y), 1)
-        assert y.sharding.shard_shape(y.shape) == (3, 2)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(x) + 1)
+        # The vmapped axis stays whole; each device holds its columns of every row.
+        assert index_blocks(y.sharding, y.shape, (1, N_DEVICES)) == expected_blocks(
+            "b f -> b f*", y.shape, jax.devices()
+        )
+        for shard in y.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(x)[shard.index] + 1)
 
     def test_errors_inside_jit_are_einshard_errors(self):
         with pytest.raises(EinshardError, match="right-hand side but not on the left"):

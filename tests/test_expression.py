@@ -5,6 +5,7 @@ import string
 import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
+from oracles import assert_catalogued
 
 import einshard
 from einshard import EinshardError
@@ -336,11 +337,22 @@ def test_any_string_gives_a_layout_or_an_einshard_error(text, n_devices, n_dims)
 
 @settings(max_examples=500, deadline=None)
 @given(text=st.text(max_size=20))
-def test_arbitrary_unicode_never_crashes(text):
+@example(text="a b->b a")
+@example(text="x y -> x y* z")
+def test_arbitrary_unicode_parses_to_its_tokens_or_a_catalogued_error(text):
     try:
-        einshard.parse(text)
+        expression = einshard.parse(text)
     except EinshardError as error:
-        str(error)
+        assert_catalogued(error)
+        if error.span is not None:
+            assert 0 <= error.span[0] <= error.span[1] <= len(text)
+        return
+    # Parsed: one arrow, and the canonical spelling is the written elements, single-spaced.
+    assert text.count("->") == 1
+    left, right = text.split("->")
+    assert str(expression) == f"{' '.join(left.split())} -> {' '.join(right.split())}".strip()
+    assert expression.left_names == tuple(name for name in left.split() if name != "...")
+    assert str(einshard.parse(str(expression))) == str(expression)
 
 
 names = st.text(alphabet=string.ascii_letters + "_", min_size=1, max_size=3)

@@ -153,6 +153,47 @@ def test_shard_pytree_and_init_sharded(cluster):
         check_shards(report, report["init"], "x y -> x y*", born)
 
 
+# Arrays committed to one device of each process (as after a local computation): every process's
+# devices must get their own blocks of the value, through shard_pytree, init_sharded and optax.
+LOCAL_PARAMS = {"w1": full_value((8, 16)), "b": full_value((16,)) + 1, "w2": full_value((16, 8)) - 3}
+LOCAL_EXPRESSIONS = {"w1": "x y -> x y*", "b": "... -> * ...", "w2": "y z -> y* z"}
+
+
+def test_shard_pytree_of_process_local_arrays(cluster):
+    for report in cluster:
+        for name, value in LOCAL_PARAMS.items():
+            check_shards(report, report["local_inputs"]["pytree"][name], LOCAL_EXPRESSIONS[name], value)
+
+
+def test_init_sharded_blocks_on_every_process(cluster):
+    with jax.default_device(jax.devices("cpu")[0]):
+        key = jax.random.key(1)
+        born = {
+            "w1": np.asarray(jax.random.normal(key, (8, 16))),
+            "w2": np.asarray(jax.random.uniform(key, (16, 8))),
+        }
+    for report in cluster:
+        for name, value in born.items():
+            check_shards(report, report["local_inputs"]["init"][name], LOCAL_EXPRESSIONS[name], value)
+
+
+def test_optax_state_of_process_local_arrays(cluster):
+    pytest.importorskip("optax")
+    from multihost_worker import local_optax_state
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        adam = jax.tree.map(np.asarray, local_optax_state(LOCAL_PARAMS))[0]
+    assert adam.mu["w1"].any() and adam.nu["w2"].any()  # the check below could not miss zeros
+    for report in cluster:
+        state = report["local_inputs"]["optax"]
+        check_shards(report, state["count"], "... -> * ...", np.asarray(adam.count, np.float32))
+        for name, expression in LOCAL_EXPRESSIONS.items():
+            check_shards(report, state[f"mu/{name}"], expression, adam.mu[name], 1e-6)
+            check_shards(report, state[f"nu/{name}"], expression, adam.nu[name], 1e-6)
+            zeros = np.zeros_like(LOCAL_PARAMS[name])
+            check_shards(report, report["local_inputs"]["optax_init"][f"mu/{name}"], expression, zeros)
+
+
 def test_batch_from_process_local_rows(cluster):
     _, x, _ = mlp_problem()
     for report in cluster:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference_v020 import blocks_v020, expected_blocks, index_blocks
 
 import einshard
 from conftest import N_DEVICES
@@ -262,10 +263,21 @@ class TestAbstractAndBorn:
         assert params["b"].sharding.is_fully_replicated
 
     def test_init_sharded_never_materialises_whole(self):
-        # The compiled init's outputs are sharded: no device holds a whole w1.
+        # The compiled init's outputs are sharded: each device holds its own block of w1, and only it.
         key = jax.random.key(2)
         params = einshard.init_sharded(self.init, self.rules, key, 4 * N_DEVICES)
-        assert {shard.data.shape for shard in params["w1"].addressable_shards} == {(16, 4)}
+        plain = self.init(key, 4 * N_DEVICES)
+        for name, expression in (("w1", "x y -> x y*"), ("w2", "y z -> y* z")):
+            shape = plain[name].shape
+            shards, _ = blocks_v020(expression, 2, N_DEVICES)
+            assert index_blocks(params[name].sharding, shape, shards) == expected_blocks(
+                expression, shape, jax.devices()
+            )
+            for shard in params[name].addressable_shards:
+                assert shard.data.shape != shape
+                np.testing.assert_allclose(
+                    np.asarray(shard.data), np.asarray(plain[name])[shard.index], rtol=1e-6
+                )
 
     def test_shape_dtype_structs_get_their_sharding(self):
         abstract = jax.eval_shape(functools.partial(self.init, width=4 * N_DEVICES), jax.random.key(0))
@@ -308,9 +320,26 @@ class TestExplain:
         assert report.total_bytes == 1024 * 512 * 2 + 512 * 4 + 512 * 2048 * 4
         assert report.max_bytes_per_device == 4 * 512 * 2 + 512 * 4 + 512 * 8 * 4
         assert [rule.pattern for rule in report.unused_rules] == ["norm"]
-        assert report.replication_overhead == pytest.approx(
-            256 * report.max_bytes_per_device / report.total_bytes
-        )
+        # Only n (2048 bytes) is replicated: 255 extra copies over the 5,244,928 bytes of the model.
+        assert report.replication_overhead == pytest.approx((5_244_928 + 255 * 2048) / 5_244_928)
+
+    @pytest.mark.parametrize(
+        ("rules", "overhead"),
+        [
+            ([(".*", "x y -> x* y")], 1.0),  # both split: one copy in all
+            ([(".*", REPLICATE)], 4.0),  # both whole on each of 4 devices
+            ([("a", "x y -> x y*"), (".*", REPLICATE)], 2.5),  # a once, b four times: 5 arrays' worth of 2
+            ([("a", "x y -> 2 x2 y"), (".*", "x y -> x* y")], 1.5),  # a twice, b once: 3 of 2
+        ],
+    )
+    def test_replication_overhead_by_hand(self, rules, overhead):
+        tree = {
+            "a": jax.ShapeDtypeStruct((8, 8), jnp.float32),
+            "b": jax.ShapeDtypeStruct((8, 8), jnp.float32),
+        }
+        report = einshard.explain(tree, rules, n_devices=4)
+        assert report.total_bytes == 2 * 8 * 8 * 4
+        assert report.replication_overhead == overhead
 
     def test_table(self):
         text = str(einshard.explain(self.tree, self.rules, n_devices=256))

@@ -61,6 +61,7 @@ from .._errors import EinshardError
 from .._explain import Report, ReportRow, _itemsize
 from .._expression import parse
 from .._layout import Layout, compile_layout
+from .._multihost import place_many
 from .._pytrees import REPLICATE, LeafPlan, _device_count, is_array_leaf, plan_tree
 from .._rules import Rules, RulesLike, path_string
 
@@ -420,7 +421,8 @@ def shard_opt_state(opt_state: Any, params: Any) -> Any:
             batch_leaves.append(leaf)
             batch_shardings.append(sharding)
     if batch_leaves:
-        for i, placed in zip(batch_at, jax.device_put(batch_leaves, batch_shardings), strict=True):
+        # place_many: a state committed to this process's devices is placed over all processes' too.
+        for i, placed in zip(batch_at, place_many(batch_leaves, batch_shardings), strict=True):
             out[i] = placed
     return jax.tree_util.tree_unflatten(treedef, out)
 
