@@ -1,0 +1,88 @@
+"""A newcomer's first hour: the README's commands, missing frameworks, one device, swapped arguments."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Runs in a fresh interpreter: hides one framework (None in sys.modules makes its import fail as if
+# it were not installed), imports the integration, and prints the error it raised.
+HIDDEN_FRAMEWORK = """
+import sys
+sys.modules[{hidden!r}] = None
+try:
+    import einshard.integrations.{integration}
+except ImportError as error:
+    print(type(error).__name__, error, sep=": ")
+    print("cause:", type(error.__cause__).__name__, getattr(error.__cause__, "name", None))
+else:
+    print("imported")
+"""
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", **env}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=300, cwd=ROOT
+    )
+
+
+@pytest.mark.parametrize(
+    ("integration", "hidden", "pretty"),
+    [
+        ("flax", "flax", "Flax"),
+        ("equinox", "equinox", "Equinox"),
+        ("optax", "optax", "optax"),
+        ("orbax", "orbax.checkpoint", "orbax-checkpoint"),
+    ],
+)
+def test_a_missing_framework_says_how_to_install_it(integration, hidden, pretty):
+    pytest.importorskip("orbax.checkpoint" if integration == "orbax" else integration)
+    done = _python(HIDDEN_FRAMEWORK.format(hidden=hidden, integration=integration))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        f"ImportError: einshard.integrations.{integration} needs {pretty}, which is not installed; "
+        f"install it with: pip install 'einshard[{integration}]'",
+        f"cause: ModuleNotFoundError {hidden}",
+    ]
+
+
+def test_a_broken_framework_keeps_its_own_error():
+    """Flax installed but missing something it imports: the message must not say to install Flax."""
+    pytest.importorskip("flax")
+    code = HIDDEN_FRAMEWORK.format(hidden="msgpack", integration="flax")
+    done = _python(code)
+    assert done.returncode == 0, done.stderr
+    if done.stdout.startswith("imported"):
+        pytest.skip("this Flax does not import msgpack when einshard's integration imports it")
+    assert done.stdout.splitlines()[0].startswith("ModuleNotFoundError: import of msgpack halted")
+    assert "einshard[flax]" not in done.stdout
+
+
+def _readme_commands() -> list[str]:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```sh\n(.*?)^```", readme, re.MULTILINE | re.DOTALL)
+    return [line for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def test_ci_runs_the_readmes_commands_verbatim():
+    commands = _readme_commands()
+    run, tests = commands[0], commands[1]
+    assert "examples/mlp_tensor_parallel.py" in run and "-s tests" in tests
+    ci_lines = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert run in ci_lines and tests in ci_lines
+
+
+def test_the_readmes_commands_install_into_a_virtual_environment():
+    """pip refuses to install into an externally managed (PEP 668) system Python: the commands must not."""
+    for command in _readme_commands():
+        steps = [step.strip() for step in command.split("&&")]
+        assert steps[0] == "python3 -m venv .venv", command
+        assert all(not step.startswith(("python3 -m pip", "pip ")) for step in steps), command
