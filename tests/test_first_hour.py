@@ -86,3 +86,67 @@ def test_the_readmes_commands_install_into_a_virtual_environment():
         steps = [step.strip() for step in command.split("&&")]
         assert steps[0] == "python3 -m venv .venv", command
         assert all(not step.startswith(("python3 -m pip", "pip ")) for step in steps), command
+
+
+ONE_DEVICE = """
+import warnings
+import jax, jax.numpy as jnp
+import einshard
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    w = einshard.einshard(jnp.zeros((128, 256)), 'x y -> x y*')
+    einshard.einshard(jnp.zeros((8,)), 'x -> x*')
+    einshard.make_sharding('x y -> y* x')
+print(len(jax.devices()), w.sharding.shard_shape(w.shape))
+for warning in caught:
+    print(warning.category.__name__, warning.filename, warning.lineno, warning.message, sep=" | ")
+"""
+
+
+def test_one_device_warns_once_where_the_user_called():
+    """A newcomer's laptop: one CPU device, where 'x y -> x y*' splits nothing."""
+    environment = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run(
+        [sys.executable, "-c", ONE_DEVICE],
+        capture_output=True,
+        text=True,
+        env={**environment, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"},
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "1 (128, 256)"
+    assert len(lines) == 2, lines  # once, though three calls split a starred axis
+    category, filename, lineno, message = lines[1].split(" | ")
+    assert (category, filename, lineno) == ("EinshardWarning", "<string>", "7")  # the user's line
+    assert message.startswith("einshard sees 1 device, so 'x y -> x y*' splits nothing ('y*' resolves")
+    assert "jax.config.update('jax_num_cpu_devices', 8)" in message
+
+
+def test_no_warning_with_several_devices_or_explicit_devices():
+    import jax
+    import jax.numpy as jnp
+
+    import einshard
+
+    # The suite turns warnings into errors: these would fail if they warned.
+    w = einshard.einshard(jnp.zeros((128, 240)), "x y -> x y*")  # 240 splits on 6, 8 and 16 devices
+    assert w.sharding.shard_shape(w.shape) == (128, 240 // len(jax.devices()))
+    one = einshard.einshard(jnp.zeros((128, 240)), "x y -> x y*", devices=jax.devices()[:1])
+    assert one.sharding.device_set == {jax.devices()[0]}
+
+
+def test_swapped_arguments_say_the_order():
+    import jax.numpy as jnp
+
+    import einshard
+
+    with pytest.raises(einshard.EinshardError) as info:
+        einshard.einshard("x y -> x y*", jnp.zeros((128, 256)))
+    error = info.value
+    assert error.headline == "the first argument is an expression: the array comes first, then the expression"
+    assert error.expression == "x y -> x y*"
+    assert error.hint == "Call einshard(array, 'x y -> x y*')."
+    # A string that is not an expression is still data, with the error for data.
+    with pytest.raises(einshard.EinshardError, match="cannot shard an array of dtype <U5"):
+        einshard.einshard("hello", "... -> * ...")
