@@ -26,4 +26,4 @@ from ._pytrees import shard_pytree as shard_pytree
 from ._rules import Rule as Rule
 from ._rules import Rules as Rules
 
-__version__ = "0.3.0.dev0"
+__version__ = "0.3.0"

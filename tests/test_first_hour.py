@@ -150,3 +150,18 @@ def test_swapped_arguments_say_the_order():
     # A string that is not an expression is still data, with the error for data.
     with pytest.raises(einshard.EinshardError, match="cannot shard an array of dtype <U5"):
         einshard.einshard("hello", "... -> * ...")
+
+
+def test_the_version_is_a_release_the_changelog_describes():
+    import tomllib
+
+    import einshard
+
+    assert re.fullmatch(r"\d+\.\d+\.\d+", einshard.__version__), einshard.__version__
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    versions = re.findall(r"^## (\S+)", changelog, re.MULTILINE)
+    assert versions and versions[0] == einshard.__version__, versions
+    assert "0.2.0" in changelog.split("\n## ")[1]  # says what changed since 0.2.0
+    urls = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["urls"]
+    assert set(urls) == {"Documentation", "Source", "Changelog"}
+    assert urls["Changelog"].endswith("/CHANGELOG.md") and urls["Source"].startswith("https://")
