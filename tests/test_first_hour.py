@@ -165,3 +165,22 @@ def test_the_version_is_a_release_the_changelog_describes():
     urls = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["urls"]
     assert set(urls) == {"Documentation", "Source", "Changelog"}
     assert urls["Changelog"].endswith("/CHANGELOG.md") and urls["Source"].startswith("https://")
+
+
+def test_the_cli_documents_every_shape_form_it_accepts(capsys):
+    from einshard.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    forms = ["4,8", "4x8", "'4 8'", "'(4, 8)'"]
+    for form in forms:
+        assert f"({form})" in help_text, form
+    for form in forms:
+        assert main(["x y -> x y*", "--shape", form.strip("'"), "--devices", "4"]) == 0
+        assert capsys.readouterr().out.startswith("'x y -> x y*': shape (4, 8) on 4 devices: 4 shards of")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["x y -> x y*", "--shape", "4;8", "--devices", "4"])
+    assert exit_info.value.code == 2
+    assert "'4;8' is not a shape" in capsys.readouterr().err
