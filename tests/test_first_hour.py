@@ -184,3 +184,49 @@ def test_the_cli_documents_every_shape_form_it_accepts(capsys):
         main(["x y -> x y*", "--shape", "4;8", "--devices", "4"])
     assert exit_info.value.code == 2
     assert "'4;8' is not a shape" in capsys.readouterr().err
+
+
+def test_explain_says_what_the_replication_overhead_is_and_which_leaves_cause_it():
+    import jax
+    import jax.numpy as jnp
+
+    import einshard
+
+    f32 = jnp.float32
+    tree = {
+        "w": jax.ShapeDtypeStruct((1024, 1024), f32),  # 4 MiB, split over all devices
+        "embed": jax.ShapeDtypeStruct((1024, 64), f32),  # 256 KiB, replicated
+        "half": jax.ShapeDtypeStruct((128, 64), f32),  # 32 KiB, split in 2 only
+        "b": jax.ShapeDtypeStruct((64,), f32),  # 256 B, replicated
+        "c": jax.ShapeDtypeStruct((16,), f32),  # 64 B, replicated
+    }
+    rules = [("w", "x y -> x y*"), ("half", "x y -> x2 y *"), (".*", "... -> * ...")]
+    report = einshard.explain(tree, rules, n_devices=256)
+    total = (1024 * 1024 + 1024 * 64 + 128 * 64 + 64 + 16) * 4
+    per_device = (1024 * 4 + 1024 * 64 + 64 * 64 + 64 + 16) * 4
+    assert (report.total_bytes, report.max_bytes_per_device) == (total, per_device)
+    assert report.replication_overhead == pytest.approx(per_device * 256 / total)  # the attribute stays
+    lines = str(report).splitlines()
+    assert lines[-2] == (
+        f"5 arrays, 4.3 MiB on 256 devices: {per_device / 1024:.1f} KiB per device, "
+        f"replication overhead {per_device * 256 / total:.2f}x"
+    )
+    # Beyond an even share (17.1 KiB): embed's whole 256 KiB less its 1 KiB share, half's 16 KiB
+    # block less its 128 B share, then b's and c's 256 B and 64 B less theirs (1 B and 0.25 B).
+    assert lines[-1] == (
+        "replication: each device holds 271.2 KiB beyond an even 1/256 share of the model (17.1 KiB), "
+        "from leaves not split over all 256 devices; most from embed (255.0 KiB), half (15.9 KiB), "
+        "b (255 B) and 1 more"
+    )
+
+
+def test_explain_with_every_leaf_split_everywhere_has_no_replication_line():
+    import jax
+    import jax.numpy as jnp
+
+    import einshard
+
+    tree = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+    text = str(einshard.explain(tree, [("w", "x y -> x y*")], n_devices=256))
+    assert text.splitlines()[-1].endswith("replication overhead 1.00x")
+    assert "replication:" not in text
