@@ -1,4 +1,7 @@
-"""Development tasks: ``python3 -m pip install 'nox[uv]' && python3 -m nox -s <session>``.
+"""Development tasks: ``.venv/bin/nox -s <session>``, after the README's one-time set-up.
+
+``python3 -m venv .venv && .venv/bin/pip install 'nox[uv]'`` makes ``.venv`` (it works where
+``python3`` is an externally managed system Python, PEP 668).
 
 Sessions: ``lint`` (ruff), ``types`` (pyright), ``tests`` (Python 3.11 and 3.12,
 each with the newest JAX it can get, on 8, 16 and 6 simulated CPU devices, and the
@@ -6,6 +9,7 @@ tests of layouts meeting in one jit on 12),
 ``tests_oldest_jax`` (the JAX floor of pyproject.toml), ``fuzz`` (Hypothesis
 with many examples), ``docs`` (runs every example on the documentation pages,
 then builds the site in strict mode), ``docs_serve`` (serves it locally),
+``docs_screenshots`` (every page in headless Chromium at 1400 px: fails on clipped content),
 ``examples`` (every ``examples/*.py``) and ``benchmarks`` (every
 ``benchmarks/bench_*.py``). Every
 session installs what it needs itself; bare ``nox`` runs lint, types and tests.
@@ -212,6 +216,35 @@ def docs_serve(session: nox.Session) -> None:
     session.install("-e", ".[all]", "jax", *_group("docs"))
     session.run(
         "mkdocs", "serve", "--dev-addr", "127.0.0.1:8000", *session.posargs, env={**CPU_ONLY, **QUIET_MKDOCS}
+    )
+
+
+@nox.session(python=NEWEST_PYTHON)
+def docs_screenshots(session: nox.Session) -> None:
+    """Builds the site and opens every page in headless Chromium at 1400 px; fails if any clips.
+
+    A code block, table or page that would scroll sideways, or a picture or ``explain`` table
+    whose columns would wrap, fails the session (see ``docs/_screenshots.py``). Screenshots of
+    every page land in ``.nox/screenshots/``. Needs Debian's Chromium and its driver
+    (``apt-get install chromium chromium-driver``). Extra arguments go to the checker:
+    ``nox -s docs_screenshots -- --width 1280``.
+    """
+    browsers = {tool: shutil.which(tool) for tool in ("chromium", "chromedriver")}
+    if not all(browsers.values()):
+        session.error("needs chromium and chromedriver: apt-get install chromium chromium-driver")
+    session.install("-e", ".[all]", "jax", *_group("docs"), "selenium>=4.11")
+    site = ROOT / ".nox" / "screenshots-site"
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(site), env={**CPU_ONLY, **QUIET_MKDOCS})
+    session.run(
+        "python",
+        "docs/_screenshots.py",
+        str(site),
+        "--out",
+        str(ROOT / ".nox" / "screenshots"),
+        f"--chromium={browsers['chromium']}",
+        f"--chromedriver={browsers['chromedriver']}",
+        *session.posargs,
+        env={"SE_AVOID_STATS": "true"},  # Selenium's usage statistics: never sent from here
     )
 
 

@@ -30,4 +30,4 @@ from ._step import StepRow as StepRow
 from ._step import explain_step as explain_step
 from ._tree_shardings import shardings_of as shardings_of
 
-__version__ = "0.3.0.dev0"
+__version__ = "0.3.0"

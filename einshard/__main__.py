@@ -107,7 +107,8 @@ def _parser() -> argparse.ArgumentParser:
         required=True,
         type=_shape,
         metavar="SIZES",
-        help="the array's shape, sizes separated by commas, e.g. 4,8 ('' for a scalar)",
+        help="the array's shape: sizes separated by commas (4,8), by x (4x8) or by spaces ('4 8'), "
+        "optionally in parentheses or brackets ('(4, 8)'); '' for a scalar",
     )
     parser.add_argument(
         "--devices",

@@ -20,6 +20,7 @@ from ._devices import Devices, resolve_devices
 from ._errors import EinshardError
 from ._layout import Layout
 from ._multihost import place
+from ._one_device import warn_if_one_device
 from ._sharding import ambient_mesh, ambient_spec, layout_sharding
 
 __all__ = ["einshard", "make_sharding"]
@@ -96,6 +97,12 @@ def einshard(x: Any, expression: str, *, devices: Devices | None = None) -> Any:
     >>> w.sharding.shard_shape(w.shape)
     (128, 32)
     """
+    if isinstance(x, str) and "->" in x:  # einshard('x y -> x y*', array): the order of einsum's arguments
+        raise EinshardError(
+            "the first argument is an expression: the array comes first, then the expression",
+            expression=x,
+            hint=f"Call einshard(array, {x!r}).",
+        )
     if isinstance(x, Tracer):
         return _constrain(x, expression, devices)
     if isinstance(x, jax.ShapeDtypeStruct):
@@ -143,6 +150,8 @@ def _resolve(
         else:
             order = resolve_devices(devices)
             layout, sharding = layout_sharding(expression, n_dims, order)
+            if devices is None:  # the default order: one device may be a surprise, not a choice
+                warn_if_one_device(layout, stacklevel=3)  # at the caller of einshard / make_sharding
         if shape is not None:
             layout.check_shape(shape)
         return layout, sharding

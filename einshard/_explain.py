@@ -178,9 +178,35 @@ def _columns(report: Report) -> tuple[list[str], list[list[str]], list[str]]:
         f"{_size(report.max_bytes_per_device)} per device, "
         f"replication overhead {report.replication_overhead:.2f}x",
     ]
+    copies = _copies(report)
+    if copies:
+        footer.append(copies)
     if report.unused_rules:
         footer.append("unused rules: " + ", ".join(str(rule) for rule in report.unused_rules))
     return header, body, footer
+
+
+def _copies(report: Report, shown: int = 3) -> str | None:
+    """The replication overhead in words: what each device holds beyond an even share, and for which leaves.
+
+    An even share is the model's bytes over the device count, what each device would hold if every
+    leaf were split over all devices; a leaf split over fewer (or replicated) adds the rest of its
+    block to every device. ``None`` when there is nothing beyond the even share.
+    """
+    n = report.n_devices
+    extra = {row.path: row.bytes_per_device - row.bytes / n for row in report.rows}
+    beyond = report.max_bytes_per_device - report.total_bytes / n
+    if n == 1 or beyond < 1:
+        return None
+    worst = sorted((path for path in extra if extra[path] >= 1), key=lambda path: -extra[path])
+    leaves = ", ".join(f"{path} ({_size(round(extra[path]))})" for path in worst[:shown])
+    if len(worst) > shown:
+        leaves += f" and {len(worst) - shown} more"
+    return (
+        f"replication: each device holds {_size(round(beyond))} beyond an even 1/{n} share of the model "
+        f"({_size(round(report.total_bytes / n))}), from leaves not split over all {n} devices; "
+        f"most from {leaves}"
+    )
 
 
 def _rich_table(report: Report) -> str:

@@ -36,8 +36,12 @@ class Params(NamedTuple):
 
 
 def init_params(key: jax.Array) -> Params:
+    """Scaled by fan-in, as a layer library would, so activations and losses start near 1."""
     k1, k2 = jax.random.split(key)
-    return Params(jax.random.normal(k1, (128, 256)), jax.random.normal(k2, (256, 64)))
+    return Params(
+        W1=jax.nn.initializers.he_normal()(k1, (128, 256)),  # followed by relu
+        W2=jax.nn.initializers.lecun_normal()(k2, (256, 64)),
+    )
 
 
 def shard_params(params: Params) -> Params:
@@ -64,7 +68,7 @@ def loss_fn(params: Params, x: jax.Array, target: jax.Array) -> jax.Array:
 
 def train(params: Params, x: jax.Array, target: jax.Array, steps: int) -> tuple[Params, list[float]]:
     """AdamW steps; the optimizer state starts with the layout of ``params``."""
-    tx = optax.adamw(1e-3)
+    tx = optax.adamw(1e-2)
     state = init_sharded(tx, params)  # mu and nu born sharded like W1 and W2
 
     def train_step(params: Params, state: optax.OptState) -> tuple[Params, optax.OptState, jax.Array]:

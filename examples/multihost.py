@@ -26,6 +26,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 
 import numpy as np
 
@@ -86,11 +87,14 @@ def run(args):
         "w2": rng.normal(size=(64, 8)).astype(np.float32) / 8,
     }
     params = einshard.shard_pytree(params, RULES)
+    # The layout follows each device's position in jax.devices(); its id is the runtime's own
+    # numbering (here process 1's CPU devices are numbered from 2048), printed for reference.
+    position = {device: i for i, device in enumerate(jax.devices())}
     for shard in params["w1"].addressable_shards:
         block = ", ".join(
             f"{s.start or 0}:{s.stop or size}" for s, size in zip(shard.index, (16, 64), strict=True)
         )
-        say(f"w1 (16, 64) on device {shard.device.id}: block [{block}]")
+        say(f"w1 (16, 64) on jax.devices()[{position[shard.device]}] (id {shard.device.id}): block [{block}]")
 
     # Each process loads only its own rows of the global batch.
     global_rows = 8 * jax.device_count()
@@ -117,6 +121,14 @@ def free_port():
         return s.getsockname()[1]
 
 
+def relay(stream):
+    """Prints a process's lines but gloo's own ('[Gloo] Rank 0 is connected to 1 peer ranks...')."""
+    for line in stream:
+        if not line.startswith("[Gloo] "):
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+
 def launch_local(n_processes, cpu_devices):
     """Starts ``n_processes`` copies of this script on 127.0.0.1 and waits for them."""
     address = f"127.0.0.1:{free_port()}"
@@ -124,11 +136,21 @@ def launch_local(n_processes, cpu_devices):
     common += ["--cpu-devices", str(cpu_devices)]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     procs = [
-        subprocess.Popen([sys.executable, __file__, *common, "--process-id", str(i)], env=env)
+        subprocess.Popen(
+            [sys.executable, __file__, *common, "--process-id", str(i)],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         for i in range(n_processes)
     ]
+    relays = [threading.Thread(target=relay, args=(proc.stdout,)) for proc in procs]
+    for thread in relays:
+        thread.start()
     try:
         codes = [proc.wait(timeout=300) for proc in procs]
+        for thread in relays:
+            thread.join()
     finally:
         for proc in procs:
             if proc.poll() is None:

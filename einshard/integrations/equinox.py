@@ -51,6 +51,16 @@ A model's table, and a whole module by hand-written rules:
 
 from __future__ import annotations
 
+try:  # first, so a missing framework says how to get it (as the pictures do for rich)
+    import equinox as eqx
+except ModuleNotFoundError as error:
+    if error.name != "equinox":
+        raise  # Equinox is installed but something it imports is not: its own error says what
+    raise ImportError(
+        "einshard.integrations.equinox needs Equinox, which is not installed; "
+        "install it with: pip install 'einshard[equinox]'"
+    ) from error
+
 import dataclasses
 import functools
 import re
@@ -59,7 +69,6 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
-import equinox as eqx
 import jax
 from jax.core import Tracer
 

@@ -47,6 +47,16 @@ Linen variables go through the core functions as they are:
 
 from __future__ import annotations
 
+try:  # first, so a missing framework says how to get it (as the pictures do for rich)
+    from flax import nnx
+except ModuleNotFoundError as error:
+    if error.name != "flax":
+        raise  # Flax is installed but something it imports is not: its own error says what
+    raise ImportError(
+        "einshard.integrations.flax needs Flax, which is not installed; "
+        "install it with: pip install 'einshard[flax]'"
+    ) from error
+
 import contextlib
 import dataclasses
 import sys
@@ -55,7 +65,6 @@ from typing import Any, TypeVar
 
 import jax
 import numpy as np
-from flax import nnx
 
 from .. import _pytrees
 from .._devices import Devices

@@ -32,12 +32,21 @@ Importing ``einshard`` does not import orbax; this module does.
 
 from __future__ import annotations
 
+try:  # first, so a missing framework says how to get it (as the pictures do for rich)
+    import orbax.checkpoint as ocp
+except ModuleNotFoundError as error:
+    if error.name not in ("orbax", "orbax.checkpoint"):
+        raise  # orbax-checkpoint is installed but something it imports is not: its own error says what
+    raise ImportError(
+        "einshard.integrations.orbax needs orbax-checkpoint, which is not installed; "
+        "install it with: pip install 'einshard[orbax]'"
+    ) from error
+
 import os
 from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from jax.sharding import Sharding
 
 from .._devices import Devices
