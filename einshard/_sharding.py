@@ -15,15 +15,14 @@ import itertools
 import math
 from collections.abc import Sequence
 
-import jax
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._devices import DeviceOrder
 from ._errors import EinshardError
 from ._layout import Layout, compile_layout
 
-__all__ = ["ambient_mesh", "ambient_spec", "layout_sharding", "mesh_axis_names"]
+__all__ = ["ambient_spec", "layout_sharding", "mesh_axis_names"]
 
 AxisRuns = tuple[tuple[str, ...], ...]
 
@@ -48,23 +47,6 @@ def layout_sharding(text: str, n_dims: int | None, devices: DeviceOrder) -> tupl
     names = mesh_axis_names(len(layout.mesh_shape))
     spec = PartitionSpec(*(None if axis is None else names[axis] for axis in layout.spec))
     return layout, NamedSharding(_own_mesh(devices, layout.mesh_shape), spec)
-
-
-def ambient_mesh() -> tuple[AbstractMesh, Mesh | None] | None:
-    """The ambient mesh set by ``jax.set_mesh``: abstract, and concrete when outside a trace.
-
-    Returns ``None`` when no mesh is set.
-    """
-    abstract = jax.sharding.get_abstract_mesh()
-    if abstract.empty:
-        return None
-    try:
-        concrete = jax.sharding.get_mesh()
-    except ValueError:  # inside a trace only the abstract mesh is known
-        concrete = None
-    if concrete is not None and concrete.empty:
-        concrete = None
-    return abstract, concrete
 
 
 @functools.lru_cache(maxsize=4096)

@@ -113,7 +113,7 @@ def test_shard_pytree_fails_cleanly_and_leaves_the_input_alone(tree, table, unma
     leaves_before = jax.tree_util.tree_leaves(tree)
     copies = [leaf.copy() if isinstance(leaf, np.ndarray) else leaf for leaf in leaves_before]
     try:
-        out = einshard.shard_pytree(tree, table, unmatched=unmatched, indivisible=indivisible)
+        out = einshard.shard_pytree(tree, einshard.Rules(table, unmatched=unmatched, indivisible=indivisible))
     except EinshardError as error:
         assert str(error)
     else:
