@@ -317,7 +317,7 @@ def create_optimizer(model: Any, tx: Any, *, wrt: Any = nnx.Param) -> Any:
     """
     params = nnx.to_pure_dict(nnx.state(model, wrt))
     # Only the layouts are needed inside the compiled call, not the values.
-    layouts = jax.tree.map(_abstract, params)
+    layouts = jax.tree.map(_struct_with_sharding, params)
 
     def build(model: Any) -> Any:
         return _place_like(nnx.Optimizer(model, tx, wrt=wrt), layouts)
@@ -325,7 +325,7 @@ def create_optimizer(model: Any, tx: Any, *, wrt: Any = nnx.Param) -> Any:
     return nnx.jit(build)(model)
 
 
-def _abstract(leaf: Any) -> Any:
+def _struct_with_sharding(leaf: Any) -> Any:
     if isinstance(leaf, jax.Array):
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
     return leaf

@@ -114,7 +114,7 @@ def abstract_checkpoint(path: PathLike) -> Any:
     """
     with ocp.StandardCheckpointer() as checkpointer:
         metadata = checkpointer.metadata(_directory(path))
-    return _abstract(metadata)
+    return _unsharded_tree(metadata)
 
 
 def _is_metadata(leaf: Any) -> bool:
@@ -132,7 +132,7 @@ def _abstract_leaf(leaf: Any) -> Any:
     return leaf
 
 
-def _abstract(tree: Any) -> Any:
+def _unsharded_tree(tree: Any) -> Any:
     """``tree`` with every array leaf a ``ShapeDtypeStruct``; orbax metadata unwrapped."""
     tree = getattr(tree, "item_metadata", tree)  # a StepMetadata: the item's TreeMetadata
     tree = getattr(tree, "tree", tree)  # a TreeMetadata: the tree of ArrayMetadata
@@ -179,7 +179,7 @@ def restore_target(
     >>> target['w'].sharding.shard_shape((16, 8)), target['b'].sharding.shard_shape((8,))
     ((2, 8), (1,))
     """
-    planned, treedef, shardings = tree_shardings(_abstract(tree), rules, devices)
+    planned, treedef, shardings = tree_shardings(_unsharded_tree(tree), rules, devices)
     return jax.tree_util.tree_unflatten(treedef, place_leaves([leaf for leaf, _ in planned], shardings))
 
 
