@@ -33,9 +33,7 @@ import jax
 import numpy as np
 from jax.core import eval_jaxpr
 
-from ._plan import itemsize
-
-__all__ = ["build_sharded"]
+__all__ = ["build_sharded", "itemsize"]
 
 _PART_BYTES = 32 << 20  # smallest part of a born-sharded build compiled on its own
 _MAX_PARTS = 64  # the most parts: bigger outputs get bigger parts, not more compiles
@@ -102,3 +100,11 @@ def _parts(leaves: Sequence[Any]) -> list[tuple[int, ...]]:
 def _run_part(closed: Any, group: tuple[int, ...], *arrays: Any) -> list[Any]:
     outputs = eval_jaxpr(closed.jaxpr, closed.consts, *arrays)
     return [outputs[i] for i in group]
+
+
+def itemsize(dtype: Any) -> int:
+    """Bytes per element of a dtype; extended dtypes (PRNG keys) by their own ``itemsize``."""
+    try:
+        return int(np.dtype(dtype).itemsize)
+    except TypeError:  # extended dtypes, such as PRNG keys
+        return int(getattr(dtype, "itemsize", 0) or 0)

@@ -19,7 +19,7 @@ from ._layout import Layout, compile_layout
 from ._paths import flatten_with_paths
 from ._rules import Rule, Rules, RulesLike
 
-__all__ = ["REPLICATE", "LeafPlan", "as_rules", "is_array_leaf", "itemsize", "plan_tree"]
+__all__ = ["REPLICATE", "LeafPlan", "as_rules", "describe_leaf", "is_array_leaf", "plan_tree"]
 
 REPLICATE = "... -> * ..."
 
@@ -68,14 +68,6 @@ _ARRAY_TYPES: set[type] = {jax.ShapeDtypeStruct, np.ndarray}
 def as_rules(rules: RulesLike) -> Rules:
     """The rule table, built if given as pairs or a dict."""
     return rules if isinstance(rules, Rules) else Rules(rules)
-
-
-def itemsize(dtype: Any) -> int:
-    """Bytes per element of a dtype; extended dtypes (PRNG keys) by their own ``itemsize``."""
-    try:
-        return int(np.dtype(dtype).itemsize)
-    except TypeError:  # extended dtypes, such as PRNG keys
-        return int(getattr(dtype, "itemsize", 0) or 0)
 
 
 def plan_tree(
