@@ -19,7 +19,7 @@ from ._layout import Layout, compile_layout
 from ._paths import flatten_with_paths
 from ._rules import Rule, Rules, RulesLike
 
-__all__ = ["REPLICATE", "LeafPlan", "as_rules", "describe_leaf", "is_array_leaf", "plan_tree"]
+__all__ = ["REPLICATE", "LeafPlan", "as_rules", "describe_leaf", "is_array_leaf", "leaf_context", "plan_tree"]
 
 REPLICATE = "... -> * ..."
 
@@ -111,8 +111,12 @@ def describe_leaf(path: str, shape: tuple[int, ...]) -> str:
     return f"{path!r} (shape {shape})"
 
 
-def _leaf_context(error: EinshardError, path: str, shape: tuple[int, ...], rule: Rule, where: str) -> None:
-    error.add_context(f"while sharding {describe_leaf(path, shape)} with rule {rule} {where}")
+def leaf_context(
+    error: EinshardError, path: str, shape: tuple[int, ...], rule: Rule | None, where: str
+) -> None:
+    """Adds ``while sharding 'w' (shape (8, 16)) with rule (...) on 8 devices``: the leaf at fault."""
+    with_rule = f" with rule {rule}" if rule is not None else ""
+    error.add_context(f"while sharding {describe_leaf(path, shape)}{with_rule} {where}")
 
 
 def _plan_leaf(path: str, leaf: Any, rules: Rules, n_devices: int) -> LeafPlan:
@@ -140,7 +144,7 @@ def _plan_leaf(path: str, leaf: Any, rules: Rules, n_devices: int) -> LeafPlan:
     skipped: list[Rule] = []
     candidates = rules.matches(path) if indivisible == "next" else iter([rule])
     for candidate in candidates:
-        with adding_context(_leaf_context, path, shape, candidate, f"on {n_devices} devices"):
+        with adding_context(leaf_context, path, shape, candidate, f"on {n_devices} devices"):
             layout = compile_layout(candidate.expression, len(shape), n_devices)
             if indivisible == "error":
                 layout.check_shape(shape)

@@ -19,9 +19,9 @@ from jax.sharding import NamedSharding
 
 from ._build import build_sharded
 from ._devices import Devices, device_target
-from ._errors import EinshardError, EinshardWarning, adding_context
+from ._errors import EinshardWarning, adding_context
 from ._place import place_leaves
-from ._plan import REPLICATE, LeafPlan, as_rules, describe_leaf, is_array_leaf, plan_tree
+from ._plan import REPLICATE, LeafPlan, as_rules, is_array_leaf, leaf_context, plan_tree
 from ._resolve import resolve_sharding
 from ._rules import RulesLike
 
@@ -115,16 +115,11 @@ def tree_shardings(
         key = (plan.expression, len(plan.shape))
         sharding = by_kind.get(key)
         if sharding is None:
-            with adding_context(_leaf_context, plan, target.describe()):
+            with adding_context(leaf_context, plan.path, plan.shape, plan.rule, target.describe()):
                 _, sharding = resolve_sharding(plan.expression, len(plan.shape), target)
             by_kind[key] = sharding
         shardings.append(sharding)
     return planned, treedef, shardings
-
-
-def _leaf_context(error: EinshardError, plan: LeafPlan, where: str) -> None:
-    rule = f" with rule {plan.rule}" if plan.rule is not None else ""
-    error.add_context(f"while sharding {describe_leaf(plan.path, plan.shape)}{rule} {where}")
 
 
 def init_sharded(init_fn: Callable[..., Any], rules: RulesLike, *args: Any, **kwargs: Any) -> Any:
