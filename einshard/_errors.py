@@ -100,10 +100,10 @@ class adding_context:  # named as it reads: `with adding_context(...):`
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: object, error: BaseException | None, traceback: object) -> bool:
+    def __exit__(self, kind: object, error: BaseException | None, traceback: object) -> None:
+        # Returns None, never true: the error goes on (type checkers read `-> None` so too).
         if isinstance(error, EinshardError):
             self.add(error, *self.args)
-        return False  # the error goes on, with its context
 
 
 # The public home is the package, so tracebacks read `einshard.EinshardError`.
