@@ -291,7 +291,7 @@ def unseen_structure(tree: dict[str, Any]) -> dict[str, Any]:
     new one. Its cache is emptied too: ``PyTreeDef`` hashes ignore dict keys, so the structures
     made here would all collide in it, and a real program meets a handful, not hundreds.
     """
-    paths_cache = getattr(getattr(einshard, "_pytrees", None), "_PATHS", None)
+    paths_cache = getattr(getattr(einshard, "_paths", None), "_PATHS", None)
     if paths_cache is not None:
         paths_cache.clear()
     return {**tree, "_": {str(next(_structures)): None}}

@@ -13,17 +13,19 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.core import Tracer
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 
-from ._devices import Devices, resolve_devices
-from ._errors import EinshardError
-from ._layout import Layout
-from ._multihost import place
+from ._devices import Devices, device_target
+from ._errors import EinshardError, adding_context
+from ._layout import checked_shape
+from ._place import place_leaf
 from ._one_device import warn_if_one_device
-from ._sharding import ambient_mesh, ambient_spec, layout_sharding
+from ._resolve import check_arguments, resolve_sharding, sharding_context
 
 __all__ = ["einshard", "make_sharding"]
+
+# Taken as they are; anything else goes through numpy.asarray.
+_ARRAY_LIKE = (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, int, float, complex, bool)
 
 
 def make_sharding(
@@ -61,13 +63,18 @@ def make_sharding(
     (128, 32)
     """
     if shape is not None:
-        shape = _checked_shape(shape)
+        shape = checked_shape(shape)
         if n_dims is not None and n_dims != len(shape):
             raise EinshardError(
                 f"n_dims={n_dims} does not match shape={shape}", hint="Pass one or the other."
             )
         n_dims = len(shape)
-    _, sharding = _resolve(expression, n_dims, devices, shape)
+    check_arguments(expression, n_dims)
+    target = device_target(devices)
+    with adding_context(sharding_context, shape, devices):
+        layout, sharding = resolve_sharding(expression, n_dims, target, shape)
+    if devices is None and target.mesh is None:  # the default order: one device may be a surprise
+        warn_if_one_device(layout, stacklevel=2)  # at the caller of make_sharding
     return sharding
 
 
@@ -103,12 +110,7 @@ def einshard(x: Any, expression: str, *, devices: Devices | None = None) -> Any:
             expression=x,
             hint=f"Call einshard(array, {x!r}).",
         )
-    if isinstance(x, Tracer):
-        return _constrain(x, expression, devices)
-    if isinstance(x, jax.ShapeDtypeStruct):
-        _, sharding = _resolve(expression, len(x.shape), devices, tuple(x.shape))
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
-    if not isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex, bool)):
+    if not isinstance(x, _ARRAY_LIKE):
         try:
             x = np.asarray(x)
         except Exception as error:  # anything np.asarray rejects is the caller's input
@@ -123,85 +125,10 @@ def einshard(x: Any, expression: str, *, devices: Devices | None = None) -> Any:
                 hint="Pass numbers: a jax.Array, a NumPy array, a scalar or a nested list of numbers.",
             )
     shape = tuple(np.shape(x))
-    _, sharding = _resolve(expression, len(shape), devices, shape)
-    return place(x, sharding)
-
-
-def _resolve(
-    expression: str,
-    n_dims: int | None,
-    devices: Devices | None,
-    shape: tuple[int, ...] | None,
-) -> tuple[Layout, NamedSharding]:
-    """The layout and concrete sharding, with the divisibility check and error context."""
-    if not isinstance(expression, str):
-        raise EinshardError(
-            f"an einshard expression must be a string, not {type(expression).__name__}",
-            hint="Write it like 'x y -> x y*'.",
-        )
-    if n_dims is not None and (not isinstance(n_dims, int) or isinstance(n_dims, bool) or n_dims < 0):
-        raise EinshardError(f"n_dims must be a non-negative integer, not {n_dims!r}")
-    try:
-        ambient = ambient_mesh() if devices is None else None
-        if ambient is not None:
-            abstract, concrete = ambient
-            layout, spec = ambient_spec(expression, n_dims, _mesh_axes(abstract))
-            sharding = NamedSharding(concrete if concrete is not None else abstract, spec)
-        else:
-            order = resolve_devices(devices)
-            layout, sharding = layout_sharding(expression, n_dims, order)
-            if devices is None:  # the default order: one device may be a surprise, not a choice
-                warn_if_one_device(layout, stacklevel=3)  # at the caller of einshard / make_sharding
-        if shape is not None:
-            layout.check_shape(shape)
-        return layout, sharding
-    except EinshardError as error:
-        raise error.add_context(_context(shape, devices)) from None
-
-
-def _constrain(x: Tracer, expression: str, devices: Devices | None) -> Any:
-    """Inside a trace: a sharding constraint, or a reshard under an Explicit mesh."""
-    shape = tuple(x.shape)
-    ambient = ambient_mesh() if devices is None else None
-    if ambient is None:
-        _, sharding = _resolve(expression, len(shape), devices, shape)
-        return jax.lax.with_sharding_constraint(x, sharding)
-    abstract, _ = ambient
-    try:
-        layout, spec = ambient_spec(expression, len(shape), _mesh_axes(abstract))
-        layout.check_shape(shape)
-    except EinshardError as error:
-        raise error.add_context(_context(shape, None)) from None
-    if any(t == AxisType.Explicit for t in abstract.axis_types):
-        return jax.sharding.reshard(x, spec)
-    return jax.lax.with_sharding_constraint(x, spec)
-
-
-def _mesh_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
-    return tuple(mesh.shape.items())
-
-
-def _checked_shape(shape: Any) -> tuple[int, ...]:
-    try:
-        result = tuple(int(size) for size in shape)
-    except (TypeError, ValueError):
-        raise EinshardError(f"shape must be a sequence of integers, not {shape!r}") from None
-    if any(size < 0 for size in result):
-        raise EinshardError(f"shape {result} has a negative size")
-    return result
-
-
-def _context(shape: tuple[int, ...] | None, devices: Devices | None) -> str:
-    ambient = ambient_mesh() if devices is None else None
-    if ambient is not None:
-        abstract, _ = ambient
-        where = "on the ambient mesh " + ", ".join(f"{k}={v}" for k, v in abstract.shape.items())
-    else:
-        try:
-            order = resolve_devices(devices)
-            plural = "" if len(order) == 1 else "s"
-            where = f"on {len(order)} {order[0].platform.upper()} device{plural}"
-        except EinshardError:
-            where = "on the given devices"
-    what = f"an array of shape {shape}" if shape is not None else "an array"
-    return f"while sharding {what} {where}"
+    check_arguments(expression)
+    target = device_target(devices)
+    with adding_context(sharding_context, shape, devices):
+        layout, sharding = resolve_sharding(expression, len(shape), target, shape)
+    if devices is None and target.mesh is None:  # the default order: one device may be a surprise
+        warn_if_one_device(layout, stacklevel=2)  # at the caller of einshard
+    return place_leaf(x, sharding)

@@ -5,6 +5,9 @@ arrays sharded by different expressions meet in one ``jit``. The order is, by
 precedence: ``devices=`` on the call; the ambient ``jax.set_mesh`` mesh (its
 flat device order); a :func:`use_devices` block; all devices of the default
 backend in ``jax.devices()`` order.
+
+:func:`device_target` is the one place that precedence is decided: every
+function that takes ``devices=`` asks it once per call.
 """
 
 from __future__ import annotations
@@ -12,14 +15,23 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh
 
 from ._errors import EinshardError
 
-__all__ = ["Device", "DeviceOrder", "Devices", "resolve_devices", "use_devices"]
+__all__ = [
+    "Device",
+    "DeviceOrder",
+    "DeviceTarget",
+    "Devices",
+    "ambient_mesh",
+    "device_target",
+    "resolve_devices",
+    "use_devices",
+]
 
 if TYPE_CHECKING:  # jax.Device is an alias that type checkers do not accept as a type
     from jaxlib._jax import Device
@@ -115,3 +127,66 @@ def _checked_order(devices: object) -> DeviceOrder:
             hint="List every device once; the order of the list is the order of the mesh.",
         )
     return order
+
+
+def ambient_mesh() -> tuple[AbstractMesh, Mesh | None] | None:
+    """The ambient mesh set by ``jax.set_mesh``: abstract, and concrete when outside a trace.
+
+    Returns ``None`` when no mesh is set.
+    """
+    abstract = jax.sharding.get_abstract_mesh()
+    if abstract.empty:
+        return None
+    try:
+        concrete = jax.sharding.get_mesh()
+    except ValueError:  # inside a trace only the abstract mesh is known
+        concrete = None
+    if concrete is not None and concrete.empty:
+        concrete = None
+    return abstract, concrete
+
+
+class DeviceTarget(NamedTuple):
+    """Where a call lays arrays out: a device order of einshard's own, or the ambient mesh.
+
+    Attributes:
+        order: The device order (``None`` on an ambient mesh known only
+            abstractly, inside a trace).
+        mesh: The ambient ``jax.set_mesh`` mesh (abstract), or ``None``.
+        concrete: The ambient mesh with its devices, when they are known.
+    """
+
+    order: DeviceOrder | None
+    mesh: AbstractMesh | None = None
+    concrete: Mesh | None = None
+
+    @property
+    def count(self) -> int:
+        """The number of devices."""
+        return self.mesh.size if self.mesh is not None else len(self.order or ())
+
+    def describe(self) -> str:
+        """Where, for an error's context: ``on 8 CPU devices``, ``on the ambient mesh data=2, model=4``."""
+        if self.mesh is not None:
+            return "on the ambient mesh " + ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
+        assert self.order is not None
+        plural = "" if len(self.order) == 1 else "s"
+        return f"on {len(self.order)} {self.order[0].platform.upper()} device{plural}"
+
+
+def device_target(devices: Devices | None) -> DeviceTarget:
+    """The devices a call lays its arrays out over, decided once per call.
+
+    ``devices`` if given; else the ambient ``jax.set_mesh`` mesh; else the
+    :func:`use_devices` block's devices; else ``jax.devices()``.
+
+    Raises:
+        EinshardError: If ``devices`` is not a valid device order.
+    """
+    if devices is None:
+        ambient = ambient_mesh()
+        if ambient is not None:
+            abstract, concrete = ambient
+            order = tuple(concrete.devices.flat) if concrete is not None else None
+            return DeviceTarget(order, abstract, concrete)
+    return DeviceTarget(resolve_devices(devices))

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import unicodedata
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["EinshardError", "EinshardWarning"]
+__all__ = ["EinshardError", "EinshardWarning", "adding_context"]
 
 
 class EinshardError(ValueError):
@@ -15,8 +17,9 @@ class EinshardError(ValueError):
     * a headline saying what is wrong;
     * the expression, with a caret under the part at fault;
     * a hint saying how to fix it (ideally a corrected expression);
-    * context lines, added by each layer the error passes through on its way
-      out (the path, shape and rule being applied, the device count).
+    * context lines, added on its way out: by the public function that was
+      called (the shape and devices of the array, the process, the object),
+      and for trees by the leaf and rule being applied.
 
     It is a :class:`ValueError`, so ``except ValueError`` keeps working for
     code written against einshard 0.2.0.
@@ -74,6 +77,33 @@ def _rebuild(headline: str, kwargs: dict) -> EinshardError:
 
 class EinshardWarning(UserWarning):
     """A problem that is not an error: rules that matched nothing (strict mode), a doubtful regex."""
+
+
+class adding_context:  # named as it reads: `with adding_context(...):`
+    """Adds a public function's context lines to an :class:`EinshardError` leaving a block.
+
+    ``with adding_context(add, *args):`` around the work of a public function
+    (after it has checked its own arguments, whose errors need no context):
+    an error leaving the block gets ``add(error, *args)`` called on it, which
+    appends the lines that say what the call was doing
+    (``error.add_context(...)``). The one place each public function adds
+    context, as einops adds its own at its public call; the line is built only
+    when there is an error.
+    """
+
+    __slots__ = ("add", "args")
+
+    def __init__(self, add: Callable[..., object], *args: Any) -> None:
+        self.add = add
+        self.args = args
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, error: BaseException | None, traceback: object) -> None:
+        # Returns None, never true: the error goes on (type checkers read `-> None` so too).
+        if isinstance(error, EinshardError):
+            self.add(error, *self.args)
 
 
 # The public home is the package, so tracebacks read `einshard.EinshardError`.

@@ -7,9 +7,10 @@ import io
 import math
 from typing import Any
 
-from ._devices import Devices
-from ._pytrees import _device_count, _itemsize, _settings, plan_tree
-from ._rules import Indivisible, Rule, RulesLike, Unmatched
+from ._build import itemsize as _itemsize  # integrations/optax.py imports it from here
+from ._devices import Devices, device_target
+from ._plan import plan_tree
+from ._rules import Rule, RulesLike
 
 __all__ = ["Report", "ReportRow", "explain"]
 
@@ -81,8 +82,6 @@ def explain(
     *,
     n_devices: int | None = None,
     devices: Devices | None = None,
-    unmatched: Unmatched | None = None,
-    indivisible: Indivisible | None = None,
 ) -> Report:
     """Explains how a rule table lays out a tree, for any device count.
 
@@ -91,12 +90,10 @@ def explain(
 
     Args:
         tree: A pytree of arrays or ``ShapeDtypeStruct`` leaves.
-        rules: The rule table (see :func:`~einshard.shard_pytree`).
+        rules: The rule table, with its policies (see :func:`~einshard.shard_pytree`).
         n_devices: The device count to plan for; defaults to that of ``devices``
             or of the einshard device order.
         devices: The devices, when ``n_devices`` is not given.
-        unmatched: See :func:`~einshard.shard_pytree`.
-        indivisible: See :func:`~einshard.shard_pytree`.
 
     Returns:
         A :class:`Report`.
@@ -110,11 +107,8 @@ def explain(
     >>> report.total_bytes, report.max_bytes_per_device
     (4198400, 20480)
     """
-    table, unmatched_, indivisible_, _ = _settings(rules, unmatched, indivisible, None)
-    count = n_devices if n_devices is not None else _device_count(devices)
-    planned, _, unused = plan_tree(
-        tree, table, n_devices=count, unmatched=unmatched_, indivisible=indivisible_
-    )
+    count = n_devices if n_devices is not None else device_target(devices).count
+    planned, _, unused = plan_tree(tree, rules, n_devices=count)
     rows = []
     for _, plan in planned:
         if plan is None:

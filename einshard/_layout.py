@@ -12,10 +12,10 @@ import functools
 import math
 from collections.abc import Sequence
 
-from ._errors import EinshardError
+from ._errors import EinshardError, adding_context
 from ._expression import Expression, RightElement, parse
 
-__all__ = ["Layout", "compile_layout", "integer_root", "layout"]
+__all__ = ["Layout", "checked_shape", "compile_layout", "integer_root", "layout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,14 +379,28 @@ def layout(expression: str, shape: Sequence[int], *, n_devices: int) -> Layout:
     >>> plan.shard_shape((128, 256)), plan.replication
     ((128, 1), 1)
     """
-    try:
-        shape = tuple(int(size) for size in shape)
-    except (TypeError, ValueError):
-        raise EinshardError(f"shape must be a sequence of integers, not {shape!r}") from None
-    try:
+    shape = checked_shape(shape)
+    with adding_context(_layout_context, shape, n_devices):
         parse(expression)  # a clear error for a non-string before the cache sees it
         result = compile_layout(expression, len(shape), n_devices)
         result.check_shape(shape)
-    except EinshardError as error:
-        raise error.add_context(f"for an array of shape {shape} on {n_devices} devices") from None
+    return result
+
+
+def _layout_context(error: EinshardError, shape: tuple[int, ...], n_devices: int) -> None:
+    error.add_context(f"for an array of shape {shape} on {n_devices} devices")
+
+
+def checked_shape(shape: object) -> tuple[int, ...]:
+    """A shape a user gave, as a tuple of non-negative integers.
+
+    Raises:
+        EinshardError: If it is not a sequence of integers, or has a negative size.
+    """
+    try:
+        result = tuple(int(size) for size in shape)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        raise EinshardError(f"shape must be a sequence of integers, not {shape!r}") from None
+    if any(size < 0 for size in result):
+        raise EinshardError(f"shape {result} has a negative size")
     return result

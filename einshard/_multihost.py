@@ -6,7 +6,8 @@ identical everywhere, and a sharding it makes spans all processes. Two ways of
 building a global array follow from where the data is:
 
 * every process holds the whole value (host data, or a ``jax.Array`` on its own
-  devices): :func:`place` puts each process's shards of it on its devices;
+  devices): placing it (``einshard._place``) puts each process's shards of it
+  on its devices;
 * every process holds only its own part, as a data loader gives each process
   its own rows of a batch: :func:`from_process_local` assembles the global
   array from those parts, as the expression lays it out.
@@ -21,43 +22,12 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from ._devices import Devices
-from ._errors import EinshardError
+from ._devices import Devices, device_target
+from ._errors import EinshardError, adding_context
+from ._layout import Layout
+from ._resolve import check_arguments, resolve_sharding, sharding_context
 
-__all__ = ["from_process_local", "place", "place_many"]
-
-
-def place(x: Any, sharding: NamedSharding) -> jax.Array:
-    """``jax.device_put(x, sharding)``, also for a process-local ``jax.Array`` and a global sharding.
-
-    ``jax.device_put`` rejects a ``jax.Array`` committed to this process's
-    devices when the target spans devices of other processes. Such an array is
-    taken, like host data, as the whole value held by every process: each
-    process puts its own shards of it on its own devices.
-    """
-    if _needs_callback(x, sharding):
-        return _from_whole(x, sharding)
-    return jax.device_put(x, sharding)
-
-
-def place_many(leaves: Sequence[Any], shardings: Sequence[NamedSharding]) -> list[Any]:
-    """:func:`place` for many leaves, in one ``jax.device_put`` call where it can."""
-    if not any(_needs_callback(x, s) for x, s in zip(leaves, shardings, strict=True)):
-        return list(jax.device_put(list(leaves), list(shardings)))
-    return [place(x, s) for x, s in zip(leaves, shardings, strict=True)]
-
-
-def _needs_callback(x: Any, sharding: NamedSharding) -> bool:
-    return (
-        isinstance(x, jax.Array)
-        and not sharding.is_fully_addressable
-        and x.is_fully_addressable
-        and jax.process_count() > 1
-    )
-
-
-def _from_whole(x: jax.Array, sharding: NamedSharding) -> jax.Array:
-    return jax.make_array_from_callback(tuple(x.shape), sharding, lambda index: x[index])
+__all__ = ["from_process_local"]
 
 
 def from_process_local(
@@ -101,14 +71,39 @@ def from_process_local(
     >>> batch.shape, batch.sharding.shard_shape(batch.shape)
     ((16, 4), (2, 4))
     """
-    from ._arrays import _resolve  # the placing layer imports this module
-
     if not isinstance(local, (jax.Array, np.ndarray)):
         local = np.asarray(local)
     local_shape = tuple(int(size) for size in local.shape)
-    layout, sharding = _resolve(expression, len(local_shape), devices, None)
+    check_arguments(expression)
+    given_shape = None if global_shape is None else _checked_global_shape(global_shape)
+    with adding_context(sharding_context, None, devices):
+        layout, sharding = resolve_sharding(expression, len(local_shape), device_target(devices))
+    with adding_context(_process_context, local_shape):
+        return _assemble(local, local_shape, given_shape, layout, sharding)
+
+
+def _checked_global_shape(global_shape: object) -> tuple[int, ...]:
+    try:
+        return tuple(int(size) for size in global_shape)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        raise EinshardError(f"global_shape must be a sequence of integers, not {global_shape!r}") from None
+
+
+def _process_context(error: EinshardError, local_shape: tuple[int, ...]) -> None:
+    error.add_context(
+        f"while building a global array from process {jax.process_index()}'s part of shape {local_shape}"
+    )
+
+
+def _assemble(
+    local: Any,
+    local_shape: tuple[int, ...],
+    global_shape: tuple[int, ...] | None,
+    layout: Layout,
+    sharding: NamedSharding,
+) -> jax.Array:
+    """The global array from this process's part, checked against the layout."""
     process = jax.process_index()
-    context = f"while building a global array from process {process}'s part of shape {local_shape}"
     # Which blocks of each axis this process's devices hold: the index map of an
     # array whose every axis has one element per block.
     blocks = sharding.devices_indices_map(layout.shards)
@@ -121,7 +116,7 @@ def from_process_local(
         raise EinshardError(
             f"process {process} owns none of the {len(blocks)} devices the array is laid out over",
             hint="Call from_process_local in the processes whose devices are in devices=.",
-        ).add_context(context)
+        )
     own = tuple(len(h) if local_shape else 1 for h in held)
     if global_shape is None:
         bad = [axis for axis, (size, k) in enumerate(zip(local_shape, own, strict=True)) if size % k]
@@ -132,24 +127,16 @@ def from_process_local(
                 f"into the {own[axis]} blocks this process holds",
                 expression=layout.expression.text,
                 hint=f"Pass a local part whose axis {axis} is a multiple of {own[axis]}.",
-            ).add_context(context)
+            )
         shape = tuple(size // k * n for size, k, n in zip(local_shape, own, layout.shards, strict=True))
     else:
-        try:
-            shape = tuple(int(size) for size in global_shape)
-        except (TypeError, ValueError):
-            raise EinshardError(
-                f"global_shape must be a sequence of integers, not {global_shape!r}"
-            ) from None
+        shape = global_shape
         if len(shape) != len(local_shape):
             raise EinshardError(
                 f"global_shape {shape} has rank {len(shape)}, the local part rank {len(local_shape)}",
                 hint="The local part has the global array's rank; only the split axes are shorter.",
-            ).add_context(context)
-        try:
-            layout.check_shape(shape)
-        except EinshardError as error:
-            raise error.add_context(context) from None
+            )
+        layout.check_shape(shape)
         expected = tuple(size // n * k for size, n, k in zip(shape, layout.shards, own, strict=True))
         if expected != local_shape:
             raise EinshardError(
@@ -163,9 +150,6 @@ def from_process_local(
                     if n > 1
                 )
                 + ".",
-            ).add_context(context)
-    try:
-        layout.check_shape(shape)
-    except EinshardError as error:
-        raise error.add_context(context) from None
+            )
+    layout.check_shape(shape)
     return jax.make_array_from_process_local_data(sharding, local, shape)

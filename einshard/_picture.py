@@ -18,11 +18,9 @@ import sys
 from collections.abc import Sequence
 from typing import IO, Any
 
-from ._arrays import _checked_shape as checked_shape
-from ._devices import Devices, resolve_devices
+from ._devices import Devices, device_target, resolve_devices
 from ._errors import EinshardError
-from ._layout import Layout, layout
-from ._sharding import ambient_mesh
+from ._layout import Layout, checked_shape, layout
 
 __all__ = ["picture", "visualize"]
 
@@ -96,7 +94,7 @@ def picture(
     │                       │                       │
     └───────────────────────┴───────────────────────┘
     """
-    plan, shape, labels, kind = _resolve(expression, shape, n_devices, devices, platform)
+    plan, shape, labels, kind = _grid_inputs(expression, shape, n_devices, devices, platform)
     rich = _import_rich()
     buffer = io.StringIO()
     console = rich.console.Console(
@@ -186,7 +184,7 @@ def _import_rich() -> Any:
     return rich
 
 
-def _resolve(
+def _grid_inputs(
     expression: str,
     shape: Sequence[int],
     n_devices: int | None,
@@ -198,12 +196,9 @@ def _resolve(
         labels: tuple[int, ...] | None = None
         kind = "CPU"
     else:
-        if devices is None:
-            ambient = ambient_mesh()
-            concrete = ambient[1] if ambient is not None else None
-            order = tuple(concrete.devices.flat) if concrete is not None else resolve_devices(None)
-        else:
-            order = resolve_devices(devices)
+        order = device_target(devices).order
+        if order is None:  # an ambient mesh known only abstractly (in a trace): no devices to label
+            order = resolve_devices(None)
         if n_devices is not None and n_devices != len(order):
             raise EinshardError(
                 f"n_devices={n_devices!r} but devices= has {len(order)} devices",

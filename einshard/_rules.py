@@ -71,9 +71,14 @@ class Rules:
             ``'next'`` (use the next matching rule that fits).
         strict: Warn about rules that matched no leaf (default ``False``).
 
+    The policies belong to the table: every function that takes one applies
+    them. :meth:`replace` makes a variant for one call
+    (``rules.replace(unmatched='replicate')``).
+
     Raises:
         EinshardError: If a regex does not compile or an expression does not
-            parse, with a caret under the fault and the rule named.
+            parse, with a caret under the fault and the rule named; or a
+            policy is not one of its allowed values.
 
     >>> import einshard
     >>> rules = einshard.Rules([(r'w1/kernel$', 'x y -> x y*'), (r'.*', '... -> * ...')])
@@ -94,10 +99,14 @@ class Rules:
         strict: bool | None = None,
     ) -> None:
         base = rules if isinstance(rules, Rules) else None
-        self.unmatched: Unmatched = unmatched or (base.unmatched if base else "error")
-        self.indivisible: Indivisible = indivisible or (base.indivisible if base else "error")
-        self.strict = strict if strict is not None else (base.strict if base else False)
-        _check_policies(self.unmatched, self.indivisible)
+        self.unmatched: Unmatched = (
+            unmatched if unmatched is not None else (base.unmatched if base else "error")
+        )
+        self.indivisible: Indivisible = (
+            indivisible if indivisible is not None else (base.indivisible if base else "error")
+        )
+        self.strict: bool = strict if strict is not None else (base.strict if base else False)
+        _check_policies(self.unmatched, self.indivisible, self.strict)
         self._table: _Table = base._table if base is not None else _compile_table(tuple(_pairs(rules)))
         self.rules: tuple[Rule, ...] = self._table.rules
 
@@ -115,6 +124,22 @@ class Rules:
 
     def __radd__(self, other: RulesLike) -> Rules:
         return Rules([*Rules(other).pairs(), *self.pairs()], **self._policies())
+
+    def replace(
+        self,
+        *,
+        unmatched: Unmatched | None = None,
+        indivisible: Indivisible | None = None,
+        strict: bool | None = None,
+    ) -> Rules:
+        """The same rules with other policies (those not given are kept); the table is shared.
+
+        >>> import einshard
+        >>> rules = einshard.Rules([(r'w$', 'x y -> x y*')])
+        >>> rules.replace(unmatched='replicate').unmatched, rules.unmatched
+        ('replicate', 'error')
+        """
+        return Rules(self, unmatched=unmatched, indivisible=indivisible, strict=strict)
 
     def _policies(self) -> dict[str, Any]:
         return {"unmatched": self.unmatched, "indivisible": self.indivisible, "strict": self.strict}
@@ -212,16 +237,18 @@ class _Table:
         return self._combined
 
 
-def _check_policies(unmatched: str, indivisible: str) -> None:
-    if unmatched not in ("error", "replicate"):
+def _check_policies(unmatched: object, indivisible: object, strict: object) -> None:
+    if not isinstance(unmatched, str) or unmatched not in ("error", "replicate"):
         raise EinshardError(
             f"unmatched={unmatched!r} is not a policy", hint="Use unmatched='error' or 'replicate'."
         )
-    if indivisible not in ("error", "replicate", "next"):
+    if not isinstance(indivisible, str) or indivisible not in ("error", "replicate", "next"):
         raise EinshardError(
             f"indivisible={indivisible!r} is not a policy",
             hint="Use indivisible='error', 'replicate' or 'next'.",
         )
+    if not isinstance(strict, bool):
+        raise EinshardError(f"strict={strict!r} is not a policy", hint="Use strict=True or strict=False.")
 
 
 def _pairs(rules: object) -> list[tuple[str, str]]:

@@ -18,16 +18,14 @@ import threading
 import warnings
 from collections.abc import Sequence
 
-import jax
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._devices import DeviceOrder
 from ._errors import EinshardError, EinshardWarning
 from ._layout import Layout, compile_layout
 
 __all__ = [
-    "ambient_mesh",
     "ambient_spec",
     "device_mesh",
     "layout_mesh_shape",
@@ -194,23 +192,6 @@ def _user_stacklevel() -> int:
         frame = frame.f_back
         level += 1
     return level
-
-
-def ambient_mesh() -> tuple[AbstractMesh, Mesh | None] | None:
-    """The ambient mesh set by ``jax.set_mesh``: abstract, and concrete when outside a trace.
-
-    Returns ``None`` when no mesh is set.
-    """
-    abstract = jax.sharding.get_abstract_mesh()
-    if abstract.empty:
-        return None
-    try:
-        concrete = jax.sharding.get_mesh()
-    except ValueError:  # inside a trace only the abstract mesh is known
-        concrete = None
-    if concrete is not None and concrete.empty:
-        concrete = None
-    return abstract, concrete
 
 
 @functools.lru_cache(maxsize=4096)

@@ -43,3 +43,40 @@ def test_public_names_are_curated():
     public = set(probe()["public"])
     assert {"einshard", "make_sharding", "EinshardError", "use_devices", "parse", "layout"} <= public
     assert not {"jax", "np", "functools"} & public
+
+
+def test_the_core_names_no_framework():
+    """Framework knowledge lives in einshard/integrations: no core module's code names a framework.
+
+    Comments and docstrings may mention one; identifiers, imports and strings may not (a
+    ``sys.modules.get('flax.nnx')`` would be the core knowing Flax).
+    """
+    import ast
+    import re
+
+    frameworks = re.compile(r"\b(flax|nnx|linen|equinox|eqx|optax|orbax)\b", re.IGNORECASE)
+    named = []
+    for path in sorted((ROOT / "einshard").glob("_*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef)
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                text = node.value
+            elif isinstance(node, ast.Name):
+                text = node.id
+            elif isinstance(node, ast.Attribute):
+                text = node.attr
+            elif isinstance(node, ast.alias):
+                text = node.name
+            else:
+                continue
+            if frameworks.search(text):
+                named.append(f"{path.name}:{getattr(node, 'lineno', '?')}: {text[:60]!r}")
+    assert not named, "the core names a framework:\n" + "\n".join(named)

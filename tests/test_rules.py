@@ -47,9 +47,7 @@ class Layer:
 
 
 def paths_of(tree):
-    planned, _, _ = einshard._pytrees.plan_tree(
-        tree, [(".*", REPLICATE)], n_devices=N_DEVICES, unmatched="error", indivisible="error"
-    )
+    planned, _, _ = einshard._plan.plan_tree(tree, [(".*", REPLICATE)], n_devices=N_DEVICES)
     return [plan.path for _, plan in planned if plan is not None]
 
 
@@ -132,6 +130,34 @@ class TestRulesTable:
         with pytest.raises(EinshardError, match="unmatched='skip' is not a policy"):
             Rules([], unmatched="skip")  # type: ignore[arg-type]
 
+    @pytest.mark.parametrize(
+        ("policy", "allowed"),
+        [
+            ({"unmatched": ""}, "Use unmatched='error' or 'replicate'."),
+            ({"indivisible": "pad"}, "Use indivisible='error', 'replicate' or 'next'."),
+            ({"strict": "no"}, "Use strict=True or strict=False."),
+            ({"strict": 1}, "Use strict=True or strict=False."),
+        ],
+    )
+    def test_bad_policy_values_name_the_allowed_ones(self, policy, allowed):
+        # An empty string is a value too, not "the default": it was silently taken as one.
+        for make in (lambda: Rules([], **policy), lambda: Rules([]).replace(**policy)):
+            with pytest.raises(EinshardError) as info:
+                make()
+            assert str(info.value).split("\n")[1] == allowed
+
+    def test_replace_makes_a_variant_and_keeps_the_rest(self):
+        rules = Rules([("w", "x y -> x y*")], indivisible="next", strict=True)
+        variant = rules.replace(unmatched="replicate")
+        assert (variant.unmatched, variant.indivisible, variant.strict) == ("replicate", "next", True)
+        assert (rules.unmatched, rules.indivisible, rules.strict) == ("error", "next", True)
+        assert variant.pairs() == rules.pairs() and variant != rules
+
+    def test_functions_take_no_policies(self):
+        for function in (einshard.shard_pytree, einshard.pytree_shardings):
+            with pytest.raises(TypeError):
+                function({"w": np.ones(4)}, [("w", "a -> a*")], unmatched="replicate")
+
 
 def assert_first_match(rules, patterns, path):
     """The table's answer is the first re.search match, by both matchers."""
@@ -171,12 +197,12 @@ class TestPolicies:
         assert str(info.value).split("\n") == [
             "no rule matches 'norm' (shape (4,))",
             "Add a rule for it, e.g. (r'norm$', 'a -> * a'), end the table with "
-            "(r'.*', '... -> * ...') to replicate the rest, or pass unmatched='replicate'.",
+            "(r'.*', '... -> * ...') to replicate the rest, or build the table with unmatched='replicate'.",
             "  rules tried: 'w'",
         ]
 
     def test_unmatched_replicate(self):
-        out = einshard.shard_pytree(self.tree, [("w", "x y -> x y*")], unmatched="replicate")
+        out = einshard.shard_pytree(self.tree, Rules([("w", "x y -> x y*")], unmatched="replicate"))
         assert out["norm"].sharding.is_fully_replicated
         assert len(out["norm"].sharding.device_set) == N_DEVICES
 
@@ -195,22 +221,22 @@ class TestPolicies:
         )
 
     def test_indivisible_replicate_is_reported(self):
-        rules = [("w", "x y -> x* y"), (".*", REPLICATE)]
-        out = einshard.shard_pytree(self.tree, rules, indivisible="replicate")
+        rules = Rules([("w", "x y -> x* y"), (".*", REPLICATE)]).replace(indivisible="replicate")
+        out = einshard.shard_pytree(self.tree, rules)
         assert out["w"].sharding.is_fully_replicated
-        row = einshard.explain(self.tree, rules, indivisible="replicate").rows[1]
+        row = einshard.explain(self.tree, rules).rows[1]
         assert row.path == "w" and row.rule is None and "does not divide" in row.note
 
     def test_indivisible_next(self):
-        rules = [("w", "x y -> x* y"), ("w", "x y -> x y*"), (".*", REPLICATE)]
-        out = einshard.shard_pytree(self.tree, rules, indivisible="next")
+        rules = Rules([("w", "x y -> x* y"), ("w", "x y -> x y*"), (".*", REPLICATE)], indivisible="next")
+        out = einshard.shard_pytree(self.tree, rules)
         assert same_layout(out["w"], "x y -> x y*")
-        row = einshard.explain(self.tree, rules, indivisible="next").rows[1]
+        row = einshard.explain(self.tree, rules).rows[1]
         assert row.rule == "w" and row.note == f"rule 0 did not divide (3, {2 * N_DEVICES}): rule 1 used"
 
     def test_indivisible_next_with_nothing_left(self):
         with pytest.raises(EinshardError, match=r"no matching rule divides 'w'"):
-            einshard.shard_pytree({"w": self.tree["w"]}, [("w", "x y -> x* y")], indivisible="next")
+            einshard.shard_pytree({"w": self.tree["w"]}, Rules([("w", "x y -> x* y")], indivisible="next"))
 
     def test_rank_mismatch_names_the_leaf(self):
         with pytest.raises(EinshardError) as info:
@@ -225,7 +251,7 @@ class TestPolicies:
             einshard.shard_pytree(self.tree, rules)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            einshard.shard_pytree(self.tree, rules, strict=False)
+            einshard.shard_pytree(self.tree, rules.replace(strict=False))
 
     def test_scalars_are_replicated_whatever_the_rules(self):
         out = einshard.shard_pytree({"step": jnp.int32(3)}, [(".*", "x -> x*")])
@@ -461,14 +487,14 @@ def test_flax_wrappers_are_not_part_of_paths():
 
 def test_init_sharded_in_parts(monkeypatch):
     """A big init is compiled in parts (bounding XLA's scratch memory), with the same result."""
-    monkeypatch.setattr(einshard._pytrees, "_INIT_PART_BYTES", 4 * 16 * 8 * N_DEVICES)
+    monkeypatch.setattr(einshard._build, "_PART_BYTES", 4 * 16 * 8 * N_DEVICES)
 
     def init(key):
         keys = jax.random.split(key, 5)
         return {f"w{i}": jax.random.normal(k, (16, 8 * N_DEVICES)) for i, k in enumerate(keys)}
 
     shapes = jax.tree_util.tree_leaves(jax.eval_shape(init, jax.random.key(0)))
-    assert len(einshard._pytrees._init_groups(shapes)) == 5
+    assert len(einshard._build._parts(shapes)) == 5
     params = einshard.init_sharded(init, [("w", "x y -> x y*")], jax.random.key(0))
     plain = init(jax.random.key(0))
     for name, value in plain.items():
@@ -539,7 +565,7 @@ _PLAIN_TREES = st.recursive(
 @given(tree=_PLAIN_TREES)
 def test_paths_read_off_the_structure_are_those_of_the_key_paths(tree):
     """Dicts, lists, tuples and None: the structure gives the paths tree_flatten_with_path gives."""
-    from einshard import _pytrees
+    from einshard import _paths
 
     try:
         treedef = jax.tree_util.tree_structure(tree)
@@ -547,4 +573,4 @@ def test_paths_read_off_the_structure_are_those_of_the_key_paths(tree):
         return
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     expected = [einshard._rules.path_string(key_path) for key_path, _ in flat]
-    assert _pytrees._structure_paths(treedef) == expected
+    assert _paths._structure_paths(treedef) == expected

@@ -449,7 +449,7 @@ def shard_module(
     table = _rules_for(module, rules)
     try:
         return _pytrees.shard_pytree(
-            module, table, devices=devices, unmatched=unmatched, indivisible=indivisible, strict=strict
+            module, Rules(table, unmatched=unmatched, indivisible=indivisible, strict=strict), devices=devices
         )
     except EinshardError as error:
         raise error.add_context(f"in {type(module).__name__}") from None

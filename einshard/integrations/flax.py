@@ -65,11 +65,13 @@ from typing import Any, TypeVar
 
 import jax
 import numpy as np
+from flax.core import meta as flax_meta
 
 from .. import _pytrees
 from .._devices import Devices
-from .._errors import EinshardError
-from .._rules import Indivisible, RulesLike, Unmatched
+from .._errors import EinshardError, adding_context
+from .._paths import register_value_wrapper
+from .._rules import RulesLike
 
 __all__ = [
     "create_optimizer",
@@ -82,6 +84,10 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+# Flax's wrappers hold the array as `value`: rules see `linear1/kernel`, not `linear1/kernel/value`.
+register_value_wrapper(nnx.Variable)
+register_value_wrapper(flax_meta.AxisMetadata)
 
 _REPLICATE = [(r".*", "... -> * ...")]
 
@@ -148,9 +154,6 @@ def shard_module(
     rules: RulesLike,
     *,
     devices: Devices | None = None,
-    unmatched: Unmatched | None = None,
-    indivisible: Indivisible | None = None,
-    strict: bool | None = None,
 ) -> T:
     """Shards the state of an NNX object in place, by a rule table, and returns it.
 
@@ -164,16 +167,11 @@ def shard_module(
     Args:
         obj: An NNX object: a module, an ``nnx.Optimizer``, or a tuple, list
             or dict of them (shared variables are placed once).
-        rules: The rule table (see :func:`einshard.shard_pytree`). Patterns
-            ending in the parameter's path (``r'linear1/kernel$'``) also match
-            the optimizer state that mirrors it.
+        rules: The rule table, with its policies (see
+            :func:`einshard.shard_pytree`). Patterns ending in the parameter's
+            path (``r'linear1/kernel$'``) also match the optimizer state that
+            mirrors it.
         devices: The devices, in order (see :func:`einshard.make_sharding`).
-        unmatched: A leaf no rule matches: ``'error'`` or ``'replicate'``.
-        indivisible: A leaf whose axis does not divide: ``'error'``,
-            ``'replicate'`` or ``'next'``.
-        strict: Warn about rules that matched nothing.
-
-    The policies default to those of the :class:`einshard.Rules` table.
 
     Returns:
         ``obj`` itself, its variables now holding the placed arrays.
@@ -193,17 +191,8 @@ def shard_module(
     (4, 2)
     """
     rng_state, state = _split_state(obj)
-    try:
-        placed = _pytrees.shard_pytree(
-            nnx.to_pure_dict(state),
-            rules,
-            devices=devices,
-            unmatched=unmatched,
-            indivisible=indivisible,
-            strict=strict,
-        )
-    except EinshardError as error:
-        raise error.add_context(f"in the state of {_describe(obj)}") from None
+    with adding_context(_state_context, obj):
+        placed = _pytrees.shard_pytree(nnx.to_pure_dict(state), rules, devices=devices)
     nnx.replace_by_pure_dict(state, placed)
     replicated = _pytrees.shard_pytree(nnx.to_pure_dict(rng_state), _REPLICATE, devices=devices)
     nnx.replace_by_pure_dict(rng_state, replicated)
@@ -337,7 +326,7 @@ def create_optimizer(model: Any, tx: Any, *, wrt: Any = nnx.Param) -> Any:
     """
     params = nnx.to_pure_dict(nnx.state(model, wrt))
     # Only the layouts are needed inside the compiled call, not the values.
-    layouts = jax.tree.map(_abstract, params)
+    layouts = jax.tree.map(_struct_with_sharding, params)
 
     def build(model: Any) -> Any:
         return _place_like(nnx.Optimizer(model, tx, wrt=wrt), layouts)
@@ -345,7 +334,7 @@ def create_optimizer(model: Any, tx: Any, *, wrt: Any = nnx.Param) -> Any:
     return nnx.jit(build)(model)
 
 
-def _abstract(leaf: Any) -> Any:
+def _struct_with_sharding(leaf: Any) -> Any:
     if isinstance(leaf, jax.Array):
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
     return leaf
@@ -355,10 +344,8 @@ def _place_like(optimizer: Any, params: Any) -> Any:
     from . import optax as optax_integration
 
     state = nnx.state(optimizer)
-    try:
+    with adding_context(_state_context, optimizer):
         placed = optax_integration.shard_opt_state(nnx.to_pure_dict(state), params)
-    except EinshardError as error:
-        raise error.add_context(f"in the state of {_describe(optimizer)}") from None
     nnx.replace_by_pure_dict(state, placed)
     nnx.update(optimizer, state)
     return optimizer
@@ -378,9 +365,10 @@ def _is_dynamic(leaf: Any) -> bool:
     return _is_nnx_node(leaf) or isinstance(leaf, (jax.Array, np.ndarray))
 
 
-def _describe(obj: Any) -> str:
+def _state_context(error: EinshardError, obj: Any) -> None:
     kind = type(obj)
-    return f"{kind.__module__}.{kind.__qualname__}" if isinstance(obj, nnx.Pytree) else kind.__name__
+    name = f"{kind.__module__}.{kind.__qualname__}" if isinstance(obj, nnx.Pytree) else kind.__name__
+    error.add_context(f"in the state of {name}")
 
 
 # --- linen --------------------------------------------------------------------

@@ -70,7 +70,7 @@ from .._errors import EinshardError
 from .._explain import Report, ReportRow, _itemsize
 from .._expression import parse
 from .._layout import Layout, compile_layout
-from .._multihost import place_many
+from .._place import place_leaves
 from .._pytrees import REPLICATE, LeafPlan, _device_count, is_array_leaf, plan_tree
 from .._rules import Rules, RulesLike, path_string
 
@@ -431,7 +431,7 @@ def shard_opt_state(opt_state: Any, params: Any) -> Any:
             batch_shardings.append(sharding)
     if batch_leaves:
         # place_many: a state committed to this process's devices is placed over all processes' too.
-        for i, placed in zip(batch_at, place_many(batch_leaves, batch_shardings), strict=True):
+        for i, placed in zip(batch_at, place_leaves(batch_leaves, batch_shardings), strict=True):
             out[i] = placed
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -629,9 +629,7 @@ def _explain_planned(
 ) -> Report:
     table = rules if isinstance(rules, Rules) else Rules(rules)
     count = n_devices if n_devices is not None else _device_count(devices)
-    planned, _, _ = plan_tree(
-        params, table, n_devices=count, unmatched=table.unmatched, indivisible=table.indivisible
-    )
+    planned, _, _ = plan_tree(params, table, n_devices=count)
     plans = [plan for _, plan in planned]
     matcher, matched = _match(opt_state, params)
     rows = []

@@ -51,8 +51,9 @@ from jax.sharding import Sharding
 
 from .._devices import Devices
 from .._errors import EinshardError
-from .._pytrees import _planned_shardings
-from .._rules import Indivisible, Rules, RulesLike, Unmatched, path_string
+from .._place import place_leaves
+from .._pytrees import tree_shardings
+from .._rules import Rules, RulesLike, path_string
 
 __all__ = ["abstract_checkpoint", "restore", "restore_target", "save"]
 
@@ -122,7 +123,7 @@ def abstract_checkpoint(path: PathLike) -> Any:
     """
     with ocp.StandardCheckpointer() as checkpointer:
         metadata = checkpointer.metadata(_directory(path))
-    return _abstract(metadata)
+    return _unsharded_tree(metadata)
 
 
 def _is_metadata(leaf: Any) -> bool:
@@ -140,7 +141,7 @@ def _abstract_leaf(leaf: Any) -> Any:
     return leaf
 
 
-def _abstract(tree: Any) -> Any:
+def _unsharded_tree(tree: Any) -> Any:
     """``tree`` with every array leaf a ``ShapeDtypeStruct``; orbax metadata unwrapped."""
     tree = getattr(tree, "item_metadata", tree)  # a StepMetadata: the item's TreeMetadata
     tree = getattr(tree, "tree", tree)  # a TreeMetadata: the tree of ArrayMetadata
@@ -152,9 +153,6 @@ def restore_target(
     rules: RulesLike,
     *,
     devices: Devices | None = None,
-    unmatched: Unmatched | None = None,
-    indivisible: Indivisible | None = None,
-    strict: bool | None = None,
 ) -> Any:
     """The restore target that places every array by the rules: ``ShapeDtypeStruct`` leaves with shardings.
 
@@ -172,11 +170,8 @@ def restore_target(
             a concrete tree, or a checkpoint's metadata (from
             :func:`abstract_checkpoint`, or orbax's ``StepMetadata`` /
             ``TreeMetadata``). Existing shardings are ignored.
-        rules: The rule table (see :func:`einshard.shard_pytree`).
+        rules: The rule table, with its policies (see :func:`einshard.shard_pytree`).
         devices: The devices, in order (see :func:`einshard.make_sharding`).
-        unmatched: See :func:`einshard.shard_pytree`.
-        indivisible: See :func:`einshard.shard_pytree`.
-        strict: See :func:`einshard.shard_pytree`.
 
     Returns:
         The tree with every array leaf a ``jax.ShapeDtypeStruct`` carrying its
@@ -193,15 +188,8 @@ def restore_target(
     >>> target['w'].sharding.shard_shape((16, 8)), target['b'].sharding.shard_shape((8,))
     ((2, 8), (1,))
     """
-    abstract = _abstract(tree)
-    planned, treedef, shardings = _planned_shardings(abstract, rules, devices, unmatched, indivisible, strict)
-    leaves = [
-        leaf
-        if sharding is None
-        else jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding, weak_type=leaf.weak_type)
-        for (leaf, _), sharding in zip(planned, shardings, strict=True)
-    ]
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+    planned, treedef, shardings = tree_shardings(_unsharded_tree(tree), rules, devices)
+    return jax.tree_util.tree_unflatten(treedef, place_leaves([leaf for leaf, _ in planned], shardings))
 
 
 def _is_rules(value: Any) -> bool:
@@ -240,9 +228,6 @@ def restore(
     *,
     abstract: Any = None,
     devices: Devices | None = None,
-    unmatched: Unmatched | None = None,
-    indivisible: Indivisible | None = None,
-    strict: bool | None = None,
 ) -> Any:
     """Restores a checkpoint with every array placed by a rule table (or by a given target).
 
@@ -252,8 +237,8 @@ def restore(
 
     Args:
         path: The checkpoint directory.
-        rules_or_target: A rule table (see :func:`einshard.shard_pytree`),
-            applied on this process's devices; or a restore target: a tree
+        rules_or_target: A rule table with its policies (see
+            :func:`einshard.shard_pytree`), applied on this process's devices; or a restore target: a tree
             whose array leaves are ``jax.ShapeDtypeStruct`` with shardings
             (:func:`restore_target`'s output, or one built from
             ``einshard.integrations.optax.opt_state_shardings``) or placed
@@ -264,9 +249,6 @@ def restore(
             states). By default the checkpoint's own structure
             (:func:`abstract_checkpoint`: nested dicts and lists).
         devices: The devices, in order, with a rule table.
-        unmatched: See :func:`einshard.shard_pytree`.
-        indivisible: See :func:`einshard.shard_pytree`.
-        strict: See :func:`einshard.shard_pytree`.
 
     Returns:
         The restored tree: array leaves are ``jax.Array`` placed by their
@@ -296,14 +278,7 @@ def restore(
     if _is_rules(rules_or_target):
         if abstract is None:
             abstract = abstract_checkpoint(directory)
-        target = restore_target(
-            abstract,
-            rules_or_target,
-            devices=devices,
-            unmatched=unmatched,
-            indivisible=indivisible,
-            strict=strict,
-        )
+        target = restore_target(abstract, rules_or_target, devices=devices)
     else:
         if abstract is not None:
             raise EinshardError(

@@ -1,0 +1,131 @@
+"""Leaf paths: the ``/``-joined key path of every leaf of a tree, as rules see it.
+
+A path is the leaf's key path joined with ``/`` (``layers/0/mlp/w1/kernel``,
+see :func:`~einshard._rules.path_string`). Two things make it cheaper or
+cleaner than ``jax.tree_util.tree_flatten_with_path``:
+
+* for trees of plain dicts, lists, tuples and ``None`` the paths are read off
+  the tree structure, once per distinct subtree, and cached per structure;
+* a framework's wrapper nodes whose ``value`` child is an implementation
+  detail (Flax's ``nnx.Variable``) leave it out of the path. The core names no
+  framework: an integration registers its wrapper types with
+  :func:`register_value_wrapper` when it is imported, and the integrations
+  that do (``einshard.integrations.PATH_CONVENTIONS``) are imported when their
+  framework is, the way einops finds its backends in ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from ._rules import path_string
+
+__all__ = ["flatten_with_paths", "register_value_wrapper"]
+
+# Tree structure -> the path of each leaf, for the last few structures. Few: a structure's
+# hash ignores dict keys, so structures of one shape share a bucket and are compared in turn.
+_PATHS: collections.OrderedDict[Any, list[str]] = collections.OrderedDict()
+_PATHS_KEPT = 16
+
+_VALUE_WRAPPERS: list[type] = []
+
+
+def register_value_wrapper(kind: type) -> None:
+    """Leaves out the ``value`` child of ``kind``'s nodes from leaf paths (``kernel``, not ``kernel/value``).
+
+    Called by an integration when it is imported, for its framework's wrappers.
+    """
+    if kind not in _VALUE_WRAPPERS:
+        _VALUE_WRAPPERS.append(kind)
+        _PATHS.clear()  # paths read before may have kept a `value`
+
+
+def flatten_with_paths(tree: Any) -> tuple[list[Any], list[str], Any]:
+    """The leaves, their ``/``-joined paths and the tree structure; paths cached per structure."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    paths = _PATHS.get(treedef)
+    if paths is None:
+        paths = _structure_paths(treedef)
+        if paths is None:
+            paths = _leaf_paths(tree)
+        _PATHS[treedef] = paths
+        if len(_PATHS) > _PATHS_KEPT:
+            _PATHS.popitem(last=False)
+    else:
+        _PATHS.move_to_end(treedef)
+    return leaves, paths, treedef
+
+
+def _structure_paths(treedef: Any) -> list[str] | None:
+    """The leaf paths read off a structure of plain dicts, lists, tuples and ``None``.
+
+    Much cheaper than ``tree_flatten_with_path`` for models whose layers repeat: the paths
+    inside a subtree are built once per distinct subtree structure (all layers of a model
+    share one) and prefixed per occurrence. ``None`` for any other node type (namedtuples,
+    Flax variables, Equinox modules, ...), whose keys only their own flattening knows.
+    """
+    known: dict[Any, list[str] | None] = {}
+
+    def inside(node: Any) -> list[str] | None:
+        if node not in known:
+            known[node] = _paths_below(node, inside)
+        return known[node]
+
+    return inside(treedef)
+
+
+def _paths_below(node: Any, inside: Callable[[Any], list[str] | None]) -> list[str] | None:
+    """The paths of a structure node's leaves relative to it (``inside`` gives its children's)."""
+    data = node.node_data()
+    if data is None:  # a leaf: its path is the path to it
+        return [""]
+    kind, keys = data
+    children = node.children()
+    if kind is dict:
+        names = [str(key) for key in keys]
+    elif kind is list or kind is tuple or kind is type(None):
+        names = [str(i) for i in range(len(children))]
+    else:  # namedtuples and registered classes may name their children their own way
+        return None
+    paths: list[str] = []
+    for name, child in zip(names, children, strict=True):
+        below = inside(child)
+        if below is None:
+            return None
+        paths += [f"{name}/{path}" if path else name for path in below]
+    return paths
+
+
+def _leaf_paths(tree: Any) -> list[str]:
+    """The path of every leaf, without the ``value`` child of registered wrappers."""
+    _import_path_conventions()
+    wrappers = tuple(_VALUE_WRAPPERS)
+    if not wrappers:
+        return [path_string(key_path) for key_path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    paths = []
+    for key_path, node in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, wrappers)
+    )[0]:
+        if not isinstance(node, wrappers):
+            paths.append(path_string(key_path))
+            continue
+        for inner, _ in jax.tree_util.tree_flatten_with_path(node)[0]:
+            if inner and getattr(inner[0], "name", None) == "value":
+                inner = inner[1:]
+            paths.append(path_string((*key_path, *inner)))
+    return paths
+
+
+def _import_path_conventions() -> None:
+    """Imports the integrations that register a path convention, for the frameworks in use."""
+    from .integrations import PATH_CONVENTIONS  # a list of names: importing it imports no framework
+
+    for framework, integration in PATH_CONVENTIONS.items():
+        if framework in sys.modules and integration not in sys.modules:
+            importlib.import_module(integration)

@@ -1,0 +1,183 @@
+"""Planning a tree by a rule table: which rule, which expression, which layout, for every leaf.
+
+Pure: it needs only a device count, so :func:`~einshard.explain` can plan for
+devices the machine does not have. The table's policies (``unmatched``,
+``indivisible``) decide the leaves no rule fits. A leaf's errors get its
+context here, once: the path, the shape, the rule and the device count.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.core import Tracer
+
+from ._errors import EinshardError, adding_context
+from ._layout import Layout, compile_layout
+from ._paths import flatten_with_paths
+from ._rules import Rule, Rules, RulesLike
+
+__all__ = ["REPLICATE", "LeafPlan", "as_rules", "describe_leaf", "is_array_leaf", "leaf_context", "plan_tree"]
+
+REPLICATE = "... -> * ..."
+
+
+class LeafPlan(NamedTuple):
+    """How one array leaf is laid out.
+
+    Attributes:
+        path: The leaf's path, e.g. ``'layers/0/mlp/w1/kernel'``.
+        shape: The leaf's shape.
+        dtype: The leaf's dtype.
+        rule: The rule that decided it, or ``None`` (a scalar, or no rule
+            matched and the policy replicates).
+        expression: The expression applied.
+        layout: The resolved layout.
+        note: Why the leaf did not simply follow its first matching rule, or ``None``.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: Any
+    rule: Rule | None
+    expression: str
+    layout: Layout
+    note: str | None = None
+
+
+def is_array_leaf(leaf: Any) -> bool:
+    """Whether a leaf is an array to place: ``jax.Array``, NumPy array or scalar, ``ShapeDtypeStruct``.
+
+    Python scalars, strings, functions and other objects pass through untouched.
+    """
+    kind = type(leaf)
+    if kind in _ARRAY_TYPES:  # by identity first: isinstance against jax.Array's ABC is slow
+        return True
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
+        if not issubclass(kind, Tracer):  # whether a tracer is an array can depend on the tracer
+            _ARRAY_TYPES.add(kind)
+        return True
+    return False
+
+
+_ARRAY_TYPES: set[type] = {jax.ShapeDtypeStruct, np.ndarray}
+
+
+def as_rules(rules: RulesLike) -> Rules:
+    """The rule table, built if given as pairs or a dict."""
+    return rules if isinstance(rules, Rules) else Rules(rules)
+
+
+def plan_tree(
+    tree: Any, rules: RulesLike, *, n_devices: int
+) -> tuple[list[tuple[Any, LeafPlan | None]], Any, tuple[Rule, ...]]:
+    """Plans every leaf of ``tree`` by the table and its policies: pure, for any device count.
+
+    Returns:
+        ``(leaves, treedef, unused)``: each leaf with its plan (``None`` for
+        leaves that pass through), the tree structure, and the rules that
+        decided no leaf.
+    """
+    table = as_rules(rules)
+    leaves, paths, treedef = flatten_with_paths(tree)
+    used: set[int] = set()
+    planned: list[tuple[Any, LeafPlan | None]] = []
+    # Leaves of one kind (same rule, same shape) share a layout: decide each kind once.
+    fitting: dict[tuple[int, tuple[int, ...]], Layout] = {}
+    for path, leaf in zip(paths, leaves, strict=True):
+        if not is_array_leaf(leaf):
+            planned.append((leaf, None))
+            continue
+        shape = tuple(leaf.shape)
+        rule = table.match(path) if shape else None
+        layout = None if rule is None else fitting.get((rule.index, shape))
+        if layout is not None and rule is not None:
+            plan = LeafPlan(path, shape, leaf.dtype, rule, rule.expression, layout)
+        else:
+            plan = _plan_leaf(path, leaf, table, n_devices)
+            if rule is not None and plan.rule is rule and plan.note is None:
+                fitting[rule.index, shape] = plan.layout
+        if plan.rule is not None:
+            used.add(plan.rule.index)
+        planned.append((leaf, plan))
+    unused = tuple(rule for rule in table if rule.index not in used)
+    return planned, treedef, unused
+
+
+def describe_leaf(path: str, shape: tuple[int, ...]) -> str:
+    """``'w' (shape (8, 16))``: a leaf, in messages."""
+    return f"{path!r} (shape {shape})"
+
+
+def leaf_context(
+    error: EinshardError, path: str, shape: tuple[int, ...], rule: Rule | None, where: str
+) -> None:
+    """Adds ``while sharding 'w' (shape (8, 16)) with rule (...) on 8 devices``: the leaf at fault."""
+    with_rule = f" with rule {rule}" if rule is not None else ""
+    error.add_context(f"while sharding {describe_leaf(path, shape)}{with_rule} {where}")
+
+
+def _plan_leaf(path: str, leaf: Any, rules: Rules, n_devices: int) -> LeafPlan:
+    shape = tuple(leaf.shape)
+    dtype = leaf.dtype
+    if not shape:  # scalars are replicated whatever the rules say
+        return LeafPlan(
+            path, shape, dtype, None, REPLICATE, compile_layout(REPLICATE, 0, n_devices), "scalar"
+        )
+    rule = rules.match(path)
+    if rule is None:
+        if rules.unmatched == "replicate":
+            layout = compile_layout(REPLICATE, len(shape), n_devices)
+            return LeafPlan(path, shape, dtype, None, REPLICATE, layout, "no rule matched: replicated")
+        tried = ", ".join(repr(r.pattern) for r in rules) or "(the table is empty)"
+        raise EinshardError(
+            f"no rule matches {describe_leaf(path, shape)}",
+            hint=f"Add a rule for it, e.g. (r'{_suggest_pattern(path)}', '{_replicate_for(len(shape))}'), "
+            f"end the table with "
+            f"(r'.*', '{REPLICATE}') to replicate the rest, or build the table with "
+            f"unmatched='replicate'.",
+            context=[f"rules tried: {tried}"],
+        )
+    indivisible = rules.indivisible
+    skipped: list[Rule] = []
+    candidates = rules.matches(path) if indivisible == "next" else iter([rule])
+    for candidate in candidates:
+        with adding_context(leaf_context, path, shape, candidate, f"on {n_devices} devices"):
+            layout = compile_layout(candidate.expression, len(shape), n_devices)
+            if indivisible == "error":
+                layout.check_shape(shape)
+        if indivisible != "error" and not _divides(layout, shape):
+            if indivisible == "replicate":
+                layout = compile_layout(REPLICATE, len(shape), n_devices)
+                note = f"rule {candidate.index} does not divide {shape}: replicated"
+                return LeafPlan(path, shape, dtype, None, REPLICATE, layout, note)
+            skipped.append(candidate)
+            continue
+        note = None
+        if skipped:
+            note = f"rule{'s' if len(skipped) > 1 else ''} {', '.join(str(r.index) for r in skipped)} "
+            note += f"did not divide {shape}: rule {candidate.index} used"
+        return LeafPlan(path, shape, dtype, candidate, candidate.expression, layout, note)
+    tried = ", ".join(str(r) for r in skipped)
+    raise EinshardError(
+        f"no matching rule divides {describe_leaf(path, shape)} on {n_devices} devices",
+        hint=f"Add a rule that fits, or end the table with (r'.*', '{REPLICATE}').",
+        context=[f"rules tried: {tried}"],
+    )
+
+
+def _divides(layout: Layout, shape: tuple[int, ...]) -> bool:
+    return all(size % count == 0 for size, count in zip(shape, layout.shards, strict=True))
+
+
+def _suggest_pattern(path: str) -> str:
+    """A regex for one leaf's kind: its last two path parts, unless one is a layer index."""
+    parts = [part for part in path.split("/") if part and not part.isdigit()]
+    return "/".join(parts[-2:]) + "$" if parts else ".*"
+
+
+def _replicate_for(rank: int) -> str:
+    names = " ".join("abcdefghijklmnopqrstuvwxyz"[:rank]) if rank <= 26 else "..."
+    return f"{names} -> * {names}"

@@ -1,0 +1,85 @@
+"""The resolution step: (expression, rank, device target, shape) to (layout, sharding).
+
+Every function that turns an expression into a sharding comes here: arrays
+(:func:`~einshard.make_sharding`, :func:`~einshard.einshard`), trees (once per
+kind of leaf), pictures and several processes
+(:func:`~einshard.from_process_local`). The device target is decided before,
+once per call, by :func:`~einshard._devices.device_target`. The arguments a
+user gives (the expression's type, the rank, the shape) are checked once, by
+the public function, before it asks (:func:`check_arguments`); adding context
+to an error is the public function's job too (:func:`sharding_context`).
+"""
+
+from __future__ import annotations
+
+from jax.sharding import NamedSharding
+
+from ._devices import Devices, DeviceTarget, device_target
+from ._errors import EinshardError
+from ._layout import Layout
+from ._sharding import ambient_spec, layout_sharding
+
+__all__ = ["check_arguments", "resolve_sharding", "sharding_context"]
+
+
+def resolve_sharding(
+    expression: str,
+    n_dims: int | None,
+    target: DeviceTarget,
+    shape: tuple[int, ...] | None = None,
+) -> tuple[Layout, NamedSharding]:
+    """The layout and the sharding of an expression on a device target; cached below.
+
+    On einshard's own mesh over the target's device order, or on the ambient
+    mesh (with its devices when they are known, else abstract, inside a trace).
+
+    Args:
+        expression: The expression's text.
+        n_dims: The array's rank, or ``None`` to take it from the expression.
+        target: Where the array goes (from :func:`~einshard._devices.device_target`).
+        shape: The array's shape, if known: every split axis must divide.
+
+    Raises:
+        EinshardError: If the expression does not fit the rank, the shape or
+            the devices. (A call's own arguments are checked before, by
+            :func:`check_arguments`.)
+    """
+    if target.mesh is not None:
+        layout, spec = ambient_spec(expression, n_dims, tuple(target.mesh.shape.items()))
+        sharding = NamedSharding(target.concrete if target.concrete is not None else target.mesh, spec)
+    else:
+        assert target.order is not None
+        layout, sharding = layout_sharding(expression, n_dims, target.order)
+    if shape is not None:
+        layout.check_shape(shape)
+    return layout, sharding
+
+
+def check_arguments(expression: object, n_dims: object = None) -> None:
+    """Checks an expression and a rank a user passed, before they reach the caches.
+
+    Raises:
+        EinshardError: If the expression is not a string, or the rank not a
+            non-negative integer.
+    """
+    if not isinstance(expression, str):
+        raise EinshardError(
+            f"an einshard expression must be a string, not {type(expression).__name__}",
+            hint="Write it like 'x y -> x y*'.",
+        )
+    if n_dims is not None and (not isinstance(n_dims, int) or isinstance(n_dims, bool) or n_dims < 0):
+        raise EinshardError(f"n_dims must be a non-negative integer, not {n_dims!r}")
+
+
+def sharding_context(error: EinshardError, shape: tuple[int, ...] | None, devices: Devices | None) -> None:
+    """Adds ``while sharding an array of shape (4, 8) on 8 CPU devices``: what the call was doing.
+
+    For ``with adding_context(sharding_context, shape, devices):`` in the public
+    functions that shard one array.
+    """
+    what = f"an array of shape {shape}" if shape is not None else "an array"
+    try:
+        where = device_target(devices).describe()
+    except EinshardError:
+        where = "on the given devices"
+    error.add_context(f"while sharding {what} {where}")
