@@ -5,6 +5,7 @@ each with the newest JAX it can get, on 8, 16 and 6 simulated CPU devices),
 ``tests_oldest_jax`` (the JAX floor of pyproject.toml), ``fuzz`` (Hypothesis
 with many examples), ``docs`` (runs every example on the documentation pages,
 then builds the site in strict mode), ``docs_serve`` (serves it locally),
+``equinox_dev`` (the Equinox tests against the vendored development snapshot),
 ``examples`` (every ``examples/*.py``) and ``benchmarks`` (every
 ``benchmarks/bench_*.py``). Every
 session installs what it needs itself; bare ``nox`` runs lint, types and tests.
@@ -198,6 +199,27 @@ def docs(session: nox.Session) -> None:
         "pytest", "docs", "README.md", *session.posargs, env={"EINSHARD_TEST_DEVICES": "8", **CPU_ONLY}
     )
     session.run("mkdocs", "build", "--strict", env={**CPU_ONLY, **QUIET_MKDOCS})
+
+
+EQUINOX_SNAPSHOT = ROOT.parent / "shared" / "vendor"  # Equinox's development line, vendored beside the clone
+
+
+@nox.session(python=NEWEST_PYTHON)
+def equinox_dev(session: nox.Session) -> None:
+    """The Equinox tests against the vendored development snapshot of Equinox (8 devices).
+
+    Installs ``../shared/vendor/equinox-*.whl`` (relative to the repository root) over the
+    released Equinox, without its dependencies; fails, saying so, when it is absent.
+    """
+    wheels = sorted(EQUINOX_SNAPSHOT.glob("equinox-*.whl"))
+    if not wheels:
+        session.error(f"no Equinox snapshot: expected {EQUINOX_SNAPSHOT}/equinox-*.whl beside the clone")
+    session.install("--upgrade", "-e", ".[all]", "jax", *_group("test"))
+    session.install("--no-deps", "--force-reinstall", str(wheels[-1]))
+    _show_versions(session, "jax", "equinox", "optax")
+    session.run(
+        "pytest", "tests/test_equinox.py", *session.posargs, env={"EINSHARD_TEST_DEVICES": "8", **CPU_ONLY}
+    )
 
 
 @nox.session(python=NEWEST_PYTHON)
