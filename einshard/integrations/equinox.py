@@ -57,7 +57,7 @@ import re
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import equinox as eqx
 import jax
@@ -180,7 +180,7 @@ def sharded(
         }
         if {**field_expressions(cls), **table}.get(_OUTPUT) is not None:
             namespace["__call__"] = _output_call(cls.__call__)  # pyright: ignore[reportAttributeAccessIssue]
-        return type(cls)(cls.__name__, (cls,), namespace)
+        return cast(C, type(cls)(cls.__name__, (cls,), namespace))
 
     return decorate
 

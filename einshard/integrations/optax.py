@@ -490,7 +490,7 @@ def _warn_if_large(laid: Sequence[tuple[str, Any, _Derivation | None, Any]], pla
         )
 
 
-def _place(leaves: Sequence[Any], shardings: Sequence[Sharding]) -> list[Any]:
+def _place(leaves: Sequence[Any], shardings: Sequence[Any]) -> list[Any]:
     """Places leaves as the core places a tree's: traced, abstract and concrete (one call, any processes)."""
     out = list(leaves)
     batch = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, (Tracer, jax.ShapeDtypeStruct))]
