@@ -201,15 +201,17 @@ def docs(session: nox.Session) -> None:
     session.run("mkdocs", "build", "--strict", env={**CPU_ONLY, **QUIET_MKDOCS})
 
 
-EQUINOX_SNAPSHOT = ROOT.parent / "shared" / "vendor"  # Equinox's development line, vendored beside the clone
+# Equinox's development line, vendored beside the clone (EINSHARD_VENDOR names another directory).
+EQUINOX_SNAPSHOT = Path(os.environ.get("EINSHARD_VENDOR", ROOT.parent / "shared" / "vendor"))
 
 
 @nox.session(python=NEWEST_PYTHON)
 def equinox_dev(session: nox.Session) -> None:
     """The Equinox tests against the vendored development snapshot of Equinox (8 devices).
 
-    Installs ``../shared/vendor/equinox-*.whl`` (relative to the repository root) over the
-    released Equinox, without its dependencies; fails, saying so, when it is absent.
+    Installs ``../shared/vendor/equinox-*.whl`` (beside the repository root, or in
+    ``$EINSHARD_VENDOR``) over the released Equinox, without its dependencies; fails, saying so,
+    when it is absent.
     """
     wheels = sorted(EQUINOX_SNAPSHOT.glob("equinox-*.whl"))
     if not wheels:
