@@ -423,6 +423,15 @@ class TestMatching:
         out = jax.jit(lambda s: shard_opt_state(s, sharded))(plain)
         assert out[0].trace["hidden"]["w"].sharding.is_equivalent_to(sharded["hidden"]["w"].sharding, 2)
 
+    def test_traced_state_is_resharded_under_an_explicit_mesh(self):
+        explicit = (jax.sharding.AxisType.Explicit,) * 2
+        mesh = jax.make_mesh((2, N_DEVICES // 2), ("data", "model"), axis_types=explicit)
+        with jax.set_mesh(mesh):
+            params = einshard.shard_pytree({"w": jnp.ones((16, 8 * N_DEVICES))}, {"w": "x y -> x y*"})
+            plain = optax.sgd(1e-2, momentum=0.9).init({"w": jnp.ones((16, 8 * N_DEVICES))})
+            out = jax.jit(lambda s: shard_opt_state(s, params))(plain)
+        assert out[0].trace["w"].sharding == params["w"].sharding
+
     def test_mixed_abstract_and_concrete_params_are_an_error(self, sharded):
         mixed = dict(sharded, out=jax.eval_shape(lambda p: p, sharded["out"]))
         with pytest.raises(EinshardError, match="mix abstract"):

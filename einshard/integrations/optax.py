@@ -63,7 +63,7 @@ import jax
 import numpy as np
 import optax
 from jax.core import Tracer
-from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from .._arrays import make_sharding
 from .._devices import Devices
@@ -495,8 +495,10 @@ def _place(leaves: Sequence[Any], shardings: Sequence[Any]) -> list[Any]:
     out = list(leaves)
     batch = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, (Tracer, jax.ShapeDtypeStruct))]
     for i, leaf in enumerate(leaves):
-        if isinstance(leaf, Tracer):
-            out[i] = jax.lax.with_sharding_constraint(leaf, shardings[i])
+        if isinstance(leaf, Tracer):  # under an Explicit mesh a constraint only asserts: reshard
+            explicit = AxisType.Explicit in getattr(getattr(shardings[i], "mesh", None), "axis_types", ())
+            reshard = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
+            out[i] = reshard(leaf, shardings[i])
         elif isinstance(leaf, jax.ShapeDtypeStruct):
             out[i] = jax.ShapeDtypeStruct(
                 leaf.shape, leaf.dtype, sharding=shardings[i], weak_type=leaf.weak_type
