@@ -410,6 +410,9 @@ def _split_of(sharding: NamedSharding, rank: int) -> tuple[Hashable, ...]:
     return tuple(split)
 
 
+_WHY_NO_LAYOUT = {SingleDeviceSharding: "is on one device", type(None): "is not placed"}
+
+
 class _Placed:
     """The parameters' shardings, and the state's shardings read off derivations."""
 
@@ -432,17 +435,12 @@ class _Placed:
         self.sources: list[_Param] = []
         for (_, leaf), path, sharding in zip(path_leaves, paths, placed, strict=True):
             shape = tuple(leaf.shape) if is_array_leaf(leaf) else None
-            split, why = None, ""
-            if shape is None:
-                pass
-            elif isinstance(sharding, NamedSharding):
+            split, why = None, _WHY_NO_LAYOUT.get(type(sharding), f"has a {type(sharding).__name__}")
+            if shape is not None and isinstance(sharding, NamedSharding):
                 split = _split_of(sharding, len(shape))
-            elif isinstance(sharding, SingleDeviceSharding) and not self.spread:
+            elif shape is not None and isinstance(sharding, SingleDeviceSharding) and not self.spread:
                 split = (None,) * len(shape)  # every parameter on one device: so is the state
             else:
-                why = "is not placed" if sharding is None else "is on one device"
-                if not isinstance(sharding, (SingleDeviceSharding, type(None))):
-                    why = f"has a {type(sharding).__name__}"
                 sharding = None
             self.shardings.append(sharding)
             self.sources.append(_Param(path, shape, split, why))
