@@ -679,3 +679,14 @@ def test_large_state_no_layout_follows_for_warns(sharded):
     shard_opt_state(small, sharded)  # below the bar: no warning (warnings are errors here)
     notes = {row.path: row.note for row in explain_opt_state(big, sharded).rows}
     assert notes["stat"] == "mirrors no parameter: replicated"
+
+
+def test_derived_expressions_spell_out_an_ellipsis():
+    params = {"w": jax.ShapeDtypeStruct((3, 8 * N_DEVICES, 16), jnp.float32)}
+    state = jax.eval_shape(optax.chain(optax.sm3(1e-2), optax.lbfgs(linesearch=None)).init, params)
+    rows = {row.path: row for row in explain_opt_state(state, params, {"w": "... o i -> ... o* i"}).rows}
+    assert rows["1/0/diff_params_memory/w"].expression == "b a o i -> b a o* i"
+    assert rows["1/0/diff_params_memory/w"].shard_shape == (10, 3, 8, 16)
+    assert rows["0/0/mu/w/1"].expression == "o -> o*"
+    assert rows["0/0/mu/w/1"].note == "reduces w (axes 0, 2 reduced)"
+    assert rows["0/0/mu/w/2"].expression == "i -> * i"

@@ -303,14 +303,14 @@ def _describe(axes: Axes, rank: int, field: str | None) -> tuple[str, str]:
     if carried == list(range(rank)):
         lead = len(axes) - rank
         return (
-            ("mirrors", "") if not lead else ("stacks", f" ({lead} leading axis{'es' if lead > 1 else ''})")
+            ("mirrors", "") if not lead else ("stacks", f" ({lead} leading ax{'es' if lead > 1 else 'is'})")
         )
     if len(axes) == len(carried):
         gone = [a for a in range(rank) if a not in carried]
         origin = f"adafactor {field} of" if field in ("v_row", "v_col") else "reduces"
-        return origin, f" (axis{'es' if len(gone) > 1 else ''} {', '.join(map(str, gone))} reduced)"
+        return origin, f" (ax{'es' if len(gone) > 1 else 'is'} {', '.join(map(str, gone))} reduced)"
     resized = [j for j, a in enumerate(axes) if a is None]
-    return "resizes", f" (axis{'es' if len(resized) > 1 else ''} {', '.join(map(str, resized))} resized)"
+    return "resizes", f" (ax{'es' if len(resized) > 1 else 'is'} {', '.join(map(str, resized))} resized)"
 
 
 def _derivations(
