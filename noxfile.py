@@ -10,6 +10,7 @@ tests of layouts meeting in one jit on 12),
 with many examples), ``docs`` (runs every example on the documentation pages,
 then builds the site in strict mode), ``docs_serve`` (serves it locally),
 ``docs_screenshots`` (every page in headless Chromium at 1400 px: fails on clipped content),
+``equinox_dev`` (the Equinox tests against the vendored development snapshot),
 ``examples`` (every ``examples/*.py``) and ``benchmarks`` (every
 ``benchmarks/bench_*.py``). Every
 session installs what it needs itself; bare ``nox`` runs lint, types and tests.
@@ -208,6 +209,29 @@ def docs(session: nox.Session) -> None:
         "pytest", "docs", "README.md", *session.posargs, env={"EINSHARD_TEST_DEVICES": "8", **CPU_ONLY}
     )
     session.run("mkdocs", "build", "--strict", env={**CPU_ONLY, **QUIET_MKDOCS})
+
+
+# Equinox's development line, vendored beside the clone (EINSHARD_VENDOR names another directory).
+EQUINOX_SNAPSHOT = Path(os.environ.get("EINSHARD_VENDOR", ROOT.parent / "shared" / "vendor"))
+
+
+@nox.session(python=NEWEST_PYTHON)
+def equinox_dev(session: nox.Session) -> None:
+    """The Equinox tests against the vendored development snapshot of Equinox (8 devices).
+
+    Installs ``../shared/vendor/equinox-*.whl`` (beside the repository root, or in
+    ``$EINSHARD_VENDOR``) over the released Equinox, without its dependencies; fails, saying so,
+    when it is absent.
+    """
+    wheels = sorted(EQUINOX_SNAPSHOT.glob("equinox-*.whl"))
+    if not wheels:
+        session.error(f"no Equinox snapshot: expected {EQUINOX_SNAPSHOT}/equinox-*.whl beside the clone")
+    session.install("--upgrade", "-e", ".[all]", "jax", *_group("test"))
+    session.install("--no-deps", "--force-reinstall", str(wheels[-1]))
+    _show_versions(session, "jax", "equinox", "optax")
+    session.run(
+        "pytest", "tests/test_equinox.py", *session.posargs, env={"EINSHARD_TEST_DEVICES": "8", **CPU_ONLY}
+    )
 
 
 @nox.session(python=NEWEST_PYTHON)

@@ -18,8 +18,8 @@ from jax.sharding import NamedSharding
 from ._devices import Devices, device_target
 from ._errors import EinshardError, adding_context
 from ._layout import checked_shape
-from ._place import place_leaf
 from ._one_device import warn_if_one_device
+from ._place import place_leaf
 from ._resolve import check_arguments, resolve_sharding, sharding_context
 
 __all__ = ["einshard", "make_sharding"]

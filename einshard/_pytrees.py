@@ -21,14 +21,11 @@ from ._build import build_sharded
 from ._devices import Devices, device_target
 from ._errors import EinshardWarning, adding_context
 from ._place import place_leaves
-from ._plan import REPLICATE, LeafPlan, as_rules, is_array_leaf, leaf_context, plan_tree
+from ._plan import LeafPlan, as_rules, leaf_context, plan_tree
 from ._resolve import resolve_sharding
 from ._rules import RulesLike
 
 __all__ = ["init_sharded", "pytree_shardings", "shard_pytree", "tree_shardings"]
-
-# Used by integrations/optax.py and integrations/equinox.py, which import them from here.
-__all__ += ["REPLICATE", "LeafPlan", "is_array_leaf", "plan_tree"]
 
 
 def shard_pytree(tree: Any, rules: RulesLike, *, devices: Devices | None = None) -> Any:
@@ -151,8 +148,3 @@ def init_sharded(init_fn: Callable[..., Any], rules: RulesLike, *args: Any, **kw
     """
     table = as_rules(rules)
     return build_sharded(init_fn, lambda abstract: pytree_shardings(abstract, table), *args, **kwargs)
-
-
-def _device_count(devices: Devices | None) -> int:
-    """The device count of a call (kept for integrations/optax.py, which imports it from here)."""
-    return device_target(devices).count

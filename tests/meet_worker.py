@@ -26,8 +26,8 @@ from jax.sharding import AxisType, NamedSharding
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import einshard  # noqa: E402
-from einshard import _sharding  # noqa: E402
+import einshard
+from einshard import _sharding
 
 N_DEVICES = 0  # set by main(), before JAX starts its backend
 
@@ -59,7 +59,8 @@ def run(case: dict) -> dict:
     exprs, op = case["exprs"], case["op"]
     size = 2 * N_DEVICES  # every count divides the device count, so it divides this
     hosts = [
-        (np.arange(size * size, dtype=np.float32).reshape(size, size) * (i + 1)) % 13 for i in range(len(exprs))
+        (np.arange(size * size, dtype=np.float32).reshape(size, size) * (i + 1)) % 13
+        for i in range(len(exprs))
     ]
     # Every case starts from a fresh einshard state, so its warnings are its own.
     _sharding._meshes_seen.clear()

@@ -38,10 +38,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import einshard
+from conftest import N_DEVICES  # type: ignore[import-not-found]
 from einshard._layout import compile_layout
 from einshard._sharding import layout_mesh_shape, prime_factors, shared_mesh_shape
-
-from conftest import N_DEVICES  # type: ignore[import-not-found]
 
 HERE = Path(__file__).parent
 WORKER = HERE / "meet_worker.py"
@@ -60,7 +59,7 @@ class Worker:
         self.args = [sys.executable, str(WORKER), str(n_devices), partitioner]
         self.process: subprocess.Popen[str] | None = None
         self.shared_mesh = ""
-        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (open for the worker's life)
 
     def _start(self) -> subprocess.Popen[str]:
         self.stderr.seek(0)
@@ -205,7 +204,8 @@ def _check(workers, n_devices: int, case: dict) -> None:
     # Every output is written on the inputs' one mesh: the shared one, unless the user's
     # ambient mesh, or every input has the same layout of its own order.
     assert len(answer["input_meshes"]) == 1 and answer["output_meshes"] == answer["input_meshes"], answer
-    fits = all(layout_mesh_shape(compile_layout(e, 2, n_devices)) == shared_mesh_shape(n_devices) for e in exprs)
+    shared = shared_mesh_shape(n_devices)
+    fits = all(layout_mesh_shape(compile_layout(e, 2, n_devices)) == shared for e in exprs)
     if case.get("ambient") is None and fits:
         assert answer["input_meshes"] == [worker.shared_mesh], (exprs, answer)
 
@@ -357,7 +357,8 @@ def test_the_shardy_abort_is_still_in_this_jaxlib():
 
 
 def test_gspmd_compiles_the_case_shardy_aborts_on():
-    code = _reproducer().replace("import jax\n", "import jax\njax.config.update('jax_use_shardy_partitioner', False)\n", 1)
+    gspmd = "import jax\njax.config.update('jax_use_shardy_partitioner', False)\n"
+    code = _reproducer().replace("import jax\n", gspmd, 1)
     result = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

@@ -430,6 +430,15 @@ class TestMatching:
         out = jax.jit(lambda s: shard_opt_state(s, sharded))(plain)
         assert out[0].trace["hidden"]["w"].sharding.is_equivalent_to(sharded["hidden"]["w"].sharding, 2)
 
+    def test_traced_state_is_resharded_under_an_explicit_mesh(self):
+        explicit = (jax.sharding.AxisType.Explicit,) * 2
+        mesh = jax.make_mesh((2, N_DEVICES // 2), ("data", "model"), axis_types=explicit)
+        with jax.set_mesh(mesh):
+            params = einshard.shard_pytree({"w": jnp.ones((16, 8 * N_DEVICES))}, {"w": "x y -> x y*"})
+            plain = optax.sgd(1e-2, momentum=0.9).init({"w": jnp.ones((16, 8 * N_DEVICES))})
+            out = jax.jit(lambda s: shard_opt_state(s, params))(plain)
+        assert out[0].trace["w"].sharding == params["w"].sharding
+
     def test_mixed_abstract_and_concrete_params_are_an_error(self, sharded):
         mixed = dict(sharded, out=jax.eval_shape(lambda p: p, sharded["out"]))
         with pytest.raises(EinshardError, match="mix abstract"):
@@ -477,3 +486,214 @@ def test_a_param_left_on_one_device_gets_its_state_replicated_beside_placed_ones
     leaves = jax.tree_util.tree_leaves
     for got, want in zip(leaves(new_params), leaves(expected), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+# --- many optimizers: what mirrors a parameter gets its layout, and a step matches one device ---
+
+CONTRIB = pytest.importorskip("optax.contrib")
+MANY = {
+    "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+    "lion": lambda: optax.lion(1e-3),
+    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
+    "lamb": lambda: optax.lamb(1e-2),
+    "lars": lambda: optax.lars(1e-2),
+    "rmsprop": lambda: optax.rmsprop(1e-2),
+    "adagrad": lambda: optax.adagrad(1e-2),
+    "novograd": lambda: optax.novograd(1e-2),
+    "sm3": lambda: optax.sm3(1e-2),
+    "lbfgs": lambda: optax.lbfgs(1e-2, linesearch=None),
+    "lookahead": lambda: optax.lookahead(optax.adam(1e-2), sync_period=2, slow_step_size=0.5),
+    "chain": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
+    "masked": lambda: optax.masked(optax.adamw(1e-2), MASK),
+    "multi_transform": lambda: optax.multi_transform(
+        {"adam": optax.adam(1e-2), "sgd": optax.sgd(1e-2, momentum=0.9)},
+        {"hidden": {"w": "adam", "b": "sgd"}, "out": "adam"},
+    ),
+    "multisteps": lambda: optax.MultiSteps(optax.adamw(1e-2), every_k_schedule=2),
+    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, weight_decay=0.1),
+    "adamax": lambda: optax.adamax(1e-2),
+    "amsgrad": lambda: optax.amsgrad(1e-2),
+    "yogi": lambda: optax.yogi(1e-2),
+    "adan": lambda: optax.adan(1e-2),
+    "galore": lambda: CONTRIB.galore(1e-2, rank=4),
+    "schedule_free": lambda: CONTRIB.schedule_free_adamw(1e-2),
+}
+
+
+def index_of(sharding, shape):
+    return {
+        d: tuple(s.indices(n)[:2] for s, n in zip(i, shape, strict=True))
+        for d, i in sharding.devices_indices_map(tuple(shape)).items()
+    }
+
+
+def expected_index(leaf_shape, slot, param):
+    """The block each device should hold of a state leaf derived from ``param``, or None if not derived."""
+    shape, blocks = tuple(param.shape), index_of(param.sharding, param.shape)
+    if tuple(leaf_shape) == shape:
+        return blocks
+    lead = len(leaf_shape) - len(shape)
+    if lead > 0 and tuple(leaf_shape[lead:]) == shape:  # a history: leading axes whole
+        return {d: tuple((0, n) for n in leaf_shape[:lead]) + b for d, b in blocks.items()}
+    if slot is not None and tuple(leaf_shape) == (shape[slot],):  # one statistic per axis (SM3)
+        return {d: (b[slot],) for d, b in blocks.items()}
+    return None
+
+
+def check_many_layouts(state, model_params):
+    """Each state leaf at a parameter's path (optionally /k) holds that parameter's blocks; scalars whole."""
+    params_by_path = by_path(model_params)
+    checked = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        where = jax.tree_util.keystr(path)
+        assert leaf.sharding.device_set == set(jax.devices()), where
+        if leaf.ndim == 0:
+            assert leaf.sharding.is_fully_replicated, where
+            continue
+        names = keys_of(path)
+        slot = int(names[-1]) if names[-1].isdigit() else None
+        for param_path, param in params_by_path.items():
+            tail = names[:-1] if slot is not None and not "/".join(names).endswith(param_path) else names
+            if "/".join(tail).endswith(param_path):
+                expected = expected_index(leaf.shape, slot if tail is not names else None, param)
+                if expected is not None:
+                    assert index_of(leaf.sharding, leaf.shape) == expected, where
+                    checked += 1
+                break
+    return checked
+
+
+@pytest.mark.parametrize("name", list(MANY))
+def test_many_optimizers_layouts_and_one_step(name, params, sharded):
+    tx = MANY[name]()
+    lookahead = name == "lookahead"
+    model_sharded = sharded
+    if lookahead:
+        plain_params, sharded = (
+            optax.LookaheadParams.init_synced(params),
+            optax.LookaheadParams.init_synced(sharded),
+        )
+    else:
+        plain_params = params
+    state = init_sharded(tx, sharded)
+    assert check_many_layouts(state, model_sharded) >= 2
+    assert_trees_close(state, tx.init(plain_params))
+    # Restored without its optimizer, the state is laid out the same way (structural matching).
+    restored = shard_opt_state(tx.init(plain_params), sharded)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+        assert index_of(a.sharding, a.shape) == index_of(b.sharding, b.shape)
+
+    def step(params, state, x, y):
+        model = params.fast if lookahead else params
+        loss, grads = jax.value_and_grad(loss_fn)(model, x, y)
+        extra = {}
+        if name == "lbfgs":
+            extra = {"value": loss, "grad": grads, "value_fn": lambda p: loss_fn(p, x, y)}
+        updates, state = tx.update(grads, state, params, **extra)
+        return optax.apply_updates(params, updates), state
+
+    x, y = make_batch()
+    got = jax.jit(step)(sharded, state, x, y)
+    with jax.default_device(jax.devices()[0]):
+        want = jax.jit(step)(plain_params, tx.init(plain_params), x, y)
+    assert_trees_close(got, want, rtol=1e-4, atol=1e-5)
+    assert check_many_layouts(got[1], got[0].fast if lookahead else got[0]) >= 2
+
+
+def test_lookahead_fast_state_follows_the_fast_params_not_the_slow(params):
+    fast = einshard.shard_pytree(params, RULES)
+    slow = einshard.shard_pytree(params, [(r".*", REPLICATE)])
+    state = init_sharded(optax.lookahead(optax.adam(1e-2), 2, 0.5), optax.LookaheadParams(fast, slow))
+    assert state.fast_state[0].mu["hidden"]["w"].sharding == fast["hidden"]["w"].sharding
+    report = explain_opt_state(state, optax.LookaheadParams(fast, slow))
+    assert {row.note for row in report.rows if "/mu/" in row.path} == {
+        f"mirrors fast/{p}" for p in ("hidden/w", "hidden/b", "out/w", "out/b")
+    }
+    assert report.replication_overhead < 1.5
+
+
+def test_leading_axes_keep_tuple_spec_entries_on_an_ambient_mesh(params):
+    mesh = jax.make_mesh((2, N_DEVICES // 2), ("data", "model"))
+    with jax.set_mesh(mesh):
+        placed = einshard.shard_pytree(params, RULES)
+        state = init_sharded(optax.lbfgs(1e-2, linesearch=None), placed)
+    spec = placed["hidden"]["w"].sharding.spec
+    assert tuple(spec)[-1] == ("data", "model")
+    history = state[0].diff_params_memory["hidden"]["w"]
+    assert history.sharding.spec == jax.sharding.PartitionSpec(None, *spec)
+    assert history.sharding.mesh == mesh
+
+
+def test_derived_layouts_planned_by_rules(params):
+    abstract = jax.eval_shape(lambda: params)
+    state = jax.eval_shape(optax.chain(optax.sm3(1e-2), optax.lbfgs(linesearch=None)).init, abstract)
+    rows = {row.path: row for row in explain_opt_state(state, abstract, RULES, n_devices=2 * N_DEVICES).rows}
+    assert rows["1/0/diff_params_memory/hidden/w"].expression == "a x y -> a x y*"
+    assert rows["1/0/diff_params_memory/hidden/w"].shard_shape == (10, D_IN, HIDDEN // (2 * N_DEVICES))
+    assert rows["1/0/diff_params_memory/hidden/w"].note == "stacks hidden/w (1 leading axis)"
+    assert rows["0/0/mu/hidden/w/1"].expression == "y -> y*"
+    assert rows["0/0/mu/hidden/w/1"].note == "reduces hidden/w (axis 0 reduced)"
+    assert rows["0/0/mu/out/w/1"].expression == "z -> * z"
+    assert rows["1/0/weights_memory"].note == "mirrors no parameter: replicated"
+
+
+def test_optax_says_where_the_parameter_copies_are_when_the_optimizer_is_at_hand(params, sharded):
+    # A state tree shaped like the params that is not a copy of them: a table of constants.
+    table = jax.tree.map(lambda p: jnp.full(p.shape, 2.0), params)
+
+    def init(p):
+        return {"copy": jax.tree.map(jnp.zeros_like, p), "table": jax.tree.map(jnp.copy, table)}
+
+    tx = optax.GradientTransformation(init, lambda u, s, p=None: (u, s))
+    born = init_sharded(tx, sharded)
+    assert born["copy"]["hidden"]["w"].sharding == sharded["hidden"]["w"].sharding
+    assert born["table"]["hidden"]["w"].sharding.is_fully_replicated  # optax: not a parameter copy
+    notes = {row.path: row.note for row in explain_opt_state(born, sharded, tx=tx).rows}
+    assert notes["table/hidden/w"] == "mirrors no parameter: replicated"
+    # Without the optimizer, structure alone cannot tell them apart.
+    assert shard_opt_state(born, sharded)["table"]["hidden"]["w"].sharding == sharded["hidden"]["w"].sharding
+
+
+def test_optax_tree_map_params_hands_over_whole_parameter_copies(params):
+    # einshard relies on this documented use of optax's is_leaf: f sees each copy of the params whole.
+    tx = optax.adam(1e-2)
+    seen = []
+    optax.tree_utils.tree_map_params(tx, seen.append, tx.init(params), is_leaf=lambda _: True)
+    assert [jax.tree.structure(copy) for copy in seen] == [jax.tree.structure(params)] * 2
+
+
+def test_adafactor_reduces_the_axes_einshard_assumes():
+    # einshard follows optax's private choice of factored axes: v_row is the mean over axis 1 and
+    # v_col over axis 0, also for a square parameter (optax._src.factorized._factored_dims).
+    size = 8 * N_DEVICES
+    grads = {"w": jnp.arange(1.0, size * size + 1).reshape(size, size) ** 0.5}
+    tx = optax.adafactor(1e-2, min_dim_size_to_factor=8)
+    _, state = tx.update(grads, tx.init(grads), grads)
+    squared = np.asarray(grads["w"]) ** 2
+    v_row, v_col = np.asarray(state[0].v_row["w"]), np.asarray(state[0].v_col["w"])
+    np.testing.assert_allclose(v_row / v_row[0], squared.mean(1) / squared.mean(1)[0], rtol=1e-4)
+    np.testing.assert_allclose(v_col / v_col[0], squared.mean(0) / squared.mean(0)[0], rtol=1e-4)
+
+
+def test_large_state_no_layout_follows_for_warns(sharded):
+    big = {"stat": jnp.zeros((512, 1024)), "mu": jax.tree.map(jnp.zeros_like, sharded)}  # 2 MiB stat
+    with pytest.warns(einshard.EinshardWarning, match=r"1 optimizer state leaves \(2\.0 MiB\) follow no"):
+        placed = shard_opt_state(big, sharded)
+    assert placed["stat"].sharding.is_fully_replicated
+    small = {"stat": jnp.zeros((4, 4)), "mu": jax.tree.map(jnp.zeros_like, sharded)}
+    shard_opt_state(small, sharded)  # below the bar: no warning (warnings are errors here)
+    notes = {row.path: row.note for row in explain_opt_state(big, sharded).rows}
+    assert notes["stat"] == "mirrors no parameter: replicated"
+
+
+def test_derived_expressions_spell_out_an_ellipsis():
+    params = {"w": jax.ShapeDtypeStruct((3, 8 * N_DEVICES, 16), jnp.float32)}
+    state = jax.eval_shape(optax.chain(optax.sm3(1e-2), optax.lbfgs(linesearch=None)).init, params)
+    rows = {row.path: row for row in explain_opt_state(state, params, {"w": "... o i -> ... o* i"}).rows}
+    assert rows["1/0/diff_params_memory/w"].expression == "b a o i -> b a o* i"
+    assert rows["1/0/diff_params_memory/w"].shard_shape == (10, 3, 8, 16)
+    assert rows["0/0/mu/w/1"].expression == "o -> o*"
+    assert rows["0/0/mu/w/1"].note == "reduces w (axes 0, 2 reduced)"
+    assert rows["0/0/mu/w/2"].expression == "i -> * i"

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 import einshard
-
 from conftest import N_DEVICES  # type: ignore[import-not-found]
 
 optax = pytest.importorskip("optax")

@@ -67,12 +67,12 @@ import re
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import jax
 from jax.core import Tracer
 
-from .. import _pytrees
+from .. import _plan, _pytrees
 from .._arrays import einshard
 from .._devices import Devices
 from .._errors import EinshardError
@@ -109,9 +109,11 @@ def sharded(
     one (``jax.jit``, ``eqx.filter_jit``, ``eqx.filter_eval_shape``,
     ``eqx.filter_vmap``) a sharding constraint. Instances made by
     ``tree_unflatten`` (``jit`` outputs, ``eqx.tree_at``, gradients) are not
-    re-placed. The class stays the same class, a dataclass and a pytree as
-    before; only its ``__check_init__`` (and ``__call__``, with ``output=``)
-    gain the placement, each original still run.
+    re-placed. The decorator returns a subclass of the class, of the same
+    name, fields and ``__init__``, built by Equinox's own metaclass with a
+    ``__check_init__`` that places (and, with ``output=``, a ``__call__`` that
+    constrains): Equinox sees both when it builds the class, and the class
+    you wrote is not changed.
 
     Subclasses inherit the expressions and may override them by decorating
     again (``None`` removes an inherited one). :func:`module_rules` turns the
@@ -138,7 +140,7 @@ def sharded(
         **expressions: ``field_name='expression'``, e.g. ``weight='o i -> o* i'``.
 
     Returns:
-        The decorator: it returns the class itself, changed in place.
+        The decorator: it returns the placing subclass.
 
     Raises:
         EinshardError: A class that is not an ``eqx.Module`` subclass of your
@@ -176,15 +178,18 @@ def sharded(
 
     def decorate(cls: C) -> C:
         _check_class(cls, table)
-        own = dict(cls.__dict__.get(_OWN, {}))
-        own.update(table)
-        type.__setattr__(cls, _OWN, own)
-        if "__check_init__" not in cls.__dict__ or not hasattr(cls.__dict__["__check_init__"], _OWN):
-            type.__setattr__(cls, "__check_init__", _check_init(cls, cls.__dict__.get("__check_init__")))
-        own_call = cls.__dict__.get("__call__")
-        if field_expressions(cls).get(_OUTPUT) is not None and getattr(own_call, _WRAPPED, None) is None:
-            type.__setattr__(cls, "__call__", _output_call(cls.__call__))  # pyright: ignore[reportAttributeAccessIssue]
-        return cls
+        # A subclass made through Equinox's own metaclass, so that Equinox sees the hook when it
+        # builds the class (its development line collects __check_init__ methods then, once).
+        namespace: dict[str, Any] = {
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__,
+            _OWN: dict(table),
+            "__check_init__": _check_init(),
+        }
+        if {**field_expressions(cls), **table}.get(_OUTPUT) is not None:
+            namespace["__call__"] = _output_call(cls.__call__)  # pyright: ignore[reportAttributeAccessIssue]
+        return cast(C, type(cls)(cls.__name__, (cls,), namespace))
 
     return decorate
 
@@ -258,14 +263,13 @@ def _first_decorated(cls: type) -> type | None:
     return None
 
 
-def _check_init(owner: type, original: Callable[[Any], None] | None) -> Callable[[Any], None]:
+def _check_init() -> Callable[[Any], None]:
     def __check_init__(self: Any) -> None:
-        if original is not None:
-            original(self)
-        if _first_decorated(type(self)) is owner:  # each decorated base has one; place once
+        # Every decorated class in the MRO has one; the most derived places, once.
+        owner = _first_decorated(type(self))
+        if owner is not None and owner.__dict__.get("__check_init__") is __check_init__:
             _place(self)
 
-    setattr(__check_init__, _OWN, True)
     return __check_init__
 
 
@@ -276,7 +280,7 @@ def _place(module: Any) -> None:
         if name not in names:
             continue  # the output expression
         value = getattr(module, name)
-        if not _pytrees.is_array_leaf(value) and not isinstance(value, Tracer):
+        if not _plan.is_array_leaf(value) and not isinstance(value, Tracer):
             continue  # None (no bias), Python numbers, ...
         try:
             placed = einshard(value, expression)
@@ -380,7 +384,7 @@ def _decorated_leaves(node: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[s
 
 
 def _is_array(value: Any) -> bool:
-    return _pytrees.is_array_leaf(value) or isinstance(value, Tracer)
+    return _plan.is_array_leaf(value) or isinstance(value, Tracer)
 
 
 def _has_module(tree: Any) -> bool:
@@ -455,7 +459,7 @@ def shard_module(
         raise error.add_context(f"in {type(module).__name__}") from None
 
 
-def create_sharded(factory: Callable[..., T], rules: RulesLike | None = None, *args: Any, **kwargs: Any) -> T:
+def create_sharded(factory: Callable[..., T], *args: Any, rules: RulesLike | None = None, **kwargs: Any) -> T:
     """Builds ``factory(*args, **kwargs)`` born sharded: no sharded leaf is ever whole on one device.
 
     The model's shapes are found abstractly (``eqx.filter_eval_shape``), the
@@ -470,10 +474,10 @@ def create_sharded(factory: Callable[..., T], rules: RulesLike | None = None, *a
     Args:
         factory: A module class, or any function returning a module (or a
             pytree of them).
-        rules: The rule table; ``None``: the table the model's
-            :func:`sharded` layers compose into (:func:`module_rules`),
-            other leaves replicated.
         *args: Positional arguments for ``factory``.
+        rules: The rule table (keyword-only); ``None``: the table the
+            model's :func:`sharded` layers compose into
+            (:func:`module_rules`), other leaves replicated.
         **kwargs: Keyword arguments for ``factory``.
 
     Returns:
@@ -485,7 +489,7 @@ def create_sharded(factory: Callable[..., T], rules: RulesLike | None = None, *a
     >>> import jax, equinox as eqx
     >>> from einshard.integrations.equinox import create_sharded
     >>> rules = [('weight', 'o i -> o* i'), ('bias', 'o -> o*')]
-    >>> layer = create_sharded(eqx.nn.Linear, rules, 4, 16, key=jax.random.key(0))
+    >>> layer = create_sharded(eqx.nn.Linear, 4, 16, key=jax.random.key(0), rules=rules)
     >>> sorted({shard.data.shape for shard in layer.weight.addressable_shards})
     [(2, 4)]
     """

@@ -1,31 +1,37 @@
 """optax: optimizer state sharded like the parameters it mirrors.
 
 An optax state holds copies of the parameter tree (Adam's ``mu`` and ``nu``,
-momentum's ``trace``, Lion's ``mu``, ``MultiSteps``' ``acc_grads``), scalars
-(``count``, injected hyperparameters) and, for some optimizers, statistics
-that are not parameter-shaped (Adafactor's factored ``v_row`` / ``v_col``).
-This module gives every state leaf a layout that fits it:
+momentum's ``trace``, ``MultiSteps``' ``acc_grads``), scalars (``count``,
+injected hyperparameters) and statistics derived from the parameters
+(Adafactor's factored ``v_row`` / ``v_col``, SM3's per-axis accumulators,
+L-BFGS's history). Each array leaf of the state gets one **derivation**: the
+parameter it follows and, for each of its axes, which axis of that parameter
+it takes the split of (or none). Its sharding and its row in
+:func:`explain_opt_state` are both read off that derivation:
 
 * a leaf that **mirrors a parameter** (same place in a parameter-shaped
   subtree, same shape) gets exactly that parameter's sharding;
-* a leaf that is a parameter with **one axis reduced** (Adafactor's factored
-  statistics) gets the parameter's sharding with that axis dropped: the
-  surviving axes stay split as they were, so it is never a spec of the wrong
-  rank (for ``v_row`` / ``v_col`` the reduced axis is the one optax reduces);
-* **scalars** and every other array (Adafactor's shape-``(1,)`` placeholders,
-  anything that mirrors no parameter) are **replicated**, on the parameters'
-  devices.
+* a parameter with **axes reduced** (Adafactor's ``v_row`` / ``v_col``, SM3's
+  accumulators) keeps the split of the axes that survive, so it never gets a
+  spec of the wrong rank (for ``v_row`` / ``v_col`` the reduced axis is the
+  one optax reduces);
+* a parameter with **extra leading axes** (L-BFGS's ``(memory, *shape)``
+  history) keeps the parameter's split, the leading axes unsplit;
+* a parameter with **axes resized** (GaLore's projected moments) keeps the
+  split of the axes whose size is unchanged;
+* **scalars**, and arrays no layout follows for, are **replicated** on the
+  parameters' devices; :func:`explain_opt_state` says why, and placing warns
+  (:class:`einshard.EinshardWarning`) when such leaves are large.
 
-Which leaf mirrors which parameter is found structurally, without the
-transformation: a subtree of the state whose tree structure is that of
-``params`` is matched to ``params`` leaf by leaf, and each leaf's shape
-decides as above. A subtree also matches when its leaves sit at the same key
-paths as the parameters', with ``optax.MaskedNode`` standing in for the
-masked-out parameters or subtrees of ``optax.masked`` and
-``optax.multi_transform`` (and with wrapper nodes of another type, such as
-Flax NNX's optimizer variables). So it works for any state, including
-restored or abstract ones. :func:`explain_opt_state` shows the decision for
-every leaf, the way :func:`einshard.explain` does for a rule table.
+Where the state's parameter copies are: with the optimizer at hand
+(:func:`init_sharded`, or ``tx=``), optax's own
+``optax.tree_utils.tree_map_params`` says; otherwise (a restored state) they
+are found structurally. Either way a copy is matched to ``params`` leaf by
+leaf: by tree structure, by key path (``optax.MaskedNode`` standing in for the
+masked-out parts of ``optax.masked`` and ``optax.multi_transform``, wrapper
+nodes of another type such as Flax NNX's optimizer variables allowed), as a
+prefix of its structure (SM3's lists under each parameter), or as a subtree of
+the parameters (``optax.lookahead``'s fast state mirrors ``params.fast``).
 
 The parameters' layouts are read from ``params`` itself: placed
 ``jax.Array`` leaves, or ``jax.ShapeDtypeStruct`` leaves carrying
@@ -44,39 +50,38 @@ True
 
 from __future__ import annotations
 
-try:  # first, so a missing framework says how to get it (as the pictures do for rich)
-    import optax
-except ModuleNotFoundError as error:
-    if error.name != "optax":
-        raise  # optax is installed but something it imports is not: its own error says what
-    raise ImportError(
-        "einshard.integrations.optax needs optax, which is not installed; "
-        "install it with: pip install 'einshard[optax]'"
-    ) from error
-
+import contextlib
 import dataclasses
+import itertools
+import logging
 import math
-from collections.abc import Sequence
-from typing import Any, Literal, Protocol
+import warnings
+from collections.abc import Hashable, Iterator, Sequence
+from typing import Any, Protocol
 
 import jax
 import numpy as np
+import optax
 from jax.core import Tracer
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from .._arrays import make_sharding
-from .._devices import Devices
-from .._errors import EinshardError
-from .._explain import Report, ReportRow, _itemsize
-from .._expression import parse
+from .._build import build_sharded
+from .._build import itemsize as _itemsize
+from .._devices import Devices, device_target
+from .._errors import EinshardError, EinshardWarning
+from .._explain import Report, ReportRow, _size
 from .._layout import Layout, compile_layout
 from .._place import place_leaves
-from .._pytrees import REPLICATE, LeafPlan, _device_count, is_array_leaf, plan_tree
+from .._plan import REPLICATE, is_array_leaf, plan_tree
 from .._rules import Rules, RulesLike, path_string
 
 __all__ = ["explain_opt_state", "init_sharded", "opt_state_shardings", "shard_opt_state"]
 
 KeyPath = tuple[Any, ...]
+Axes = tuple[int | None, ...]  # per leaf axis: the parameter axis whose split it takes, or None
+
+LARGE_REPLICATED_BYTES = 1 << 20  # replicated state no layout follows for, above which placing warns
 
 
 class Initable(Protocol):
@@ -87,136 +92,296 @@ class Initable(Protocol):
         ...
 
 
-# --- matching state leaves to parameters (pure: shapes and tree structure only) ---
+# --- one derivation per state leaf (pure: shapes, structure and the params' splits) ---
 
 
 @dataclasses.dataclass(frozen=True)
 class _Param:
-    """One leaf of ``params``: its path, and its shape (``None`` if it is not an array)."""
+    """What the derivation knows of one parameter: its path, shape and split.
+
+    ``split`` has, per axis, what splits it (``None``: nothing); ``None`` if the
+    parameter has no layout to follow, ``why`` saying so.
+    """
 
     path: str
     shape: tuple[int, ...] | None
+    split: tuple[Hashable, ...] | None
+    why: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
-class _Match:
-    """What one array leaf of the state is.
+class _Derivation:
+    """How one array leaf of the state is laid out, and why (``note``).
 
-    ``kind`` is ``'scalar'``, ``'mirror'`` (same shape as ``param``),
-    ``'reduced'`` (``param`` with one of ``axes`` reduced) or ``'other'``
-    (an array that mirrors no parameter; ``param`` is the one at its place in
-    a parameter-shaped subtree, if any).
+    ``axes`` is ``None`` for a replicated leaf; ``param`` is the parameter it
+    follows (or sits beside). ``lost`` marks a non-scalar leaf that no layout
+    follows for, where one might have.
     """
 
-    kind: Literal["scalar", "mirror", "reduced", "other"]
-    param: int | None = None
-    axes: tuple[int, ...] = ()
-    adafactor: str | None = None  # the FactoredState field the leaf is under
-
-
-_FACTORED_STATE: type | None = getattr(optax, "FactoredState", None)  # Adafactor's state
+    param: int | None
+    axes: Axes | None
+    note: str
+    lost: bool = False
 
 
 def _is_masked(node: Any) -> bool:
     return isinstance(node, optax.MaskedNode)
 
 
+_FACTORED_STATE: type | None = getattr(optax, "FactoredState", None)  # Adafactor's state
+
+
+def _children(node: Any) -> list[tuple[KeyPath, Any]] | None:
+    """A node's children with their keys; ``None`` for a leaf."""
+    children, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda child: child is not node)
+    return None if len(children) == 1 and children[0][0] == () else [(tuple(k), c) for k, c in children]
+
+
+def _key_name(key: Any) -> str:
+    return str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key))))
+
+
 class _Matcher:
-    """Walks a state top-down and matches its parameter-shaped subtrees to ``params``."""
+    """Finds, for each array leaf of a state, the parameter whose place it holds.
 
-    def __init__(self, params: Any) -> None:
+    ``found`` maps a leaf's key path to ``(parameter index, slot)``; the slot is
+    the leaf's index in a list or tuple standing at the parameter's place (SM3
+    keeps one accumulator per axis there).
+    """
+
+    def __init__(self, params: Any, splits: Sequence[tuple[Hashable, ...] | None]) -> None:
         path_leaves, self.treedef = jax.tree_util.tree_flatten_with_path(params)
-        self.leaves = [leaf for _, leaf in path_leaves]
-        self.params = [
-            _Param(path_string(path), tuple(leaf.shape) if is_array_leaf(leaf) else None)
-            for path, leaf in path_leaves
-        ]
-        self.index = {tuple(path): i for i, (path, _) in enumerate(path_leaves)}
-        self.matches: dict[KeyPath, _Match] = {}
+        self.paths = [tuple(path) for path, _ in path_leaves]
+        self.index = {path: i for i, path in enumerate(self.paths)}
+        self.splits = splits
+        self.parts: dict[Any, list[tuple[KeyPath, int]]] = {}  # structure -> (prefix, first leaf)
+        self._collect_parts(params, (), 0)
+        self.found: dict[KeyPath, tuple[int, int | None]] = {}
 
-    def run(self, state: Any) -> dict[KeyPath, _Match]:
-        self._visit(state, (), None)
-        return self.matches
+    def _collect_parts(self, node: Any, prefix: KeyPath, first: int) -> int:
+        """Registers every inner node below the root by its structure; returns its leaf count."""
+        children = _children(node)
+        if children is None:
+            return 1
+        if prefix:
+            self.parts.setdefault(jax.tree_util.tree_structure(node), []).append((prefix, first))
+        count = 0
+        for key, child in children:
+            count += self._collect_parts(child, prefix + key, first + count)
+        return count
 
-    def _visit(self, node: Any, path: KeyPath, adafactor: str | None) -> None:
-        aligned = self._align(node)
+    def visit(self, node: Any, path: KeyPath) -> None:
+        aligned = self._align(node, path)
         if aligned is not None:
-            for subpath, leaf, param in aligned:
-                if is_array_leaf(leaf):
-                    self.matches[path + subpath] = self._decide(leaf, param, adafactor)
+            for subpath, param, slot in aligned:
+                self.found[path + subpath] = (param, slot)
             return
-        children, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda child: child is not node)
-        if len(children) == 1 and children[0][0] == ():  # a leaf
-            if is_array_leaf(node):
-                self.matches[path] = self._decide(node, None, adafactor)
-            return
-        factored = _FACTORED_STATE is not None and isinstance(node, _FACTORED_STATE)
-        for (key,), child in children:
-            field = getattr(key, "name", None) if factored else adafactor
-            self._visit(child, (*path, key), field)
+        for key, child in _children(node) or ():
+            self.visit(child, path + key)
 
-    def _align(self, node: Any) -> list[tuple[KeyPath, Any, int | None]] | None:
-        """The node's leaves with their parameters, if the node is shaped like ``params``."""
-        if not self.params:
+    def _align(self, node: Any, path: KeyPath) -> list[tuple[KeyPath, int, int | None]] | None:
+        """The node's leaves with their parameters, if the node is laid out like (part of) ``params``."""
+        if not self.paths:
             return None
         path_leaves, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=_is_masked)
-        if len(path_leaves) > len(self.params):
-            return None
+        leaves = [(tuple(p), leaf) for p, leaf in path_leaves]
         if treedef == self.treedef:
-            return [(tuple(p), leaf, i) for i, (p, leaf) in enumerate(path_leaves)]
-        # By key path: each leaf at a parameter's path, each MaskedNode standing for the
-        # parameter or subtree at its path. Wrapper nodes may differ in type (Flax NNX keeps
-        # parameters in Param variables and optimizer state in OptVariable ones).
-        covered = [False] * len(self.params)
-        aligned: list[tuple[KeyPath, Any, int | None]] = []
-        for p, leaf in path_leaves:
-            p = tuple(p)
+            return [(p, i, None) for i, (p, _) in enumerate(leaves)]
+        return self._by_key_path(leaves) or self._by_prefix(node) or self._as_part(treedef, leaves, path)
+
+    def _by_key_path(self, leaves: list[tuple[KeyPath, Any]]) -> list[tuple[KeyPath, int, int | None]] | None:
+        # Each leaf at a parameter's path, each MaskedNode standing for the parameter or subtree at
+        # its path. Wrapper nodes may differ in type (Flax NNX keeps parameters in Param variables
+        # and optimizer state in OptVariable ones).
+        if len(leaves) > len(self.paths):
+            return None
+        covered = [False] * len(self.paths)
+        aligned: list[tuple[KeyPath, int, int | None]] = []
+        for p, leaf in leaves:
             if _is_masked(leaf):
                 under = [i for q, i in self.index.items() if q[: len(p)] == p]
-                if not under:
-                    return None
             else:
-                i = self.index.get(p)
-                if i is None:
-                    return None
-                under = [i]
-                aligned.append((p, leaf, i))
+                under = [self.index[p]] if p in self.index else []
+                aligned += [(p, i, None) for i in under]
+            if not under or any(covered[i] for i in under):
+                return None
             for i in under:
-                if covered[i]:
-                    return None
                 covered[i] = True
         return aligned if all(covered) else None
 
-    def _decide(self, leaf: Any, param: int | None, adafactor: str | None) -> _Match:
-        shape = tuple(leaf.shape)
-        if not shape:
-            return _Match("scalar", param, adafactor=adafactor)
-        target = None if param is None else self.params[param].shape
-        if target is None:
-            return _Match("other", param, adafactor=adafactor)
-        if shape == target:
-            return _Match("mirror", param, adafactor=adafactor)
-        if len(shape) == len(target) - 1:
-            axes = tuple(a for a in range(len(target)) if target[:a] + target[a + 1 :] == shape)
-            if adafactor in ("v_row", "v_col") and len(axes) > 1:
-                # optax reduces the largest axis for v_row and the next largest for v_col
-                # (optax._src.factorized._factored_dims), ties broken by np.argsort.
-                order = np.argsort(target)
-                exact = int(order[-1] if adafactor == "v_row" else order[-2])
-                axes = (exact,) if exact in axes else axes
-            if axes:
-                return _Match("reduced", param, axes, adafactor)
-        return _Match("other", param, adafactor=adafactor)
+    def _by_prefix(self, node: Any) -> list[tuple[KeyPath, int, int | None]] | None:
+        """Something at every parameter's place, such as SM3's list of accumulators per parameter."""
+        if self.treedef.num_nodes == 1:  # a lone parameter is a prefix of anything
+            return None
+        try:
+            places = self.treedef.flatten_up_to(node)
+        except (ValueError, TypeError):
+            return None
+        aligned: list[tuple[KeyPath, int, int | None]] = []
+        for i, place in enumerate(places):
+            for sub, _ in jax.tree_util.tree_flatten_with_path(place)[0]:
+                slot = sub[0].idx if len(sub) == 1 and isinstance(place, (list, tuple)) else None
+                aligned.append((self.paths[i] + tuple(sub), i, slot))
+        return aligned
+
+    def _as_part(
+        self, treedef: Any, leaves: list[tuple[KeyPath, Any]], path: KeyPath
+    ) -> list[tuple[KeyPath, int, int | None]] | None:
+        """A copy of a subtree of the parameters, such as lookahead's of ``params.fast``."""
+        candidates = self.parts.get(treedef, [])
+        if len(candidates) > 1:  # the one named in the state's path (fast_state: fast), or any if alike
+            names = [_key_name(key) for key in path]
+            named = [c for c in candidates if any(n.startswith(_key_name(c[0][-1])) for n in names)]
+            size = len(leaves)
+            alike = len({tuple(self.splits[first : first + size]) for _, first in candidates}) == 1
+            candidates = named if len(named) == 1 else candidates[:1] if alike else []
+        if not candidates:
+            return None
+        first = candidates[0][1]
+        return [(p, first + n, None) for n, (p, _) in enumerate(leaves)]
 
 
-def _match(opt_state: Any, params: Any) -> tuple[_Matcher, list[tuple[KeyPath, Any, _Match | None]]]:
-    matcher = _Matcher(params)
-    matches = matcher.run(opt_state)
-    path_leaves, _ = jax.tree_util.tree_flatten_with_path(opt_state)
-    return matcher, [(tuple(p), leaf, matches.get(tuple(p))) for p, leaf in path_leaves]
+def _derive(
+    shape: tuple[int, ...], param: int | None, slot: int | None, field: str | None, params: Sequence[_Param]
+) -> _Derivation:
+    """The derivation of one array leaf, from its shape and the parameter whose place it holds."""
+    if not shape:
+        return _Derivation(param, (), "scalar")
+    source = params[param] if param is not None else None
+    if source is None or source.shape is None:
+        return _Derivation(None, None, "mirrors no parameter: replicated", lost=True)
+    candidates = _carried_axes(shape, source.shape, slot, field)
+    if not candidates:
+        placeholder = field is not None and shape == (1,)
+        what = "adafactor placeholder" if placeholder else f"shape {shape}"
+        return _Derivation(param, None, f"{what} beside {source.path}: replicated", lost=not placeholder)
+    verb, detail = _describe(candidates[0], len(source.shape), field)
+    if source.split is None:
+        return _Derivation(param, None, f"{verb} {source.path}, which {source.why}: replicated")
+    rank = len(source.shape)
+    results = {tuple(None if a is None else source.split[a] for a in axes) for axes in candidates}
+    if len(results) > 1:
+        gone = " or ".join(
+            sorted(",".join(str(a) for a in range(rank) if a not in axes) for axes in candidates)
+        )
+        return _Derivation(
+            param, None, f"{verb} {source.path}, axis {gone} (ambiguous): replicated", lost=True
+        )
+    note = f"{verb} {source.path}{detail}"
+    if all(s is None for s in results.pop()) and any(s is not None for s in source.split):
+        note += ": replicated"
+    return _Derivation(param, candidates[0], note)
 
 
-# --- from matches to shardings ---
+def _carried_axes(
+    shape: tuple[int, ...], target: tuple[int, ...], slot: int | None, field: str | None
+) -> list[Axes]:
+    """Every way the leaf's axes can be the parameter's: mirrored, reduced, stacked or resized."""
+    n, rank = len(shape), len(target)
+    if shape == target:
+        return [tuple(range(rank))]
+    if n > rank and shape[n - rank :] == target:  # extra leading axes, such as a history
+        return [(None,) * (n - rank) + tuple(range(rank))]
+    if n == rank:  # axes of another size (a projection): the others keep their split
+        axes = tuple(a if size == t else None for a, (size, t) in enumerate(zip(shape, target, strict=True)))
+        return [axes] if any(a is not None for a in axes) else []
+    if n == 0 or rank > 8:
+        return []
+    kept = [c for c in itertools.combinations(range(rank), n) if tuple(target[a] for a in c) == shape]
+    if field in ("v_row", "v_col") and n == rank - 1 and len(kept) > 1:
+        # optax reduces the largest axis for v_row and the next largest for v_col
+        # (optax._src.factorized._factored_dims), ties broken by np.argsort.
+        order = np.argsort(target)
+        exact = int(order[-1] if field == "v_row" else order[-2])
+        kept = [c for c in kept if exact not in c] or kept
+    if slot is not None and n == 1 and (slot,) in kept:  # one statistic per axis, in axis order (SM3)
+        kept = [(slot,)]
+    return [tuple(c) for c in kept]
+
+
+def _describe(axes: Axes, rank: int, field: str | None) -> tuple[str, str]:
+    """The verb and detail of a note: ``('mirrors', '')``, ``('reduces', ' (axis 1 reduced)')``, ..."""
+    carried = [a for a in axes if a is not None]
+    if carried == list(range(rank)):
+        lead = len(axes) - rank
+        return (
+            ("mirrors", "") if not lead else ("stacks", f" ({lead} leading ax{'es' if lead > 1 else 'is'})")
+        )
+    if len(axes) == len(carried):
+        gone = [a for a in range(rank) if a not in carried]
+        origin = f"adafactor {field} of" if field in ("v_row", "v_col") else "reduces"
+        return origin, f" (ax{'es' if len(gone) > 1 else 'is'} {', '.join(map(str, gone))} reduced)"
+    resized = [j for j, a in enumerate(axes) if a is None]
+    return "resizes", f" (ax{'es' if len(resized) > 1 else 'is'} {', '.join(map(str, resized))} resized)"
+
+
+def _derivations(
+    opt_state: Any, params: Any, sources: Sequence[_Param], tx: Initable | None
+) -> tuple[list[tuple[KeyPath, Any, _Derivation | None]], Any]:
+    """Every leaf of the state with its derivation (``None``: not an array), and the state's structure."""
+    matcher = _Matcher(params, [source.split for source in sources])
+    for path, node in _parameter_copies(tx, opt_state):
+        matcher.visit(node, path)
+    fields = _adafactor_fields(opt_state)
+    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
+    derived = []
+    for path, leaf in path_leaves:
+        path = tuple(path)
+        if not is_array_leaf(leaf) and not isinstance(leaf, Tracer):
+            derived.append((path, leaf, None))
+            continue
+        param, slot = matcher.found.get(path, (None, None))
+        derived.append((path, leaf, _derive(tuple(leaf.shape), param, slot, fields.get(path), sources)))
+    return derived, treedef
+
+
+class _Copy:
+    """Marks where optax keeps a copy of the parameter tree (not a pytree node: a leaf)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _parameter_copies(tx: Initable | None, opt_state: Any) -> list[tuple[KeyPath, Any]]:
+    """Where the state keeps copies of the parameter tree: optax says, if it can; else search it all."""
+    if tx is None:
+        return [((), opt_state)]
+    try:
+        with _quiet("absl"):  # lookahead logs that the placeholder params have no `fast`
+            marked = optax.tree_utils.tree_map_params(tx, _Copy, opt_state, is_leaf=lambda _: True)
+    except Exception:  # an optimizer whose init does not take optax's placeholder params
+        return [((), opt_state)]
+    found = jax.tree_util.tree_flatten_with_path(marked, is_leaf=lambda node: isinstance(node, _Copy))[0]
+    return [(tuple(path), node.value) for path, node in found if isinstance(node, _Copy)]
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _adafactor_fields(opt_state: Any) -> dict[KeyPath, str]:
+    """The ``FactoredState`` field (``v_row``, ``v_col``, ``v``) each leaf under one is in."""
+    if _FACTORED_STATE is None:
+        return {}
+    factored = _FACTORED_STATE
+    fields = {}
+    for prefix, node in jax.tree_util.tree_flatten_with_path(
+        opt_state, is_leaf=lambda n: isinstance(n, factored)
+    )[0]:
+        if isinstance(node, factored):
+            for sub, _ in jax.tree_util.tree_flatten_with_path(node)[0]:
+                fields[(*prefix, *sub)] = getattr(sub[0], "name", "")
+    return fields
+
+
+# --- reading shardings off the derivations (placed params) ---
 
 
 def _param_sharding(leaf: Any, path: str) -> Sharding | None:
@@ -231,43 +396,34 @@ def _param_sharding(leaf: Any, path: str) -> Sharding | None:
     return None  # NumPy arrays and Python scalars are not placed
 
 
-def _pad_spec(spec: PartitionSpec, rank: int) -> tuple[Any, ...]:
-    entries = tuple(spec)
+def _spec_entries(sharding: NamedSharding, rank: int) -> tuple[Any, ...]:
+    entries = tuple(sharding.spec)
     return entries + (None,) * (rank - len(entries))
 
 
-def _axis_names(entry: Any) -> tuple[str, ...]:
-    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+def _split_of(sharding: NamedSharding, rank: int) -> tuple[Hashable, ...]:
+    """Per axis, the mesh axes of size above 1 that split it (a tuple entry names several), or ``None``."""
+    sizes = dict(sharding.mesh.shape)
+    split = []
+    for entry in _spec_entries(sharding, rank):
+        names = () if entry is None or entry is PartitionSpec.UNCONSTRAINED else entry
+        names = (names,) if isinstance(names, str) else tuple(names)
+        split.append(tuple(name for name in names if sizes[name] > 1) or None)
+    return tuple(split)
 
 
-def _fits(sharding: Sharding, shape: tuple[int, ...]) -> bool:
-    """Whether a sharding has the leaf's rank and splits every axis evenly."""
-    if isinstance(sharding, NamedSharding):
-        spec = tuple(sharding.spec)
-        if len(spec) > len(shape):
-            return False
-        sizes = dict(sharding.mesh.shape)
-        return all(
-            size % math.prod(sizes[name] for name in _axis_names(entry)) == 0
-            for size, entry in zip(shape, spec, strict=False)
-        )
-    try:
-        sharding.shard_shape(shape)
-    except Exception:  # the sharding's own check: rank or divisibility
-        return False
-    return True
+_WHY_NO_LAYOUT = {SingleDeviceSharding: "is on one device", type(None): "is not placed"}
 
 
-class _Placer:
-    """Turns matches into shardings on the parameters' devices, with a note for each."""
+class _Placed:
+    """The parameters' shardings, and the state's shardings read off derivations."""
 
-    def __init__(self, matcher: _Matcher) -> None:
-        self.matcher = matcher
+    def __init__(self, params: Any) -> None:
+        path_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+        paths = [path_string(path) for path, _ in path_leaves]
         placed = [
-            _param_sharding(leaf, param.path) if param.shape is not None else None
-            for leaf, param in zip(matcher.leaves, matcher.params, strict=True)
+            _param_sharding(leaf, path) if is_array_leaf(leaf) else None
+            for (_, leaf), path in zip(path_leaves, paths, strict=True)
         ]
         named = [s for s in placed if isinstance(s, NamedSharding)]
         self.default = max(named, key=lambda s: s.num_devices, default=None) or next(
@@ -276,99 +432,93 @@ class _Placer:
         # Beside placed params, a param on one device is one left as built (a bias no rule or
         # decorator names): jit moves it to the others' devices, so its state goes there too,
         # replicated, instead of pinning the compiled init to two device sets.
-        spread = self.default is not None and self.default.num_devices > 1
-        self.on_one_device = [spread and isinstance(s, SingleDeviceSharding) for s in placed]
-        self.shardings = [None if one else s for s, one in zip(placed, self.on_one_device, strict=True)]
+        self.spread = self.default is not None and self.default.num_devices > 1
+        self.shardings: list[Sharding | None] = []
+        self.sources: list[_Param] = []
+        for (_, leaf), path, sharding in zip(path_leaves, paths, placed, strict=True):
+            shape = tuple(leaf.shape) if is_array_leaf(leaf) else None
+            split, why = None, _WHY_NO_LAYOUT.get(type(sharding), f"has a {type(sharding).__name__}")
+            if shape is not None and isinstance(sharding, NamedSharding):
+                split = _split_of(sharding, len(shape))
+            elif shape is not None and isinstance(sharding, SingleDeviceSharding) and not self.spread:
+                split = (None,) * len(shape)  # every parameter on one device: so is the state
+            else:
+                sharding = None
+            self.shardings.append(sharding)
+            self.sources.append(_Param(path, shape, split, why))
 
-    def replicated(self, rank: int, near: Sharding | None = None) -> Sharding:
-        """A replicated sharding on the devices of ``near``, else on those of the params."""
-        for candidate in (near, self.default):
+    def sharding(self, derivation: _Derivation, rank: int) -> Sharding:
+        """The sharding a derivation gives: the parameter's spec entry for each carried axis."""
+        param = derivation.param
+        near = self.shardings[param] if param is not None else None
+        if derivation.axes is not None and isinstance(near, NamedSharding):
+            assert param is not None
+            entries = _spec_entries(near, len(self.sources[param].shape or ()))
+            spec = PartitionSpec(*(None if a is None else entries[a] for a in derivation.axes))
+            return NamedSharding(near.mesh, spec, memory_kind=near.memory_kind)
+        for candidate in (near, self.default):  # replicated, beside the parameter or the others
             if isinstance(candidate, NamedSharding):
                 return NamedSharding(candidate.mesh, PartitionSpec(), memory_kind=candidate.memory_kind)
             if isinstance(candidate, SingleDeviceSharding):
                 return candidate
         return make_sharding(REPLICATE, n_dims=rank)
 
-    def place(self, leaf: Any, match: _Match) -> tuple[Sharding, str]:
-        shape = tuple(leaf.shape)
-        rank = len(shape)
-        if match.kind == "scalar":
-            near = self.shardings[match.param] if match.param is not None else None
-            return self.replicated(rank, near), "scalar"
-        if match.param is None:
-            return self.replicated(rank), "mirrors no parameter: replicated"
-        param = self.matcher.params[match.param]
-        sharding = self.shardings[match.param]
-        if match.kind == "other":
-            what = "adafactor placeholder" if match.adafactor and shape == (1,) else f"shape {shape}"
-            return self.replicated(rank, sharding), f"{what} beside {param.path}: replicated"
-        if sharding is None:
-            where = "is on one device" if self.on_one_device[match.param] else "is not placed"
-            note = f"{'mirrors' if match.kind == 'mirror' else 'reduces'} {param.path}, which {where}"
-            return self.replicated(rank), note + ": replicated"
-        if match.kind == "mirror":
-            if _fits(sharding, shape):
-                return sharding, f"mirrors {param.path}"
-            return self.replicated(rank, sharding), f"mirrors {param.path}, whose sharding does not fit"
-        assert param.shape is not None
-        candidates = [(axis, _reduce(sharding, param.shape, axis)) for axis in match.axes]
-        axis, reduced = candidates[0]
-        origin = f"adafactor {match.adafactor} of" if match.adafactor else "reduces"
-        if reduced is None or not _fits(reduced, shape):
-            return self.replicated(rank, sharding), f"{origin} {param.path}: replicated"
-        if any(r is None or not r.is_equivalent_to(reduced, rank) for _, r in candidates[1:]):
-            axes = " or ".join(str(a) for a, _ in candidates)
-            note = f"{origin} {param.path}, axis {axes} (ambiguous): replicated"
-            return self.replicated(rank, sharding), note
-        note = f"{origin} {param.path} (axis {axis} reduced)"
-        if reduced.is_fully_replicated and not sharding.is_fully_replicated:
-            note += ": replicated"
-        return reduced, note
+
+def _laid_out(
+    opt_state: Any, params: Any, tx: Initable | None
+) -> tuple[list[tuple[str, Any, _Derivation | None, Sharding | None]], Any, _Placed]:
+    """Every leaf of the state with its derivation and sharding (both ``None``: not an array)."""
+    placed = _Placed(params)
+    derived, treedef = _derivations(opt_state, params, placed.sources, tx)
+    laid = [
+        (path_string(path), leaf, d, None if d is None else placed.sharding(d, len(leaf.shape)))
+        for path, leaf, d in derived
+    ]
+    return laid, treedef, placed
 
 
-def _reduce(sharding: Sharding, shape: tuple[int, ...], axis: int) -> Sharding | None:
-    """The sharding of ``shape`` with ``axis`` removed: the other axes split as before."""
-    if isinstance(sharding, NamedSharding):
-        spec = _pad_spec(sharding.spec, len(shape))
-        kept = spec[:axis] + spec[axis + 1 :]
-        return NamedSharding(sharding.mesh, PartitionSpec(*kept), memory_kind=sharding.memory_kind)
-    if isinstance(sharding, SingleDeviceSharding):
-        return sharding
-    return None
+def _warn_if_large(laid: Sequence[tuple[str, Any, _Derivation | None, Any]], placed: _Placed) -> None:
+    lost = [(path, leaf) for path, leaf, d, _ in laid if d is not None and d.lost]
+    total = sum(math.prod(leaf.shape) * _itemsize(leaf.dtype) for _, leaf in lost)
+    if placed.spread and total >= LARGE_REPLICATED_BYTES:
+        examples = ", ".join(path for path, _ in lost[:3]) + (", ..." if len(lost) > 3 else "")
+        warnings.warn(
+            f"{len(lost)} optimizer state leaves ({_size(total)}) follow no parameter's layout and are "
+            f"replicated on every device: {examples}; explain_opt_state(...) says why",
+            EinshardWarning,
+            stacklevel=3,
+        )
 
 
-def _plan(opt_state: Any, params: Any) -> tuple[list[tuple[str, Any, Sharding | None, str | None]], Any]:
-    """Every leaf of the state with its sharding (``None``: not an array) and note."""
-    matcher, matched = _match(opt_state, params)
-    placer = _Placer(matcher)
-    planned = []
-    for path, leaf, match in matched:
-        if match is None:
-            planned.append((path_string(path), leaf, None, None))
-            continue
-        sharding, note = placer.place(leaf, match)
-        planned.append((path_string(path), leaf, sharding, note))
-    return planned, jax.tree_util.tree_structure(opt_state)
+def _place(leaves: Sequence[Any], shardings: Sequence[Any]) -> list[Any]:
+    """Places leaves as the core places a tree's: traced, abstract and concrete (one call, any processes)."""
+    return place_leaves(leaves, shardings)
+
+
+def _born_sharded(tx: Initable, params: Any, shardings: Any) -> Any:
+    """``tx.init(params)`` born with the state's shardings, by the core's bounded-memory builder."""
+    return build_sharded(tx.init, lambda _: shardings, params)
 
 
 # --- the public API ---
 
 
-def opt_state_shardings(opt_state: Any, params: Any) -> Any:
+def opt_state_shardings(opt_state: Any, params: Any, *, tx: Initable | None = None) -> Any:
     """The tree of shardings for an optimizer state, each leaf laid out like what it mirrors.
 
-    A state leaf that mirrors a parameter gets that parameter's sharding; a
-    parameter with one axis reduced (Adafactor's ``v_row`` / ``v_col``) gets
-    the parameter's sharding without that axis; scalars and arrays that mirror
-    no parameter are replicated on the parameters' devices. See the module
-    documentation for how leaves are matched, and :func:`explain_opt_state`
-    for the decision on each leaf.
+    A state leaf that mirrors a parameter gets that parameter's sharding; one
+    derived from a parameter (axes reduced, leading axes added, axes resized)
+    keeps the split of the parameter's axes it carries; scalars and arrays no
+    layout follows for are replicated on the parameters' devices. See the
+    module documentation for how leaves are matched, and
+    :func:`explain_opt_state` for the decision on each leaf.
 
     Args:
         opt_state: An optax state, concrete or abstract (``jax.eval_shape(tx.init, params)``).
-        params: The parameters the state belongs to (the tree ``tx.init`` was
-            given), placed (``jax.Array`` leaves) or abstract
-            (``jax.ShapeDtypeStruct`` leaves carrying shardings).
+        params: The parameters it belongs to (the tree ``tx.init`` was given),
+            placed (``jax.Array`` leaves) or abstract (``jax.ShapeDtypeStruct``
+            leaves carrying shardings).
+        tx: The optimizer, if at hand: optax then says where the parameter copies are.
 
     Returns:
         A tree with the structure of ``opt_state``: a ``jax.sharding.Sharding``
@@ -379,6 +529,9 @@ def opt_state_shardings(opt_state: Any, params: Any) -> Any:
     Raises:
         EinshardError: If a parameter is a traced value (inside ``jit``).
 
+    Warns:
+        EinshardWarning: If state leaves no layout follows for hold 1 MiB or more.
+
     >>> import jax, jax.numpy as jnp, optax, einshard
     >>> from einshard.integrations.optax import opt_state_shardings
     >>> params = einshard.shard_pytree({'w': jnp.ones((4, 64))}, {'w': 'x y -> x y*'})
@@ -386,22 +539,24 @@ def opt_state_shardings(opt_state: Any, params: Any) -> Any:
     >>> opt_state_shardings(abstract, params)[0].trace['w'] == params['w'].sharding
     True
     """
-    planned, treedef = _plan(opt_state, params)
-    return jax.tree_util.tree_unflatten(treedef, [sharding for _, _, sharding, _ in planned])
+    laid, treedef, placed = _laid_out(opt_state, params, tx)
+    _warn_if_large(laid, placed)
+    return jax.tree_util.tree_unflatten(treedef, [sharding for _, _, _, sharding in laid])
 
 
-def shard_opt_state(opt_state: Any, params: Any) -> Any:
+def shard_opt_state(opt_state: Any, params: Any, *, tx: Initable | None = None) -> Any:
     """Places an existing optimizer state like the params it mirrors.
 
-    Concrete leaves are placed in one batched ``jax.device_put``; abstract
-    leaves (``jax.ShapeDtypeStruct``) come back carrying their shardings;
-    traced leaves (inside ``jit``) get a sharding constraint. Other leaves
-    pass through.
+    Concrete leaves are placed in one batched call (across processes too);
+    abstract leaves (``jax.ShapeDtypeStruct``) come back carrying their
+    shardings; traced leaves (inside ``jit``) get a sharding constraint. Other
+    leaves pass through.
 
     Args:
         opt_state: An optax state, e.g. ``tx.init(params)`` made unsharded, or restored.
         params: The parameters it belongs to, placed or abstract with shardings
             (see :func:`opt_state_shardings`).
+        tx: The optimizer, if at hand (see :func:`opt_state_shardings`).
 
     Returns:
         The state with the same values, laid out as :func:`opt_state_shardings` says.
@@ -415,24 +570,12 @@ def shard_opt_state(opt_state: Any, params: Any) -> Any:
     >>> state[0].nu['w'].sharding.shard_shape((4, 64))
     (4, 8)
     """
-    planned, treedef = _plan(opt_state, params)
-    out = [leaf for _, leaf, _, _ in planned]
-    batch_at, batch_leaves, batch_shardings = [], [], []
-    for i, (_, leaf, sharding, _) in enumerate(planned):
-        if sharding is None:
-            continue
-        if isinstance(leaf, Tracer):
-            out[i] = jax.lax.with_sharding_constraint(leaf, sharding)
-        elif isinstance(leaf, jax.ShapeDtypeStruct):
-            out[i] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding, weak_type=leaf.weak_type)
-        else:
-            batch_at.append(i)
-            batch_leaves.append(leaf)
-            batch_shardings.append(sharding)
-    if batch_leaves:
-        # place_many: a state committed to this process's devices is placed over all processes' too.
-        for i, placed in zip(batch_at, place_leaves(batch_leaves, batch_shardings), strict=True):
-            out[i] = placed
+    laid, treedef, placed = _laid_out(opt_state, params, tx)
+    _warn_if_large(laid, placed)
+    at = [i for i, (_, _, _, sharding) in enumerate(laid) if sharding is not None]
+    out = [leaf for _, leaf, _, _ in laid]
+    for i, value in zip(at, _place([laid[i][1] for i in at], [laid[i][3] for i in at]), strict=True):
+        out[i] = value
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -440,14 +583,15 @@ def init_sharded(tx: Initable, params: Any) -> Any:
     """Runs ``tx.init(params)`` so that the state is born sharded.
 
     The state's shapes are found abstractly (``jax.eval_shape``), their
-    shardings derived from the params' (:func:`opt_state_shardings`), and
-    ``tx.init`` compiled with those as ``out_shardings``: each device computes
-    only its own shards, and no state leaf ever exists whole on one device.
+    shardings derived from the params' (:func:`opt_state_shardings`, with
+    optax saying where the parameter copies are), and ``tx.init`` compiled
+    with those as ``out_shardings``: each device computes only its own
+    shards, and no state leaf ever exists whole on one device.
 
     Args:
         tx: An optax ``GradientTransformation`` (any: ``chain``,
-            ``inject_hyperparams``, ``masked``, ...) or anything else with
-            ``init(params)``, such as ``optax.MultiSteps``.
+            ``inject_hyperparams``, ``masked``, ``lookahead``, ...) or anything
+            else with ``init(params)``, such as ``optax.MultiSteps``.
         params: The parameters, placed (``jax.Array`` leaves, e.g. from
             :func:`einshard.shard_pytree` or :func:`einshard.init_sharded`).
             If every array leaf is a ``jax.ShapeDtypeStruct`` carrying a
@@ -469,16 +613,15 @@ def init_sharded(tx: Initable, params: Any) -> Any:
     """
     arrays = [leaf for leaf in jax.tree_util.tree_leaves(params) if is_array_leaf(leaf)]
     abstract_params = [isinstance(leaf, jax.ShapeDtypeStruct) for leaf in arrays]
-    if any(abstract_params):
-        if not all(abstract_params):
-            raise EinshardError(
-                "params mix abstract (jax.ShapeDtypeStruct) and concrete arrays",
-                hint="Pass placed params to create the state, or abstract ones for an abstract state.",
-            )
-        return shard_opt_state(jax.eval_shape(tx.init, params), params)
+    if any(abstract_params) and not all(abstract_params):
+        raise EinshardError(
+            "params mix abstract (jax.ShapeDtypeStruct) and concrete arrays",
+            hint="Pass placed params to create the state, or abstract ones for an abstract state.",
+        )
     abstract = jax.eval_shape(tx.init, params)
-    shardings = opt_state_shardings(abstract, params)
-    return jax.jit(tx.init, out_shardings=shardings)(params)
+    if any(abstract_params):
+        return shard_opt_state(abstract, params, tx=tx)
+    return _born_sharded(tx, params, opt_state_shardings(abstract, params, tx=tx))
 
 
 def explain_opt_state(
@@ -488,13 +631,15 @@ def explain_opt_state(
     *,
     n_devices: int | None = None,
     devices: Devices | None = None,
+    tx: Initable | None = None,
 ) -> Report:
     """Explains how an optimizer state is laid out: one row per array leaf, with why.
 
     The counterpart of :func:`einshard.explain` for optax states. Each row's
     ``note`` says what the leaf is: ``'mirrors w1'``, ``'adafactor v_row of
-    w1 (axis 1 reduced): replicated'``, ``'adafactor placeholder beside w1:
-    replicated'``, ``'scalar'``, ``'mirrors no parameter: replicated'``.
+    w1 (axis 1 reduced): replicated'``, ``'stacks w1 (1 leading axis)'``,
+    ``'adafactor placeholder beside w1: replicated'``, ``'scalar'``,
+    ``'mirrors no parameter: replicated'``.
 
     Two modes:
 
@@ -506,7 +651,7 @@ def explain_opt_state(
       ``n_devices`` devices, as :func:`einshard.explain` plans them, so a run
       on more devices than the machine has can be planned from
       ``jax.eval_shape`` output; the ``rule`` column names the rule of the
-      parameter a leaf mirrors.
+      parameter a leaf follows.
 
     Args:
         opt_state: An optax state, concrete or abstract.
@@ -517,6 +662,7 @@ def explain_opt_state(
             that of ``devices`` or of the einshard device order). Without
             ``rules``, it must be the parameters' device count if given.
         devices: With ``rules``, the devices, when ``n_devices`` is not given.
+        tx: The optimizer, if at hand (see :func:`opt_state_shardings`).
 
     Returns:
         An :class:`einshard.Report`.
@@ -539,32 +685,16 @@ def explain_opt_state(
     ('scalar', 'adafactor placeholder beside w1: replicated')
     """
     if rules is not None:
-        return _explain_planned(opt_state, params, rules, n_devices, devices)
-    planned, _ = _plan(opt_state, params)
-    rows = []
-    holds: dict[Any, int] = {}
-    for path, leaf, sharding, note in planned:
-        if sharding is None:
+        return _explain_planned(opt_state, params, rules, n_devices, devices, tx)
+    laid, _, _ = _laid_out(opt_state, params, tx)
+    rows, holds = [], {}
+    for path, leaf, derivation, sharding in laid:
+        if derivation is None or sharding is None:
             continue
-        shape = tuple(leaf.shape)
-        shard_shape = tuple(sharding.shard_shape(shape))
-        itemsize = _itemsize(leaf.dtype)
-        per_device = math.prod(shard_shape) * itemsize
-        rows.append(
-            ReportRow(
-                path=path,
-                shape=shape,
-                dtype=str(leaf.dtype),
-                rule=None,
-                expression=_spell(sharding, len(shape)),
-                shard_shape=shard_shape,
-                bytes=math.prod(shape) * itemsize,
-                bytes_per_device=per_device,
-                note=note,
-            )
-        )
+        shard_shape = tuple(sharding.shard_shape(tuple(leaf.shape)))
+        rows.append(_row(path, leaf, None, _spell(sharding, leaf.ndim), shard_shape, derivation.note))
         for device in _holders(sharding):
-            holds[device] = holds.get(device, 0) + per_device
+            holds[device] = holds.get(device, 0) + rows[-1].bytes_per_device
     count = len(holds)
     if n_devices is not None and count and n_devices != count:
         raise EinshardError(
@@ -572,11 +702,33 @@ def explain_opt_state(
             hint="To plan for another device count, pass the rule table: "
             "explain_opt_state(opt_state, params, rules, n_devices=...).",
         )
+    return _report(rows, count or (n_devices or 1), max(holds.values(), default=0))
+
+
+def _row(
+    path: str, leaf: Any, rule: str | None, expression: str, shard_shape: tuple[int, ...], note: str
+) -> ReportRow:
+    shape = tuple(leaf.shape)
+    itemsize = _itemsize(leaf.dtype)
+    return ReportRow(
+        path=path,
+        shape=shape,
+        dtype=str(leaf.dtype),
+        rule=rule,
+        expression=expression,
+        shard_shape=tuple(shard_shape),
+        bytes=math.prod(shape) * itemsize,
+        bytes_per_device=math.prod(shard_shape) * itemsize,
+        note=note,
+    )
+
+
+def _report(rows: Sequence[ReportRow], n_devices: int, max_bytes_per_device: int) -> Report:
     return Report(
         rows=tuple(rows),
-        n_devices=count or (n_devices or 1),
+        n_devices=n_devices,
         total_bytes=sum(row.bytes for row in rows),
-        max_bytes_per_device=max(holds.values(), default=0),
+        max_bytes_per_device=max_bytes_per_device,
         unused_rules=(),
     )
 
@@ -598,25 +750,18 @@ def _spell(sharding: Sharding, rank: int) -> str:
     names = [name for name in sharding.mesh.axis_names if sizes[name] > 1]
     letters = "abcdefghijklmnopqrstuvwxyz"[:rank]
     owner: dict[str, int] = {}  # mesh axis -> array axis
-    for axis, entry in enumerate(_pad_spec(sharding.spec, rank)):
-        run = [name for name in _axis_names(entry) if sizes[name] > 1]
-        if not run:
+    for axis, run in enumerate(_split_of(sharding, rank)):
+        if run is None:
             continue
+        assert isinstance(run, tuple)
         start = names.index(run[0])
-        if run != names[start : start + len(run)] or any(name in owner for name in run):
+        if list(run) != names[start : start + len(run)] or any(name in owner for name in run):
             return str(sharding.spec)  # not a run of consecutive mesh axes: no expression says it
-        for name in run:
-            owner[name] = axis
+        owner.update(dict.fromkeys(run, axis))
     right: list[tuple[int | None, str]] = []  # (array axis or None, element)
-    i = 0
-    while i < len(names):
-        axis = owner.get(names[i])
-        j = i
-        while j < len(names) and owner.get(names[j]) == axis:
-            j += 1
-        count = math.prod(sizes[name] for name in names[i:j])
+    for axis, group in itertools.groupby(names, key=owner.get):
+        count = math.prod(sizes[name] for name in group)
         right.append((axis, f"{letters[axis] if axis is not None else ''}{count}"))
-        i = j
     sharded = {axis for axis, _ in right if axis is not None}
     for axis in sorted(set(range(rank)) - sharded, reverse=True):
         at = next((k for k, (other, _) in enumerate(right) if other is not None and other > axis), len(right))
@@ -624,98 +769,83 @@ def _spell(sharding: Sharding, rank: int) -> str:
     return f"{' '.join(letters)} -> {' '.join(element for _, element in right)}"
 
 
+# --- reading layouts off the derivations (params planned by a rule table) ---
+
+
 def _explain_planned(
-    opt_state: Any, params: Any, rules: RulesLike, n_devices: int | None, devices: Devices | None
+    opt_state: Any,
+    params: Any,
+    rules: RulesLike,
+    n_devices: int | None,
+    devices: Devices | None,
+    tx: Initable | None,
 ) -> Report:
     table = rules if isinstance(rules, Rules) else Rules(rules)
-    count = n_devices if n_devices is not None else _device_count(devices)
+    count = n_devices if n_devices is not None else device_target(devices).count
     planned, _, _ = plan_tree(params, table, n_devices=count)
     plans = [plan for _, plan in planned]
-    matcher, matched = _match(opt_state, params)
+    paths = [path_string(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    sources = [
+        _Param(path, None, None) if plan is None else _Param(path, plan.shape, plan.layout.spec)
+        for path, plan in zip(paths, plans, strict=True)
+    ]
+    derived, _ = _derivations(opt_state, params, sources, tx)
     rows = []
-    for path, leaf, match in matched:
-        if match is None:
+    for path, leaf, derivation in derived:
+        if derivation is None:
             continue
         shape = tuple(leaf.shape)
-        plan = plans[match.param] if match.param is not None else None
-        rule, expression, layout, note = _plan_leaf(matcher, shape, match, plan, count)
-        itemsize = _itemsize(leaf.dtype)
-        shard_shape = layout.shard_shape(shape)
+        plan = plans[derivation.param] if derivation.param is not None else None
+        if plan is None or derivation.axes is None or not shape:
+            rule, expression = None, REPLICATE
+        else:
+            rule = None if plan.rule is None else plan.rule.pattern
+            expression = _carried_expression(plan.layout, derivation.axes, plan.expression)
+        layout = compile_layout(expression, len(shape), count)
         rows.append(
-            ReportRow(
-                path=path_string(path),
-                shape=shape,
-                dtype=str(leaf.dtype),
-                rule=rule,
-                expression=expression,
-                shard_shape=shard_shape,
-                bytes=math.prod(shape) * itemsize,
-                bytes_per_device=math.prod(shard_shape) * itemsize,
-                note=note,
-            )
+            _row(path_string(path), leaf, rule, expression, layout.shard_shape(shape), derivation.note)
         )
-    return Report(
-        rows=tuple(rows),
-        n_devices=count,
-        total_bytes=sum(row.bytes for row in rows),
-        max_bytes_per_device=sum(row.bytes_per_device for row in rows),
-        unused_rules=(),
-    )
+    # einshard lays every array over all devices, one block each, so every device holds the same.
+    return _report(rows, count, sum(row.bytes_per_device for row in rows))
 
 
-def _plan_leaf(
-    matcher: _Matcher, shape: tuple[int, ...], match: _Match, plan: LeafPlan | None, count: int
-) -> tuple[str | None, str, Layout, str]:
-    """Rule, expression, layout and note of one state leaf, planned from its parameter's plan."""
-    rank = len(shape)
+def _carried_expression(layout: Layout, axes: Axes, text: str) -> str:
+    """The parameter's expression for a leaf carrying ``axes`` of it; the other elements' counts stay.
 
-    def replicated(note: str) -> tuple[str | None, str, Layout, str]:
-        return None, REPLICATE, compile_layout(REPLICATE, rank, count), note
-
-    if match.kind == "scalar":
-        return replicated("scalar")
-    if match.param is None:
-        return replicated("mirrors no parameter: replicated")
-    param = matcher.params[match.param]
-    if match.kind == "other":
-        what = "adafactor placeholder" if match.adafactor and shape == (1,) else f"shape {shape}"
-        return replicated(f"{what} beside {param.path}: replicated")
-    assert plan is not None and param.shape is not None
-    rule = None if plan.rule is None else plan.rule.pattern
-    if match.kind == "mirror":
-        return rule, plan.expression, plan.layout, f"mirrors {param.path}"
-    candidates = [(axis, _reduce_expression(plan.layout, axis)) for axis in match.axes]
-    axis, expression = candidates[0]
-    layout = compile_layout(expression, rank, count)
-    origin = f"adafactor {match.adafactor} of" if match.adafactor else "reduces"
-    indices = layout.indices(shape)
-    if any(compile_layout(e, rank, count).indices(shape) != indices for _, e in candidates[1:]):
-        axes = " or ".join(str(a) for a, _ in candidates)
-        return replicated(f"{origin} {param.path}, axis {axes} (ambiguous): replicated")
-    note = f"{origin} {param.path} (axis {axis} reduced)"
-    if layout.replication == count and plan.layout.replication != count:
-        note += ": replicated"
-    return rule, expression, layout, note
-
-
-def _reduce_expression(layout: Layout, axis: int) -> str:
-    """The expression of ``layout`` for the array with ``axis`` removed: the other axes as before.
-
-    The removed axis's name leaves both sides; its element, if it had a count
-    or a star, stays as a standalone count, so the device mesh is unchanged.
+    A parameter axis the leaf does not carry leaves both sides, its count (or
+    star) staying as a standalone element so the device mesh is unchanged; the
+    leaf's own axes (``None``) get fresh, unsplit names.
     """
+    if axes == tuple(range(layout.n_dims)):
+        return text
     expression = layout.expression
-    element = layout.axis_elements[axis]
-    if element is None:  # under '...': one axis fewer there
-        return str(expression)
-    name = expression.right[element].name
-    left = [str(e) for e in expression.left if e.name != name]
-    right = []
-    for e in expression.right:
-        if e.name != name or e.is_ellipsis:
-            right.append(str(e))
-        elif e.count is not None or e.star:
-            right.append(f"{'' if e.count is None else e.count}{'*' if e.star else ''}")
-    text = f"{' '.join(left)} -> {' '.join(right)}".strip()
-    parse(text)  # a derived expression is well formed by construction; fail loudly if not
-    return text
+    used = set(expression.left_names)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    fresh = (n for n in itertools.chain(letters, (a + b for a in letters for b in letters)) if n not in used)
+    # Each parameter axis by name ('...' spelled out with fresh names), and each right element as text.
+    names = [expression.right[e].name if e is not None else None for e in layout.axis_elements]
+    names = [name if name is not None else next(fresh) for name in names]
+    under = [names[a] for a, e in enumerate(layout.axis_elements) if e is None]
+    right: list[tuple[str | None, str]] = []  # (axis name or None, element text)
+    for element in expression.right:
+        if element.is_ellipsis:
+            right += [(name, name) for name in under]
+        else:
+            right.append((element.name, str(element)))
+    leaf_names = [names[a] if a is not None else next(fresh) for a in axes]
+    position = {name: j for j, name in enumerate(leaf_names)}
+    out, emitted = [], 0
+    for name, element in right:
+        if name is not None and name in position:
+            while emitted < position[name]:  # fresh names of the leaf's earlier axes go first
+                if axes[emitted] is None:
+                    out.append(leaf_names[emitted])
+                emitted += 1
+            out.append(element)
+            emitted = max(emitted, position[name] + 1)
+        else:  # a count or star stays, standalone
+            standalone = element if name is None else element[len(name) :]
+            if standalone:
+                out.append(standalone)
+    out += [leaf_names[j] for j in range(emitted, len(axes)) if axes[j] is None]
+    return f"{' '.join(leaf_names)} -> {' '.join(out)}".strip()
