@@ -50,6 +50,16 @@ True
 
 from __future__ import annotations
 
+try:  # first, so a missing framework says how to get it (as the pictures do for rich)
+    import optax
+except ModuleNotFoundError as error:
+    if error.name != "optax":
+        raise  # optax is installed but something it imports is not: its own error says what
+    raise ImportError(
+        "einshard.integrations.optax needs optax, which is not installed; "
+        "install it with: pip install 'einshard[optax]'"
+    ) from error
+
 import contextlib
 import dataclasses
 import itertools
@@ -61,7 +71,6 @@ from typing import Any, Protocol
 
 import jax
 import numpy as np
-import optax
 from jax.core import Tracer
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
