@@ -70,8 +70,8 @@ def make_sharding(
             )
         n_dims = len(shape)
     check_arguments(expression, n_dims)
-    target = device_target(devices)
     with adding_context(sharding_context, shape, devices):
+        target = device_target(devices)
         layout, sharding = resolve_sharding(expression, n_dims, target, shape)
     if devices is None and target.mesh is None:  # the default order: one device may be a surprise
         warn_if_one_device(layout, stacklevel=2)  # at the caller of make_sharding
@@ -126,8 +126,8 @@ def einshard(x: Any, expression: str, *, devices: Devices | None = None) -> Any:
             )
     shape = tuple(np.shape(x))
     check_arguments(expression)
-    target = device_target(devices)
     with adding_context(sharding_context, shape, devices):
+        target = device_target(devices)
         layout, sharding = resolve_sharding(expression, len(shape), target, shape)
     if devices is None and target.mesh is None:  # the default order: one device may be a surprise
         warn_if_one_device(layout, stacklevel=2)  # at the caller of einshard
