@@ -18,6 +18,7 @@ from jax.sharding import AxisType, NamedSharding
 
 from ._devices import Devices, resolve_devices
 from ._errors import EinshardError
+from ._inputs import check_array_value, checked_shape
 from ._layout import Layout
 from ._multihost import place
 from ._sharding import ambient_mesh, ambient_spec, layout_sharding
@@ -115,6 +116,7 @@ def einshard(x: Any, expression: str, *, devices: Devices | None = None) -> Any:
                 f"cannot shard an array of {what}",
                 hint="Pass numbers: a jax.Array, a NumPy array, a scalar or a nested list of numbers.",
             )
+    check_array_value(x)  # strings, objects, ints beyond JAX's: JAX's own errors are not ours
     shape = tuple(np.shape(x))
     _, sharding = _resolve(expression, len(shape), devices, shape)
     return place(x, sharding)
@@ -173,13 +175,7 @@ def _mesh_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
 
 
 def _checked_shape(shape: Any) -> tuple[int, ...]:
-    try:
-        result = tuple(int(size) for size in shape)
-    except (TypeError, ValueError):
-        raise EinshardError(f"shape must be a sequence of integers, not {shape!r}") from None
-    if any(size < 0 for size in result):
-        raise EinshardError(f"shape {result} has a negative size")
-    return result
+    return checked_shape(shape)  # whole sizes only: 8.5 is an error, not 8
 
 
 def _context(shape: tuple[int, ...] | None, devices: Devices | None) -> str:

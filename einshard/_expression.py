@@ -131,6 +131,21 @@ def _merged(first: RightElement, second: RightElement) -> str:
     return f"{first.name}{count if count > 1 else ''}{'*' if first.star or second.star else ''}"
 
 
+# A count is a device count: at most 2**63, 19 digits (and far from int()'s 4300-digit limit).
+_MAX_COUNT_DIGITS = 19
+
+
+def _count_too_large(text: str, digits: str, at: int) -> EinshardError:
+    shown = digits if len(digits) <= 30 else f"{digits[:12]}…{digits[-6:]} ({len(digits)} digits)"
+    return _error(
+        text,
+        f"count {shown} is larger than any device count (2**63)",
+        (at, at + len(digits)),
+        "Counts are numbers of shards or replicas; use '*' to let einshard derive a count "
+        "from the device count.",
+    )
+
+
 def _error(text: str, headline: str, span: tuple[int, int], hint: str | None = None) -> EinshardError:
     return EinshardError(headline, expression=text, span=span, hint=hint)
 
@@ -318,6 +333,8 @@ def _parse_right(text: str, start: int, end: int) -> RightElement:
                 (start + digits_start, start + digits_start + len(digits)),
                 f"Counts are whole numbers from 1: {fix}.",
             )
+        if len(digits) > _MAX_COUNT_DIGITS or (digits and int(digits) > 2**63):
+            raise _count_too_large(text, digits, start + digits_start)
         return RightElement(name, int(digits) if digits else None, star, (start, end))
     # Explain the first character the grammar could not take.
     at = start + i

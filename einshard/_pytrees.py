@@ -23,6 +23,7 @@ from jax.core import Tracer, eval_jaxpr
 from ._arrays import _resolve, einshard
 from ._devices import Devices, resolve_devices
 from ._errors import EinshardError, EinshardWarning
+from ._inputs import flatten_or_explain
 from ._layout import Layout, compile_layout
 from ._multihost import place_many
 from ._rules import Indivisible, Rule, Rules, RulesLike, Unmatched, _check_policies, path_string
@@ -131,12 +132,15 @@ _PATHS_KEPT = 16
 
 def _flatten_with_paths(tree: Any) -> tuple[list[Any], list[str], Any]:
     """The leaves, their ``/``-joined paths and the tree structure; paths cached per structure."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    leaves, treedef = flatten_or_explain(jax.tree_util.tree_flatten, tree)
     paths = _PATHS.get(treedef)
     if paths is None:
-        paths = _structure_paths(treedef)
+        try:
+            paths = _structure_paths(treedef)
+        except RecursionError:  # deeper than Python's stack: JAX's own (C++) flattening copes
+            paths = None
         if paths is None:
-            paths = _leaf_paths(tree)
+            paths = flatten_or_explain(_leaf_paths, tree)
         _PATHS[treedef] = paths
         if len(_PATHS) > _PATHS_KEPT:
             _PATHS.popitem(last=False)

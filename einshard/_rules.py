@@ -139,11 +139,15 @@ class Rules:
 
     def match(self, path: str) -> Rule | None:
         """The first rule whose regex matches ``path``, or ``None``."""
+        if type(path) is not str:
+            _refuse_path(path)
         index = self._table.first(path)
         return None if index < 0 else self.rules[index]
 
     def matches(self, path: str) -> Iterator[Rule]:
         """Every rule whose regex matches ``path``, in table order."""
+        if type(path) is not str:
+            _refuse_path(path)
         for rule, regex in zip(self.rules, self._table.compiled, strict=True):
             if regex.search(path):
                 yield rule
@@ -217,6 +221,14 @@ class _Table:
         if self._scan is None:
             self._scan = _scan(self.rules, self.compiled)
         return self._scan
+
+
+def _refuse_path(path: object) -> None:
+    if not isinstance(path, str):
+        raise EinshardError(
+            f"a leaf path is a string, not {type(path).__name__}",
+            hint="Pass a path like 'layers/0/mlp/w1/kernel' (einshard.path_string joins a JAX key path).",
+        )
 
 
 def _check_policies(unmatched: str, indivisible: str) -> None:

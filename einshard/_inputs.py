@@ -1,0 +1,167 @@
+"""Checks of the numbers a user passes (shape sizes, device counts), before any cache sees them.
+
+A cache keyed by a value treats ``True`` as ``1`` and ``8.0`` as ``8``; so whether an input is
+valid is decided here, outside every cache, and never depends on what was called before.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+
+from ._errors import EinshardError
+
+__all__ = [
+    "MAX_COUNT",
+    "check_array_value",
+    "checked_device_count",
+    "checked_n_dims",
+    "checked_shape",
+    "flatten_or_explain",
+]
+
+T = TypeVar("T")
+
+MAX_COUNT = 2**63
+"""The largest device count or array size einshard takes (NumPy's sizes are 64-bit signed)."""
+
+
+def checked_device_count(n_devices: Any) -> int:
+    """``n_devices`` if it is an ``int`` (not a bool) from 1 to 2**63, else an :class:`EinshardError`."""
+    if type(n_devices) is int and 1 <= n_devices <= MAX_COUNT:  # the common case, first
+        return n_devices
+    if isinstance(n_devices, int) and not isinstance(n_devices, bool) and 1 <= n_devices <= MAX_COUNT:
+        return int(n_devices)
+    if isinstance(n_devices, int) and not isinstance(n_devices, bool) and n_devices > MAX_COUNT:
+        raise EinshardError(
+            f"the device count must be a positive integer up to 2**63, not one of "
+            f"{n_devices.bit_length()} bits",
+            hint="Pass the number of devices to plan for, e.g. n_devices=256.",
+        )
+    raise EinshardError(f"the device count must be a positive integer, not {_short_repr(n_devices)}")
+
+
+def checked_n_dims(n_dims: Any) -> int | None:
+    """``n_dims`` if it is ``None`` or a non-negative ``int`` (not a bool)."""
+    if n_dims is None or (type(n_dims) is int and n_dims >= 0):
+        return n_dims
+    raise EinshardError(f"n_dims must be a non-negative integer, not {_short_repr(n_dims)}")
+
+
+def checked_shape(shape: Any) -> tuple[int, ...]:
+    """The shape as a tuple of ints, each a whole number from 0 to 2**63.
+
+    Refuses what ``int()`` would silently change: ``8.5`` (truncated), ``True``, ``'8'``.
+    """
+    try:
+        sizes = tuple(shape)
+    except TypeError:
+        raise EinshardError(f"shape must be a sequence of integers, not {_short_repr(shape)}") from None
+    result = []
+    for size in sizes:
+        if isinstance(size, bool):
+            index = None
+        else:
+            try:
+                index = operator.index(size)  # ints and NumPy integers; not floats or strings
+            except TypeError:
+                index = None
+        if index is None:
+            hint = None
+            if isinstance(size, float) and size.is_integer():
+                hint = f"Write the size as an integer: {int(size)}."
+            raise EinshardError(
+                f"shape must be a sequence of integers, not {_short_repr(shape)}: "
+                f"{_short_repr(size)} is not an integer",
+                hint=hint,
+            )
+        if index < 0:
+            raise EinshardError(f"shape {_short_repr(tuple(sizes))} has a negative size")
+        if index > MAX_COUNT:
+            raise EinshardError(
+                f"shape has a size of {index.bit_length()} bits; array sizes are at most 2**63"
+            )
+        result.append(index)
+    return tuple(result)
+
+
+def _short_repr(value: Any, limit: int = 200) -> str:
+    """``repr(value)``, cut to ``limit`` characters (and safe for ints of any size)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        text = repr(value)
+    except ValueError:  # e.g. an int beyond the string conversion limit inside a container
+        return f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def flatten_or_explain(flatten: Callable[[Any], T], tree: Any) -> T:
+    """``flatten(tree)``, with JAX's failures on a malformed tree turned into an :class:`EinshardError`.
+
+    JAX sorts a dict's keys to flatten it (keys of mixed types fail to sort), and its C++
+    flattening has a depth limit of its own.
+    """
+    try:
+        return flatten(tree)
+    except (ValueError, TypeError) as error:
+        if "sorting pytree dictionary keys" not in str(error):
+            raise
+        raise EinshardError(
+            "a dict in the tree has keys that cannot be sorted together (e.g. ints and strings)",
+            hint="JAX sorts a dict's keys to flatten it: give each dict keys of one type, e.g. all strings.",
+            context=[f"the keys {_short_repr(_unsortable_keys(tree))}"] if _unsortable_keys(tree) else [],
+        ) from None
+    except (RecursionError, SystemError) as error:
+        if isinstance(error, SystemError) and "exception set" not in str(error):
+            raise
+        raise EinshardError(
+            "the tree is nested too deeply to flatten",
+            hint="JAX's tree functions (and so einshard's) take trees a few thousand levels deep "
+            "at most; flatten the structure, e.g. a dict from path strings to arrays.",
+        ) from None
+
+
+def _unsortable_keys(tree: Any, limit: int = 10_000) -> list[Any] | None:
+    """The keys of the first dict (breadth first, bounded) whose keys do not sort, or ``None``."""
+    queue = [tree]
+    for node in queue:
+        if len(queue) > limit:
+            break
+        if isinstance(node, dict):
+            try:
+                sorted(node)
+            except TypeError:
+                return list(node)[:10]
+            queue.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            queue.extend(node)
+    return None
+
+
+def check_array_value(x: Any) -> None:
+    """Refuses, as an :class:`EinshardError`, values JAX cannot hold as an array.
+
+    NumPy arrays of strings, bytes, objects, records or dates (JAX's ``TypeError``), and Python
+    ints beyond JAX's default integer type (JAX's ``OverflowError``).
+    """
+    dtype = getattr(x, "dtype", None)
+    if isinstance(x, (np.ndarray, np.generic)) and dtype is not None and dtype.kind in "OUSVMm":
+        what = "Python objects" if dtype.kind == "O" else f"dtype {dtype}"
+        raise EinshardError(
+            f"cannot shard an array of {what}",
+            hint="Pass numbers: a jax.Array, a NumPy array, a scalar or a nested list of numbers.",
+        )
+    if isinstance(x, int) and not isinstance(x, bool):
+        int_type = np.iinfo(jax.dtypes.canonicalize_dtype(np.int64))
+        if not int_type.min <= x <= int_type.max:
+            raise EinshardError(
+                f"the integer {_short_repr(x)} does not fit JAX's {int_type.dtype} "
+                f"({int_type.min} to {int_type.max})",
+                hint="Pass a float (e.g. float(x)), or enable 64-bit integers with "
+                "jax.config.update('jax_enable_x64', True) if it fits int64.",
+            )
