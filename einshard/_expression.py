@@ -135,15 +135,8 @@ def _merged(first: RightElement, second: RightElement) -> str:
 _MAX_COUNT_DIGITS = 19
 
 
-def _count_too_large(text: str, digits: str, at: int) -> EinshardError:
-    shown = digits if len(digits) <= 30 else f"{digits[:12]}…{digits[-6:]} ({len(digits)} digits)"
-    return _error(
-        text,
-        f"count {shown} is larger than any device count (2**63)",
-        (at, at + len(digits)),
-        "Counts are numbers of shards or replicas; use '*' to let einshard derive a count "
-        "from the device count.",
-    )
+def _shown_digits(digits: str) -> str:
+    return digits if len(digits) <= 30 else f"{digits[:12]}…{digits[-6:]} ({len(digits)} digits)"
 
 
 def _error(text: str, headline: str, span: tuple[int, int], hint: str | None = None) -> EinshardError:
@@ -334,7 +327,13 @@ def _parse_right(text: str, start: int, end: int) -> RightElement:
                 f"Counts are whole numbers from 1: {fix}.",
             )
         if len(digits) > _MAX_COUNT_DIGITS or (digits and int(digits) > 2**63):
-            raise _count_too_large(text, digits, start + digits_start)
+            raise _error(
+                text,
+                f"count {_shown_digits(digits)} is larger than any device count (2**63)",
+                (start + digits_start, start + digits_start + len(digits)),
+                "Counts are numbers of shards or replicas; use '*' to let einshard derive a count "
+                "from the device count.",
+            )
         return RightElement(name, int(digits) if digits else None, star, (start, end))
     # Explain the first character the grammar could not take.
     at = start + i

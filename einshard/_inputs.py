@@ -58,6 +58,8 @@ def checked_shape(shape: Any) -> tuple[int, ...]:
     Refuses what ``int()`` would silently change: ``8.5`` (truncated), ``True``, ``'8'``.
     """
     try:
+        if isinstance(shape, (str, bytes)):
+            raise TypeError
         sizes = tuple(shape)
     except TypeError:
         raise EinshardError(f"shape must be a sequence of integers, not {_short_repr(shape)}") from None
@@ -114,7 +116,7 @@ def flatten_or_explain(flatten: Callable[[Any], T], tree: Any) -> T:
         raise EinshardError(
             "a dict in the tree has keys that cannot be sorted together (e.g. ints and strings)",
             hint="JAX sorts a dict's keys to flatten it: give each dict keys of one type, e.g. all strings.",
-            context=[f"the keys {_short_repr(_unsortable_keys(tree))}"] if _unsortable_keys(tree) else [],
+            context=[f"in a dict with the keys {_short_repr(_unsortable_keys(tree))}"] if _unsortable_keys(tree) else [],
         ) from None
     except (RecursionError, SystemError) as error:
         if isinstance(error, SystemError) and "exception set" not in str(error):
