@@ -113,10 +113,11 @@ def flatten_or_explain(flatten: Callable[[Any], T], tree: Any) -> T:
     except (ValueError, TypeError) as error:
         if "sorting pytree dictionary keys" not in str(error):
             raise
+        keys = _unsortable_keys(tree)
         raise EinshardError(
             "a dict in the tree has keys that cannot be sorted together (e.g. ints and strings)",
             hint="JAX sorts a dict's keys to flatten it: give each dict keys of one type, e.g. all strings.",
-            context=[f"in a dict with the keys {_short_repr(_unsortable_keys(tree))}"] if _unsortable_keys(tree) else [],
+            context=[f"in a dict with the keys {_short_repr(keys)}"] if keys is not None else [],
         ) from None
     except (RecursionError, SystemError) as error:
         if isinstance(error, SystemError) and "exception set" not in str(error):
