@@ -6,6 +6,7 @@ valid is decided here, outside every cache, and never depends on what was called
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -168,3 +169,50 @@ def check_array_value(x: Any) -> None:
                 hint="Pass a float (e.g. float(x)), or enable 64-bit integers with "
                 "jax.config.update('jax_enable_x64', True) if it fits int64.",
             )
+
+
+def check_params_for_state(opt_state: Any, params: Any) -> None:
+    """Refuses ``params`` that cannot be the parameters ``opt_state`` belongs to.
+
+    They must be a tree of arrays (``jax.Array``, NumPy arrays or ``jax.ShapeDtypeStruct``;
+    ``None`` allowed), at least one; and when the state holds arrays of more than one element,
+    at least one of them must have the shape of a parameter (moments mirror their parameter)
+    or be made of some of a parameter's sizes (factored statistics, as Adafactor keeps).
+    """
+    leaves = flatten_or_explain(jax.tree_util.tree_leaves, params)
+    not_arrays = [leaf for leaf in leaves if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype"))]
+    if not leaves or not_arrays:
+        what = f"{type(params).__name__}" if not leaves else f"a tree holding {_short_repr(not_arrays[0])}"
+        raise EinshardError(
+            f"params must be the tree of arrays the optimizer state belongs to, not {what}",
+            hint="Pass the parameters, e.g. shard_opt_state(opt_state, params) with params placed "
+            "by shard_pytree (or abstract, with shardings).",
+        )
+    param_shapes = {tuple(leaf.shape) for leaf in leaves}
+    state_shapes = {
+        tuple(leaf.shape)
+        for leaf in jax.tree_util.tree_leaves(opt_state)
+        if hasattr(leaf, "shape") and math.prod(leaf.shape) > 1
+    }
+    if state_shapes and not any(
+        _sizes_within(state, param) for state in state_shapes for param in param_shapes
+    ):
+        raise EinshardError(
+            "the optimizer state does not belong to these params: none of its arrays has the "
+            "shape of a parameter, or sizes of one",
+            hint="Pass the params the state was made from (tx.init(params)).",
+            context=[
+                f"state shapes {_short_repr(sorted(state_shapes))}, "
+                f"param shapes {_short_repr(sorted(param_shapes))}"
+            ],
+        )
+
+
+def _sizes_within(state: tuple[int, ...], param: tuple[int, ...]) -> bool:
+    """Whether ``state``'s sizes are some of ``param``'s (each used at most once)."""
+    left = list(param)
+    for size in state:
+        if size not in left:
+            return False
+        left.remove(size)
+    return True

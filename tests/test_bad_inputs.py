@@ -324,3 +324,61 @@ def test_trees_deeper_than_jax_flattens():
         tree = {"a": tree}
     with pytest.raises(EinshardError, match="nested too deeply"):
         einshard.shard_pytree(tree, [(".*", "... -> * ...")])
+
+
+# --- integrations -------------------------------------------------------------------------------
+
+NOT_PARAMS = st.one_of(
+    st.text(max_size=5),
+    st.none(),
+    st.integers(),
+    st.floats(allow_nan=False),
+    st.lists(st.integers(), min_size=1, max_size=3),
+    st.dictionaries(st.sampled_from(["w", "b"]), st.text(max_size=2), min_size=1),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(bad=NOT_PARAMS)
+def test_shard_opt_state_refuses_what_is_not_params(bad):
+    optax = pytest.importorskip("optax")
+    from einshard.integrations.optax import shard_opt_state
+
+    state = optax.adam(1e-3).init({"w": np.ones((N_DEVICES, 4), np.float32)})
+    with pytest.raises(EinshardError, match="params must be the tree of arrays"):
+        shard_opt_state(state, bad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple))
+def test_shard_opt_state_refuses_params_of_other_shapes(shape):
+    optax = pytest.importorskip("optax")
+    from einshard.integrations.optax import shard_opt_state
+
+    params = {"w": np.ones((N_DEVICES, 6), np.float32)}
+    state = optax.adam(1e-3).init(params)
+    with pytest.raises(EinshardError, match="does not belong to these params"):
+        shard_opt_state(state, {"w": np.ones(shape, np.float32)})
+    # Its own params, and factored statistics (Adafactor's row and column), are accepted.
+    placed = einshard.shard_pytree(params, {"w": "x y -> x* y"})
+    assert shard_opt_state(state, placed)[0].mu["w"].sharding.is_equivalent_to(placed["w"].sharding, 2)
+    big = {"w": np.ones((256, 128 * N_DEVICES), np.float32)}
+    factored = optax.adafactor(1e-3).init(big)
+    shard_opt_state(factored, einshard.shard_pytree(big, {"w": "x y -> x y*"}))
+
+
+@pytest.mark.parametrize("kind", ["missing", "file", "empty directory"])
+def test_abstract_checkpoint_refuses_a_path_without_a_checkpoint(tmp_path, kind):
+    pytest.importorskip("orbax.checkpoint")
+    from einshard.integrations import orbax as checkpoints
+
+    path = tmp_path / "ckpt"
+    if kind == "file":
+        path.write_text("not a checkpoint")
+    elif kind == "empty directory":
+        path.mkdir()
+    with pytest.raises(EinshardError, match="there is no checkpoint at") as info:
+        checkpoints.abstract_checkpoint(path)
+    assert str(path) in str(info.value)
+    with pytest.raises(EinshardError, match="there is no checkpoint at"):
+        checkpoints.restore(path, [(".*", "... -> * ...")])

@@ -59,6 +59,7 @@ from .._arrays import make_sharding
 from .._devices import Devices
 from .._errors import EinshardError
 from .._explain import Report, ReportRow, _itemsize
+from .._inputs import check_params_for_state
 from .._expression import parse
 from .._layout import Layout, compile_layout
 from .._pytrees import REPLICATE, LeafPlan, _device_count, is_array_leaf, plan_tree
@@ -405,6 +406,7 @@ def shard_opt_state(opt_state: Any, params: Any) -> Any:
     >>> state[0].nu['w'].sharding.shard_shape((4, 64))
     (4, 8)
     """
+    check_params_for_state(opt_state, params)
     planned, treedef = _plan(opt_state, params)
     out = [leaf for _, leaf, _, _ in planned]
     batch_at, batch_leaves, batch_shardings = [], [], []
