@@ -177,7 +177,8 @@ def check_params_for_state(opt_state: Any, params: Any) -> None:
     They must be a tree of arrays (``jax.Array``, NumPy arrays or ``jax.ShapeDtypeStruct``;
     ``None`` allowed), at least one; and when the state holds arrays of more than one element,
     at least one of them must have the shape of a parameter (moments mirror their parameter)
-    or be made of some of a parameter's sizes (factored statistics, as Adafactor keeps).
+    or be made of some of a parameter's sizes (factored statistics, as Adafactor keeps), or a
+    part of the state must have the params' structure.
     """
     leaves = flatten_or_explain(jax.tree_util.tree_leaves, params)
     not_arrays = [leaf for leaf in leaves if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype"))]
@@ -194,8 +195,10 @@ def check_params_for_state(opt_state: Any, params: Any) -> None:
         for leaf in jax.tree_util.tree_leaves(opt_state)
         if hasattr(leaf, "shape") and math.prod(leaf.shape) > 1
     }
-    if state_shapes and not any(
-        _sizes_within(state, param) for state in state_shapes for param in param_shapes
+    if (
+        state_shapes
+        and not any(_sizes_within(state, param) for state in state_shapes for param in param_shapes)
+        and not _has_subtree_like(opt_state, params)
     ):
         raise EinshardError(
             "the optimizer state does not belong to these params: none of its arrays has the "
@@ -216,3 +219,19 @@ def _sizes_within(state: tuple[int, ...], param: tuple[int, ...]) -> bool:
             return False
         left.remove(size)
     return True
+
+
+def _has_subtree_like(tree: Any, like: Any) -> bool:
+    """Whether a node of ``tree`` has the tree structure of ``like``."""
+    structure = jax.tree_util.tree_structure(like)
+    kind = type(like)
+    found = []
+
+    def is_like(node: Any) -> bool:
+        if type(node) is kind and jax.tree_util.tree_structure(node) == structure:
+            found.append(node)
+            return True
+        return False
+
+    jax.tree_util.tree_leaves(tree, is_leaf=is_like)
+    return bool(found)

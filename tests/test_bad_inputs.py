@@ -358,7 +358,11 @@ def test_shard_opt_state_refuses_params_of_other_shapes(shape):
     params = {"w": np.ones((N_DEVICES, 6), np.float32)}
     state = optax.adam(1e-3).init(params)
     with pytest.raises(EinshardError, match="does not belong to these params"):
-        shard_opt_state(state, {"w": np.ones(shape, np.float32)})
+        shard_opt_state(state, {"other": np.ones(shape, np.float32)})
+    with pytest.raises(EinshardError, match="does not belong to these params"):
+        shard_opt_state(state, [np.ones(shape, np.float32)] * 2)
+    # The params' structure with other shapes: each such leaf is replicated, with a note
+    # (explain_opt_state says so); the structure shows whose state it is.
     # Its own params, and factored statistics (Adafactor's row and column), are accepted.
     placed = einshard.shard_pytree(params, {"w": "x y -> x* y"})
     assert shard_opt_state(state, placed)[0].mu["w"].sharding.is_equivalent_to(placed["w"].sharding, 2)
