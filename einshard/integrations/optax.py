@@ -59,8 +59,8 @@ from .._arrays import make_sharding
 from .._devices import Devices
 from .._errors import EinshardError
 from .._explain import Report, ReportRow, _itemsize
-from .._inputs import check_params_for_state
 from .._expression import parse
+from .._inputs import check_params_for_state
 from .._layout import Layout, compile_layout
 from .._pytrees import REPLICATE, LeafPlan, _device_count, is_array_leaf, plan_tree
 from .._rules import Rules, RulesLike, path_string
