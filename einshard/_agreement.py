@@ -113,7 +113,7 @@ def _compare_descriptions(what: str, views: dict[int, dict[str, Any]], me: int) 
     if len(groups) == 1:
         return
     lines = [
-        f"processes {', '.join(map(str, processes))}: "
+        f"process{'es' if len(processes) > 1 else ''} {', '.join(map(str, processes))}: "
         + ", ".join(f"{k}={v}" for k, v in json.loads(text).items())
         for text, processes in groups.items()
     ]
