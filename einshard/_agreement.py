@@ -112,17 +112,16 @@ def _compare_descriptions(what: str, views: dict[int, dict[str, Any]], me: int) 
         groups.setdefault(json.dumps(view["description"], sort_keys=True), []).append(process)
     if len(groups) == 1:
         return
-    lines = [
-        f"process{'es' if len(processes) > 1 else ''} {', '.join(map(str, processes))}: "
-        + ", ".join(f"{k}={v}" for k, v in json.loads(text).items())
-        for text, processes in groups.items()
-    ]
-    raise EinshardError(
+    error = EinshardError(
         f"{what}: the processes disagree: {_disagreeing(groups.values())}",
         hint="Every process passes a part of the same dtype, with the same expression and "
         "global_shape, and the shape its devices hold.",
-        context=[*lines, f"in process {me} of {len(views)}"],
     )
+    for text, processes in groups.items():
+        plural = "es" if len(processes) > 1 else ""
+        described = ", ".join(f"{k}={v}" for k, v in json.loads(text).items())
+        error.add_context(f"process{plural} {', '.join(map(str, processes))}: {described}")
+    raise error.add_context(f"in process {me} of {len(views)}")
 
 
 def _compare_blocks(what: str, views: dict[int, dict[str, Any]], me: int) -> None:

@@ -275,3 +275,25 @@ def test_a_process_that_never_arrives_times_out(agree_cluster):
     message = agree_cluster[0]["absent"]["error"]
     assert message.split("\n")[0] == "from_process_local: process 1 did not reach this call within 3 s"
     assert 3 <= agree_cluster[0]["absent_seconds"] < 30
+
+
+def test_an_unreachable_coordinator_ends_the_process_after_its_timeout():
+    """JAX's behaviour, which docs/multihost.md shows: initialize gives up after initialization_timeout."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.pop("XLA_FLAGS", None)
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, str(WORKER), "1", str(free_port()), "nocoordinator"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=TIMEOUT,
+    )
+    seconds = time.monotonic() - started
+    if result.returncode == SKIP:
+        pytest.skip("gloo CPU collectives are not available in this JAX")
+    assert result.returncode != 0 and parse(result.stdout) is None
+    assert "DEADLINE_EXCEEDED" in result.stderr, result.stderr[-2000:]
+    assert "Terminating process because the JAX distributed service detected fatal errors" in result.stderr
+    assert 5 <= seconds < 60
