@@ -161,7 +161,7 @@ def _constrain(x: Tracer, expression: str, devices: Devices | None) -> Any:
         return jax.lax.with_sharding_constraint(x, sharding)
     abstract, _ = ambient
     try:
-        layout, spec = ambient_spec(expression, len(shape), _mesh_axes(abstract))
+        layout, spec = ambient_spec(expression, len(shape), _auto_axes(abstract))
         layout.check_shape(shape)
     except EinshardError as error:
         raise error.add_context(_context(shape, None)) from None
@@ -172,6 +172,27 @@ def _constrain(x: Tracer, expression: str, devices: Devices | None) -> Any:
 
 def _mesh_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
     return tuple(mesh.shape.items())
+
+
+def _auto_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
+    """The mesh axes a traced value can be laid out over: inside ``shard_map``, not the manual ones.
+
+    A value inside ``shard_map`` is one process's block over its manual axes; einshard lays it
+    out over the axes that are left (``shard_map(..., axis_names={'data'})`` leaves the others).
+    """
+    types = getattr(mesh, "axis_types", None) or ()
+    manual = {name for name, kind in zip(mesh.axis_names, types, strict=False) if kind == AxisType.Manual}
+    if not manual:
+        return _mesh_axes(mesh)
+    left = tuple((name, size) for name, size in mesh.shape.items() if name not in manual)
+    if not left:
+        raise EinshardError(
+            f"inside shard_map every mesh axis is manual ({', '.join(mesh.axis_names)}): "
+            "there are no devices to lay this value out over",
+            hint="Inside shard_map a value is already one device's block: shard the arrays before "
+            "shard_map, or leave mesh axes to einshard with shard_map(..., axis_names={...}).",
+        )
+    return left
 
 
 def _checked_shape(shape: Any) -> tuple[int, ...]:

@@ -386,3 +386,35 @@ def test_abstract_checkpoint_refuses_a_path_without_a_checkpoint(tmp_path, kind)
     assert str(path) in str(info.value)
     with pytest.raises(EinshardError, match="there is no checkpoint at"):
         checkpoints.restore(path, [(".*", "... -> * ...")])
+
+
+# --- inside shard_map ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("manual", [("data",), ("model",), ("data", "model")])
+def test_einshard_inside_shard_map_lays_out_over_the_axes_left(manual):
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    if N_DEVICES % 2:
+        pytest.skip("a 2 x N/2 mesh")
+    mesh = jax.make_mesh((2, N_DEVICES // 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    value = np.arange(4 * N_DEVICES * N_DEVICES, dtype=np.float32).reshape(4 * N_DEVICES, N_DEVICES)
+    spec = P(*manual) if len(manual) == 1 else P(manual)
+
+    def step(x):
+        return einshard.einshard(x, "a b -> a b*") * 2
+
+    with jax.set_mesh(mesh):
+        mapped = jax.jit(jax.shard_map(step, in_specs=spec, out_specs=spec, axis_names=set(manual)))
+        if len(manual) == 2:
+            with pytest.raises(EinshardError, match="inside shard_map every mesh axis is manual"):
+                mapped(value)
+            return
+        out = mapped(value)
+    np.testing.assert_array_equal(np.asarray(out), value * 2)
+    (left,) = {"data", "model"} - set(manual)
+    # b is split over the axis left (the constraint inside), a over the manual one.
+    assert out.sharding.spec == P(manual[0], left)
+    blocks = {s[1].indices(N_DEVICES)[:2] for s in out.sharding.devices_indices_map(value.shape).values()}
+    assert len(blocks) == mesh.shape[left]
