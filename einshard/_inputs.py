@@ -123,11 +123,41 @@ def flatten_or_explain(flatten: Callable[[Any], T], tree: Any) -> T:
     except (RecursionError, SystemError) as error:
         if isinstance(error, SystemError) and "exception set" not in str(error):
             raise
+    # Deep trees meet the interpreter's recursion budget, part of which the caller's own stack
+    # has used: try once more on a fresh thread (a fresh budget, a large stack).
+    try:
+        return _on_fresh_thread(flatten, tree)
+    except (RecursionError, SystemError):
         raise EinshardError(
             "the tree is nested too deeply to flatten",
             hint="JAX's tree functions (and so einshard's) take trees a few thousand levels deep "
             "at most; flatten the structure, e.g. a dict from path strings to arrays.",
         ) from None
+
+
+def _on_fresh_thread(function: Callable[[Any], T], argument: Any) -> T:
+    """``function(argument)`` on a new thread with a 256 MiB stack; its exception re-raised here."""
+    import threading
+
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, function(argument)))
+        except BaseException as error:  # handed to the caller's thread
+            outcome.append((False, error))
+
+    previous = threading.stack_size(256 * 2**20)
+    try:
+        thread = threading.Thread(target=run, name="einshard-deep-tree")
+        thread.start()
+    finally:
+        threading.stack_size(previous)
+    thread.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _unsortable_keys(tree: Any, limit: int = 10_000) -> list[Any] | None:
