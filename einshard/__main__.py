@@ -17,11 +17,11 @@ from collections.abc import Sequence
 
 from ._errors import EinshardError
 from ._layout import Layout, layout
-from ._picture import picture
+from ._picture import MAX_DEVICES_DRAWN, MAX_SCALE, MAX_WIDTH, picture
 
 __all__ = ["main", "summary"]
 
-_EPILOG = """\
+_EPILOG = f"""\
 examples:
   python -m einshard 'a b -> * a2 b' --shape 4,8 --devices 16
   python -m einshard 'x y -> x y*' --shape 128,256 --devices 256 --platform tpu
@@ -30,6 +30,8 @@ examples:
 Arrays of rank 1 and 2 give one grid; for higher ranks the last two axes are
 drawn, one grid per block of the leading axes. Cells are labelled with device
 positions 0..N-1 in the einshard device order (the ids of jax.devices() on one host).
+Pictures are drawn for at most {MAX_DEVICES_DRAWN} devices (the summary line for any count),
+with --scale above 0 and at most {MAX_SCALE:g}, and --width from 1 to {MAX_WIDTH} columns.
 Exit status: 0 on success, 2 for a bad expression or arguments, 1 if 'rich' is missing.
 """
 
@@ -66,6 +68,8 @@ def summary(plan: Layout, shape: Sequence[int]) -> str:
 def _shape(text: str) -> tuple[int, ...]:
     """Parses ``4,8``, ``4x8``, ``'4 8'`` or ``(4, 8)``; an empty string is a scalar."""
     stripped = text.strip().strip("()[]").strip()
+    if len(stripped) > 100_000:
+        raise argparse.ArgumentTypeError(f"a shape of {len(stripped)} characters is too long")
     if not stripped:
         return ()
     parts = [p for p in re.split(r"[,x×\s]+", stripped) if p]
@@ -73,10 +77,19 @@ def _shape(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a shape; write the sizes separated by commas, e.g. 4,8"
         )
+    if any(len(p) > _MAX_DIGITS for p in parts):
+        raise argparse.ArgumentTypeError(f"a size of more than {_MAX_DIGITS} digits is too large")
     return tuple(int(p) for p in parts)
 
 
+# Digits in a number on the command line: Python's int() refuses more than 4300 by default, and
+# no device count or size comes near this.
+_MAX_DIGITS = 100
+
+
 def _count(text: str) -> int:
+    if len(text) > _MAX_DIGITS:
+        raise argparse.ArgumentTypeError(f"a count of {len(text)} characters is too long")
     if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive device count")
     return int(text)
@@ -87,9 +100,15 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    if not 0 < value <= MAX_SCALE:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number above 0 and at most {MAX_SCALE:g}")
     return value
+
+
+def _width(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or len(text) > 6 or not 1 <= int(text) <= MAX_WIDTH:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a width from 1 to {MAX_WIDTH} columns")
+    return int(text)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -123,14 +142,17 @@ def _parser() -> argparse.ArgumentParser:
         help="the platform named in the cells, e.g. tpu or gpu (default: cpu)",
     )
     parser.add_argument(
-        "--scale", type=_positive_float, default=1.0, help="scale the grid's size (default: 1)"
+        "--scale",
+        type=_positive_float,
+        default=1.0,
+        help=f"scale the grid's height, above 0 and at most {MAX_SCALE:g} (default: 1)",
     )
     parser.add_argument(
         "--width",
-        type=_count,
+        type=_width,
         default=80,
         metavar="COLUMNS",
-        help="the widest the picture may be, in characters (default: 80)",
+        help=f"the widest the picture may be, in characters, at most {MAX_WIDTH} (default: 80)",
     )
     parser.add_argument("--no-summary", action="store_true", help="print only the picture")
     return parser
@@ -150,6 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         plan = layout(args.expression, args.shape, n_devices=args.devices)
+        if args.devices > MAX_DEVICES_DRAWN and not args.no_summary:
+            print(summary(plan, args.shape))  # the answer, though the picture is too large to draw
         text = picture(
             args.expression,
             args.shape,

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 
 from ._devices import Devices, device_target
 from ._errors import EinshardError, adding_context
-from ._layout import checked_shape
+from ._inputs import check_array_value, checked_shape
 from ._one_device import warn_if_one_device
 from ._place import place_leaf
 from ._resolve import check_arguments, resolve_sharding, sharding_context
@@ -124,6 +124,7 @@ def einshard(x: Any, expression: str, *, devices: Devices | None = None) -> Any:
                 f"cannot shard an array of {what}",
                 hint="Pass numbers: a jax.Array, a NumPy array, a scalar or a nested list of numbers.",
             )
+    check_array_value(x)  # strings, objects, ints beyond JAX's: JAX's own errors are not ours
     shape = tuple(np.shape(x))
     check_arguments(expression)
     with adding_context(sharding_context, shape, devices):

@@ -131,6 +131,14 @@ def _merged(first: RightElement, second: RightElement) -> str:
     return f"{first.name}{count if count > 1 else ''}{'*' if first.star or second.star else ''}"
 
 
+# A count is a device count: at most 2**63, 19 digits (and far from int()'s 4300-digit limit).
+_MAX_COUNT_DIGITS = 19
+
+
+def _shown_digits(digits: str) -> str:
+    return digits if len(digits) <= 30 else f"{digits[:12]}…{digits[-6:]} ({len(digits)} digits)"
+
+
 def _error(text: str, headline: str, span: tuple[int, int], hint: str | None = None) -> EinshardError:
     return EinshardError(headline, expression=text, span=span, hint=hint)
 
@@ -317,6 +325,14 @@ def _parse_right(text: str, start: int, end: int) -> RightElement:
                 f"count {digits!r} is not a positive integer without leading zeros",
                 (start + digits_start, start + digits_start + len(digits)),
                 f"Counts are whole numbers from 1: {fix}.",
+            )
+        if len(digits) > _MAX_COUNT_DIGITS or (digits and int(digits) > 2**63):
+            raise _error(
+                text,
+                f"count {_shown_digits(digits)} is larger than any device count (2**63)",
+                (start + digits_start, start + digits_start + len(digits)),
+                "Counts are numbers of shards or replicas; use '*' to let einshard derive a count "
+                "from the device count.",
             )
         return RightElement(name, int(digits) if digits else None, star, (start, end))
     # Explain the first character the grammar could not take.

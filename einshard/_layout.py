@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 from ._errors import EinshardError, adding_context
 from ._expression import Expression, RightElement, parse
+from ._inputs import checked_device_count, checked_n_dims, checked_shape
+from ._numbers import balanced_factors, divisors_preview
 
 __all__ = ["Layout", "checked_shape", "compile_layout", "integer_root", "layout"]
 
@@ -80,14 +82,14 @@ class Layout:
             assert element is not None  # axes under '...' are never split
             right = self.expression.right[element]
             resolved = f" ('{right}' resolves to {count} on {self.n_devices} devices)" if right.star else ""
-            divisors = _divisors(math.gcd(size, self.n_devices))
+            divisors = _divisors_text(math.gcd(size, self.n_devices))
             raise EinshardError(
                 f"axis {right.name!r} (axis {axis} of shape {shape}) has size {size}, "
                 f"which does not split into {count} shards{resolved}",
                 expression=self.expression.text,
                 span=right.span,
                 hint=f"Use a count that divides {size} and the device count "
-                f"({', '.join(map(str, divisors))}), or pad the array to a multiple of {count}.",
+                f"({divisors}), or pad the array to a multiple of {count}.",
             )
 
     def shard_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
@@ -149,7 +151,6 @@ def integer_root(value: int, k: int) -> int | None:
     return None
 
 
-@functools.lru_cache(maxsize=4096)
 def compile_layout(text: str, n_dims: int | None, n_devices: int) -> Layout:
     """Resolves an expression for an array rank and a device count.
 
@@ -169,8 +170,12 @@ def compile_layout(text: str, n_dims: int | None, n_devices: int) -> Layout:
     >>> layout.element_sizes, layout.shards, layout.mesh_shape
     ((2, 4, 2), (4, 2), (2, 4, 2))
     """
-    if not isinstance(n_devices, int) or isinstance(n_devices, bool) or n_devices < 1:
-        raise EinshardError(f"the device count must be a positive integer, not {n_devices!r}")
+    # Checked before the cache: it would take True for 1 (a cache never decides validity).
+    return _compile_layout(text, checked_n_dims(n_dims), checked_device_count(n_devices))
+
+
+@functools.lru_cache(maxsize=4096)
+def _compile_layout(text: str, n_dims: int | None, n_devices: int) -> Layout:
     expression = parse(text)
     n_dims = _check_rank(expression, n_dims)
     element_sizes = _resolve_counts(expression, n_devices)
@@ -338,24 +343,16 @@ def _fitting_hint(expression: Expression, elements: list[RightElement], n_device
 
 
 def _balanced_factors(n: int, k: int) -> list[int]:
-    """Splits ``n`` into ``k`` factors, as even as possible, largest first."""
-    primes = []
-    m, p = n, 2
-    while p * p <= m:
-        while m % p == 0:
-            primes.append(p)
-            m //= p
-        p += 1
-    if m > 1:
-        primes.append(m)
-    factors = [1] * k
-    for prime in sorted(primes, reverse=True):
-        factors[factors.index(min(factors))] *= prime
-    return sorted(factors, reverse=True)
+    """Splits ``n`` into ``k`` factors, as even as possible, largest first (in bounded time)."""
+    return balanced_factors(n, k)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0] if n > 0 else [1]
+def _divisors_text(n: int) -> str:
+    """The divisors of ``n`` for a hint: all of them, or the first few (found in bounded time)."""
+    divisors, complete = divisors_preview(n)
+    if complete:
+        return ", ".join(map(str, divisors))
+    return f"for example {', '.join(map(str, divisors[:-1]))}, …, {divisors[-1]}"
 
 
 def layout(expression: str, shape: Sequence[int], *, n_devices: int) -> Layout:
@@ -389,18 +386,3 @@ def layout(expression: str, shape: Sequence[int], *, n_devices: int) -> Layout:
 
 def _layout_context(error: EinshardError, shape: tuple[int, ...], n_devices: int) -> None:
     error.add_context(f"for an array of shape {shape} on {n_devices} devices")
-
-
-def checked_shape(shape: object) -> tuple[int, ...]:
-    """A shape a user gave, as a tuple of non-negative integers.
-
-    Raises:
-        EinshardError: If it is not a sequence of integers, or has a negative size.
-    """
-    try:
-        result = tuple(int(size) for size in shape)  # type: ignore[attr-defined]
-    except (TypeError, ValueError):
-        raise EinshardError(f"shape must be a sequence of integers, not {shape!r}") from None
-    if any(size < 0 for size in result):
-        raise EinshardError(f"shape {result} has a negative size")
-    return result

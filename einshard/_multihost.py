@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from ._agreement import DEFAULT_TIMEOUT, announce_failure, block_hashes, check_agreement
 from ._devices import Devices, device_target
 from ._errors import EinshardError, adding_context
 from ._layout import Layout
@@ -36,6 +37,8 @@ def from_process_local(
     *,
     global_shape: Sequence[int] | None = None,
     devices: Devices | None = None,
+    check_values: bool = False,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> jax.Array:
     """Builds a global array from each process's own part of it, laid out by an expression.
 
@@ -58,18 +61,58 @@ def from_process_local(
             from the local shape and the layout; given, the local shape is
             checked against it.
         devices: The devices, in order (see :func:`~einshard.make_sharding`).
+        check_values: Also check that processes holding the same block (the
+            replicated part of a layout) pass equal values for it, by a hash of
+            each block gathered across processes (a pass over the local part).
+        timeout: Seconds to wait for the other processes. With several
+            processes, every process first checks that all agree on the
+            expression, the dtype and the global shape (through the key-value
+            store of ``jax.distributed``; no collective), so a mismatch, or a
+            process that never makes this call, is an error on every process
+            instead of a wrong array or a hang.
 
     Returns:
         The global ``jax.Array``, sharded as the expression says.
 
     Raises:
         EinshardError: If the expression does not fit, this process owns none
-            of the devices, or the local part has the wrong shape.
+            of the devices, the local part has the wrong shape, the processes
+            disagree (naming which), or another process does not arrive within
+            ``timeout`` seconds.
 
     >>> import numpy as np, einshard
     >>> batch = einshard.from_process_local(np.ones((16, 4)), 'b d -> b* d')
     >>> batch.shape, batch.sharding.shard_shape(batch.shape)
     ((16, 4), (2, 4))
+    """
+    try:
+        local, layout, sharding, shape, held = _checked_local_part(local, expression, global_shape, devices)
+    except EinshardError as error:  # the other processes learn of it, instead of waiting
+        announce_failure("from_process_local", error.headline, timeout=timeout)
+        raise
+    hashes = None
+    if check_values:
+        hashes = block_hashes(local, [sorted(h) or [0] for h in held], layout.shards, shape)
+    check_agreement(
+        what="from_process_local",
+        description={
+            "expression": layout.expression.text,
+            "dtype": str(np.dtype(local.dtype)),
+            "global shape": list(shape),
+        },
+        block_hashes=hashes,
+        timeout=timeout,
+    )
+    return jax.make_array_from_process_local_data(sharding, local, shape)
+
+
+def _checked_local_part(
+    local: Any, expression: str, global_shape: Sequence[int] | None, devices: Devices | None
+) -> tuple[Any, Any, NamedSharding, tuple[int, ...], list[set[int]]]:
+    """This process's part, checked against the layout.
+
+    Returns the part, the layout, the sharding, the global shape and the blocks of each axis
+    this process holds.
     """
     if not isinstance(local, (jax.Array, np.ndarray)):
         local = np.asarray(local)
@@ -101,8 +144,8 @@ def _assemble(
     global_shape: tuple[int, ...] | None,
     layout: Layout,
     sharding: NamedSharding,
-) -> jax.Array:
-    """The global array from this process's part, checked against the layout."""
+) -> tuple[Any, Layout, NamedSharding, tuple[int, ...], list[set[int]]]:
+    """This process's part checked against the layout: (part, layout, sharding, global shape, blocks held)."""
     process = jax.process_index()
     # Which blocks of each axis this process's devices hold: the index map of an
     # array whose every axis has one element per block.
@@ -152,4 +195,4 @@ def _assemble(
                 + ".",
             )
     layout.check_shape(shape)
-    return jax.make_array_from_process_local_data(sharding, local, shape)
+    return local, layout, sharding, shape, held

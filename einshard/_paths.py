@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 
+from ._inputs import flatten_or_explain
 from ._rules import path_string
 
 __all__ = ["flatten_with_paths", "register_value_wrapper"]
@@ -48,12 +49,15 @@ def register_value_wrapper(kind: type) -> None:
 
 def flatten_with_paths(tree: Any) -> tuple[list[Any], list[str], Any]:
     """The leaves, their ``/``-joined paths and the tree structure; paths cached per structure."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    leaves, treedef = flatten_or_explain(jax.tree_util.tree_flatten, tree)
     paths = _PATHS.get(treedef)
     if paths is None:
-        paths = _structure_paths(treedef)
+        try:
+            paths = _structure_paths(treedef)
+        except RecursionError:  # deeper than Python's stack: JAX's own (C++) flattening copes
+            paths = None
         if paths is None:
-            paths = _leaf_paths(tree)
+            paths = flatten_or_explain(_leaf_paths, tree)
         _PATHS[treedef] = paths
         if len(_PATHS) > _PATHS_KEPT:
             _PATHS.popitem(last=False)

@@ -20,7 +20,8 @@ from typing import IO, Any
 
 from ._devices import Devices, device_target, resolve_devices
 from ._errors import EinshardError
-from ._layout import Layout, checked_shape, layout
+from ._inputs import checked_shape
+from ._layout import Layout, layout
 
 __all__ = ["picture", "visualize"]
 
@@ -28,6 +29,11 @@ _INSTALL_HINT = "pip install 'einshard[pictures]'"
 
 # JAX's constants (jax._src.debugging.visualize_sharding).
 _HEIGHT_TO_WIDTH_RATIO = 2.5
+
+# Bounds that keep a picture's size (and the time to draw it) bounded.
+MAX_DEVICES_DRAWN = 4096
+MAX_SCALE = 10.0
+MAX_WIDTH = 1000
 
 
 def picture(
@@ -68,16 +74,19 @@ def picture(
             :func:`~einshard.use_devices` block, or ``jax.devices()``).
         platform: The platform in the labels (upper-cased, as JAX does).
             Defaults to the devices' platform, or ``CPU`` with ``n_devices``.
-        scale: Scales the grid, as in ``jax.debug.visualize_sharding``.
-        min_width: The narrowest cell, in characters.
-        max_width: The widest cell, and the width of the whole picture.
+        scale: Scales the grid, as in ``jax.debug.visualize_sharding``: a
+            number above 0 and at most 10.
+        min_width: The narrowest cell, in characters (at least 1).
+        max_width: The widest cell, and the width of the whole picture
+            (at least 1, at most 1000).
 
     Returns:
         The picture, lines without trailing spaces and no final newline.
 
     Raises:
         EinshardError: If the expression does not fit the shape or the devices,
-            or ``n_devices`` and ``devices`` disagree.
+            ``n_devices`` and ``devices`` disagree, a size argument is out of its
+            bounds, or the layout has more than 4096 devices (too many to draw).
         ImportError: If ``rich`` is not installed.
 
     >>> import einshard
@@ -94,6 +103,7 @@ def picture(
     │                       │                       │
     └───────────────────────┴───────────────────────┘
     """
+    _check_size_arguments(scale, min_width, max_width)
     plan, shape, labels, kind = _grid_inputs(expression, shape, n_devices, devices, platform)
     rich = _import_rich()
     buffer = io.StringIO()
@@ -168,6 +178,36 @@ def visualize(
     print(text, file=sys.stdout if file is None else file)
 
 
+def _check_size_arguments(scale: object, min_width: object, max_width: object) -> None:
+    """Refuses sizes that are not positive or that would make a picture without bound."""
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float))
+        or not 0 < scale <= MAX_SCALE  # NaN fails this too
+    ):
+        raise EinshardError(
+            f"scale={scale!r} is not a number above 0 and at most {MAX_SCALE:g}",
+            hint="scale multiplies the grid's height (10 lines at scale=1); e.g. scale=0.5 or 2.",
+        )
+    for name, value in (("min_width", min_width), ("max_width", max_width)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_WIDTH:
+            raise EinshardError(
+                f"{name}={value!r} is not a whole number of characters from 1 to {MAX_WIDTH}",
+                hint="The defaults are min_width=9, max_width=80.",
+            )
+
+
+def _check_drawable(plan: Layout) -> None:
+    if plan.n_devices > MAX_DEVICES_DRAWN:
+        raise EinshardError(
+            f"a picture draws at most {MAX_DEVICES_DRAWN} devices, and this layout has {plan.n_devices}",
+            expression=plan.expression.text,
+            span=plan.expression.right_span,
+            hint="einshard.layout(expression, shape, n_devices=...) describes larger layouts: "
+            ".shards, .shard_shape(shape), .block_index(position).",
+        )
+
+
 def _import_rich() -> Any:
     """The ``rich`` modules a picture needs, or an ImportError that says how to get them."""
     try:
@@ -209,6 +249,7 @@ def _grid_inputs(
         kind = order[0].platform.upper()
     shape = checked_shape(shape)
     plan = layout(expression, shape, n_devices=n_devices)
+    _check_drawable(plan)
     if labels is None:
         labels = tuple(range(n_devices))
     if platform is not None:

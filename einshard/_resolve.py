@@ -12,7 +12,9 @@ to an error is the public function's job too (:func:`sharding_context`).
 
 from __future__ import annotations
 
-from jax.sharding import NamedSharding
+from typing import Any
+
+from jax.sharding import AxisType, NamedSharding
 
 from ._devices import Devices, DeviceTarget, device_target
 from ._errors import EinshardError
@@ -45,7 +47,7 @@ def resolve_sharding(
             :func:`check_arguments`.)
     """
     if target.mesh is not None:
-        layout, spec = ambient_spec(expression, n_dims, tuple(target.mesh.shape.items()))
+        layout, spec = ambient_spec(expression, n_dims, _auto_axes(target.mesh))
         sharding = NamedSharding(target.concrete if target.concrete is not None else target.mesh, spec)
     else:
         assert target.order is not None
@@ -53,6 +55,30 @@ def resolve_sharding(
     if shape is not None:
         layout.check_shape(shape)
     return layout, sharding
+
+
+def _auto_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
+    """The mesh axes a value can be laid out over: inside ``shard_map``, not the manual ones.
+
+    A value inside ``shard_map`` is one device's block over its manual axes; einshard lays it
+    out over the axes that are left (``shard_map(..., axis_names={'data'})`` leaves the others).
+
+    Raises:
+        EinshardError: If every axis is manual: there is nothing left to lay the value out over.
+    """
+    types = getattr(mesh, "axis_types", None) or ()
+    manual = {name for name, kind in zip(mesh.axis_names, types, strict=False) if kind == AxisType.Manual}
+    if not manual:
+        return tuple(mesh.shape.items())
+    left = tuple((name, size) for name, size in mesh.shape.items() if name not in manual)
+    if not left:
+        raise EinshardError(
+            f"inside shard_map every mesh axis is manual ({', '.join(mesh.axis_names)}): "
+            "there are no devices to lay this value out over",
+            hint="Inside shard_map a value is already one device's block: shard the arrays before "
+            "shard_map, or leave mesh axes to einshard with shard_map(..., axis_names={...}).",
+        )
+    return left
 
 
 def check_arguments(expression: object, n_dims: object = None) -> None:

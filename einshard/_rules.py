@@ -164,19 +164,23 @@ class Rules:
 
     def match(self, path: str) -> Rule | None:
         """The first rule whose regex matches ``path``, or ``None``."""
+        if type(path) is not str:
+            _refuse_path(path)
         index = self._table.first(path)
         return None if index < 0 else self.rules[index]
 
     def matches(self, path: str) -> Iterator[Rule]:
         """Every rule whose regex matches ``path``, in table order."""
+        if type(path) is not str:
+            _refuse_path(path)
         for rule, regex in zip(self.rules, self._table.compiled, strict=True):
             if regex.search(path):
                 yield rule
 
 
-# A table searches rule by rule until this many paths missed its memo; then it builds the
-# one-scan regex of all its rules. Building that costs about as much as 100 rule-by-rule
-# searches, and a model's paths, seen digit-blind, are often fewer.
+# A table searches rule by rule until this many paths missed its memo; then it builds its
+# one-scan regexes. Building them costs about as much as 100 rule-by-rule searches, and a
+# model's paths, seen digit-blind, are often fewer.
 _COMBINE_AFTER = 64
 
 
@@ -184,10 +188,11 @@ class _Table:
     """A compiled table, shared by every :class:`Rules` built from the same pairs.
 
     Holds the memo of which rule each path resolved to (it depends on the pairs only) and,
-    once enough paths have been searched, one regex that finds the first match in a scan.
+    once enough paths have been searched, the scan: runs of rules combined into one regex
+    each, with the rules that cannot be combined searched alone, in table order.
     """
 
-    __slots__ = ("_built", "_combined", "_misses", "compiled", "digit_blind", "memo", "rules")
+    __slots__ = ("_misses", "_scan", "compiled", "digit_blind", "memo", "rules")
 
     def __init__(self, rules: tuple[Rule, ...], compiled: tuple[re.Pattern[str], ...]) -> None:
         self.rules = rules
@@ -195,8 +200,7 @@ class _Table:
         self.digit_blind = _digit_blind(rules)
         self.memo: dict[str, int] = {}
         self._misses = 0
-        self._built = False  # whether the one-scan regex was built (it may be None: no such regex)
-        self._combined: re.Pattern[str] | None = None
+        self._scan: tuple[tuple[re.Pattern[str], int], ...] | None = None
 
     def first(self, path: str) -> int:
         """The index of the first rule whose regex matches ``path``, or -1; memoised."""
@@ -217,11 +221,7 @@ class _Table:
         if self._misses < _COMBINE_AFTER:
             self._misses += 1
             return self.search_each(path)
-        combined = self.combined()
-        if combined is not None:
-            found = combined.match(path)
-            return -1 if found is None or found.lastgroup is None else int(found.lastgroup[1:])
-        return self.search_each(path)
+        return self.search_scan(path)
 
     def search_each(self, path: str) -> int:
         """The first matching rule's index, or -1, searching rule by rule."""
@@ -230,11 +230,30 @@ class _Table:
                 return i
         return -1
 
-    def combined(self) -> re.Pattern[str] | None:
-        """The one-scan regex (built on first use), or ``None`` if the table cannot have one."""
-        if not self._built:
-            self._combined, self._built = _combine(self.rules), True
-        return self._combined
+    def search_scan(self, path: str) -> int:
+        """The first matching rule's index, or -1, by the scan (built on first use)."""
+        for regex, index in self.scan():
+            if index < 0:  # a combined run: the branch that matched names its rule
+                found = regex.match(path)
+                if found is not None:
+                    return int(found.lastgroup[1:])  # type: ignore[index]
+            elif regex.search(path):
+                return index
+        return -1
+
+    def scan(self) -> tuple[tuple[re.Pattern[str], int], ...]:
+        """The scan: ``(regex, -1)`` for a combined run of rules, ``(regex, index)`` for one rule."""
+        if self._scan is None:
+            self._scan = _scan(self.rules, self.compiled)
+        return self._scan
+
+
+def _refuse_path(path: object) -> None:
+    if not isinstance(path, str):
+        raise EinshardError(
+            f"a leaf path is a string, not {type(path).__name__}",
+            hint="Pass a path like 'layers/0/mlp/w1/kernel' (einshard.path_string joins a JAX key path).",
+        )
 
 
 def _check_policies(unmatched: object, indivisible: object, strict: object) -> None:
@@ -310,10 +329,12 @@ def _digit_blind(rules: Sequence[Rule]) -> bool:
     a deep model (``layers/0/...`` to ``layers/319/...``) are matched once, not
     once each. A regex can only tell digits apart by writing one (a literal, a
     range end, an escape such as ``\x31``, a count such as ``{3}``) or by naming
-    one (``\N{DIGIT ONE}``); classes such as ``\d``, ``\w`` and ``.`` treat all
-    digits alike, and a range without a digit end holds all digits or none.
+    one (``\N{DIGIT ONE}``), or by comparing text with what a group matched
+    (``(?P=name)``, which tells ``11`` from ``12``); classes such as ``\d``,
+    ``\w`` and ``.`` treat all digits alike, and a range without a digit end
+    holds all digits or none.
     """
-    return not any(re.search(r"[0-9]|\\N\{", rule.pattern) for rule in rules)
+    return not any(re.search(r"[0-9]|\\N\{|\(\?P=", rule.pattern) for rule in rules)
 
 
 def _compile_rule(rule: Rule) -> re.Pattern[str]:
@@ -336,26 +357,61 @@ def _compile_rule(rule: Rule) -> re.Pattern[str]:
     return regex
 
 
-def _combine(rules: Sequence[Rule]) -> re.Pattern[str] | None:
-    """One regex that finds the first matching rule in a single scan, or ``None``.
+# Whether a regex means the same inside a larger pattern. Conservative, on the pattern's text:
+# every construct whose meaning depends on the rest of the pattern starts with '(?' (named
+# groups and references, conditionals, inline flags) or is a backslash and a digit (numbered
+# references); of the '(?' forms only non-capturing groups, lookarounds and comments are kept.
+# Anything else, even a harmless look-alike such as '[(?i]', is searched on its own.
+_CONTEXT_DEPENDENT = re.compile(r"\(\?(?![:=!#]|<[=!])|\\[0-9]")
 
-    Each rule becomes a branch ``(?=.*?REGEX)(?P<gI>)`` tried at the start of
-    the path: a lookahead that succeeds exactly when ``re.search(REGEX, path)``
-    would, and alternation tries the branches in table order. Regexes whose
-    meaning could change inside a larger pattern (groups referred to by
-    number or name, inline flags) keep the rule-by-rule search.
+# Rules per combined regex: each adds one named group; this keeps a run's regex small.
+_RUN_LENGTH = 90
+
+
+def _combinable(pattern: str) -> bool:
+    return _CONTEXT_DEPENDENT.search(pattern) is None
+
+
+def _scan(
+    rules: Sequence[Rule], compiled: Sequence[re.Pattern[str]]
+) -> tuple[tuple[re.Pattern[str], int], ...]:
+    r"""The table as a scan: runs of combinable rules as one regex each, other rules alone.
+
+    A run becomes ``(?=[\s\S]*?(?:REGEX))(?P<gI>)|...`` tried at the start of the path: each
+    branch is a lookahead that succeeds exactly when ``re.search(REGEX, path)`` would, and
+    alternation tries them in table order. Rules searched alone keep their place in the order.
     """
-    if not rules or len(rules) > 90:  # Python caps a pattern at 100 named groups
-        return None
+    scan: list[tuple[re.Pattern[str], int]] = []
+    run: list[Rule] = []
+
+    def end_run() -> None:
+        combined = _combine(run) if len(run) > 1 else None
+        if combined is not None:
+            scan.append((combined, -1))
+        else:
+            scan.extend((compiled[rule.index], rule.index) for rule in run)
+        run.clear()
+
     for rule in rules:
-        if re.search(r"\\\d|\(\?P[=<]|\(\?[aiLmsux-]|\(\?<\w|\\g<", rule.pattern):
-            return None
+        if _combinable(rule.pattern):
+            run.append(rule)
+            if len(run) == _RUN_LENGTH:
+                end_run()
+        else:
+            end_run()
+            scan.append((compiled[rule.index], rule.index))
+    end_run()
+    return tuple(scan)
+
+
+def _combine(rules: Sequence[Rule]) -> re.Pattern[str] | None:
+    """One regex for a run of combinable rules (see :func:`_scan`), or ``None``."""
     branches = "|".join(f"(?=[\\s\\S]*?(?:{rule.pattern}))(?P<g{rule.index}>)" for rule in rules)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # each rule's own warnings were given when it compiled
             return re.compile(f"(?:{branches})")
-    except re.error:
+    except re.error:  # not expected for combinable rules; they are then searched one by one
         return None
 
 

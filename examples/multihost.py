@@ -60,6 +60,9 @@ def run(args):
             coordinator_bind_address=args.bind,
             num_processes=args.num_processes,
             process_id=args.process_id,
+            # Without a coordinator to reach, JAX ends this process after this many seconds
+            # (DEADLINE_EXCEEDED in its log); a peer that dies ends it after the heartbeat timeout.
+            initialization_timeout=60,
             heartbeat_timeout_seconds=10,
         )
     else:

@@ -70,7 +70,7 @@ def shards(array):
     return out
 
 
-def start(process_id, port, heartbeat):
+def start(process_id, port, heartbeat, initialization_timeout=60):
     """Configures JAX for 4 CPU devices over gloo and joins the cluster (loopback only)."""
     import jax
 
@@ -87,7 +87,7 @@ def start(process_id, port, heartbeat):
         coordinator_bind_address=address,  # never listen beyond loopback
         num_processes=N_PROCESSES,
         process_id=process_id,
-        initialization_timeout=60,
+        initialization_timeout=initialization_timeout,
         heartbeat_timeout_seconds=heartbeat,
         shutdown_timeout_seconds=30,
     )
@@ -213,11 +213,62 @@ def die_scenario(jax, process_id):
     return {"survived": True}
 
 
+def agree_scenario(jax, process_id):
+    """from_process_local when the processes disagree, fail, or one never calls it.
+
+    The result maps each case to what this process got: "ok" with the array's shards, or the
+    EinshardError's message.
+    """
+    import einshard
+
+    def attempt(make):
+        try:
+            return {"ok": shards(make())}
+        except einshard.EinshardError as error:
+            return {"error": str(error)}
+
+    rows = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
+    mine = rows[4 * process_id : 4 * process_id + 4]
+    result = {}
+    result["agree"] = attempt(lambda: einshard.from_process_local(mine, BATCH_EXPRESSION))
+    other_dtype = mine.astype(np.float64 if process_id == 1 else np.float32)
+    result["dtype"] = attempt(lambda: einshard.from_process_local(other_dtype, BATCH_EXPRESSION))
+    other_rows = rows[: 4 + 4 * process_id]  # process 1 passes 8 rows: a global shape of 16
+    result["rows"] = attempt(lambda: einshard.from_process_local(other_rows, BATCH_EXPRESSION))
+    # 'b d -> * b2 d': every process holds both row blocks (replication across processes).
+    whole = rows + (100 * process_id if process_id == 1 else 0)
+    result["values_unchecked"] = attempt(lambda: einshard.from_process_local(whole, "b d -> * b2 d"))
+    result["values"] = attempt(lambda: einshard.from_process_local(whole, "b d -> * b2 d", check_values=True))
+    result["values_equal"] = attempt(
+        lambda: einshard.from_process_local(rows, "b d -> * b2 d", check_values=True)
+    )
+    bad_local = mine[:3] if process_id == 1 else mine  # 3 rows do not split into 4 blocks
+    result["one_fails"] = attempt(lambda: einshard.from_process_local(bad_local, "b d -> b* d"))
+    # Last: process 1 never calls; process 0 gives up after the timeout.
+    started = time.monotonic()
+    if process_id == 0:
+        result["absent"] = attempt(lambda: einshard.from_process_local(mine, BATCH_EXPRESSION, timeout=3))
+    else:
+        time.sleep(6)
+        result["absent"] = {"skipped": True}
+    result["absent_seconds"] = time.monotonic() - started
+    return result
+
+
 def main():
     """Runs one scenario and prints its result."""
     process_id, port, scenario = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    if scenario == "nocoordinator":  # nobody listens at the port: JAX aborts after the timeout
+        start(process_id, port, heartbeat=10, initialization_timeout=5)
+        print("RESULT " + json.dumps({"initialized": True}), flush=True)
+        return
     jax = start(process_id, port, heartbeat=3 if scenario == "die" else 10)
-    result = main_scenario(jax) if scenario == "main" else die_scenario(jax, process_id)
+    if scenario == "main":
+        result = main_scenario(jax)
+    elif scenario == "agree":
+        result = agree_scenario(jax, process_id)
+    else:
+        result = die_scenario(jax, process_id)
     print("RESULT " + json.dumps(result), flush=True)
 
 

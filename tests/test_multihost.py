@@ -246,3 +246,96 @@ def test_from_process_local_errors():
         einshard.from_process_local(value, "b d -> b* d", global_shape=(4,))
     with pytest.raises(einshard.EinshardError):
         einshard.from_process_local(value, "b -> b*")
+
+
+# Processes that disagree, fail or never arrive: an EinshardError on every process, never a hang.
+
+
+@pytest.fixture(scope="module")
+def agree_cluster():
+    results = run_cluster("agree")
+    for code, _, err, _ in results:
+        assert code == 0, err[-3000:]
+    return [parse(out) for _, out, _, _ in results]
+
+
+def test_the_private_key_value_store_einshard_uses_is_there():
+    """einshard reaches jax.distributed's key-value store through a private name: fail loudly."""
+    from jax._src import distributed
+
+    assert hasattr(distributed.global_state, "client")
+    from jax._src import lib
+
+    extension = getattr(lib, "_jax", None) or lib.xla_extension  # renamed in newer JAX
+    for method in ("key_value_set", "blocking_key_value_get"):
+        assert hasattr(extension.DistributedRuntimeClient, method), method
+
+
+def test_agreeing_processes_build_the_array(agree_cluster):
+    for report in agree_cluster:
+        assert "ok" in report["agree"] and "ok" in report["values_equal"]
+
+
+@pytest.mark.parametrize(
+    ("case", "headline"),
+    [
+        ("dtype", "from_process_local: the processes disagree: [0] against [1]"),
+        ("rows", "from_process_local: the processes disagree: [0] against [1]"),
+        (
+            "values",
+            "from_process_local: the processes hold different values for block (0, 0): [0] against [1]",
+        ),
+    ],
+)
+def test_disagreement_is_an_error_on_every_process(agree_cluster, case, headline):
+    for process, report in enumerate(agree_cluster):
+        message = report[case]["error"]
+        assert message.split("\n")[0] == headline
+        assert message.split("\n")[-1] == f"  in process {process} of 2"
+    if case == "dtype":
+        lines = agree_cluster[0]["dtype"]["error"].split("\n")
+        assert "  process 0: dtype=float32, expression=b d -> b* d, global shape=[8, 4]" in lines
+        assert "  process 1: dtype=float64, expression=b d -> b* d, global shape=[8, 4]" in lines
+
+
+def test_values_are_checked_only_when_asked(agree_cluster):
+    for report in agree_cluster:
+        assert "ok" in report["values_unchecked"]  # JAX takes each process's blocks as they are
+
+
+def test_a_failing_process_tells_the_others(agree_cluster):
+    own = agree_cluster[1]["one_fails"]["error"]
+    assert own.startswith("axis 0 of the local part has size 3, which does not divide into the 4 blocks")
+    told = agree_cluster[0]["one_fails"]["error"].split("\n")
+    assert told[0] == (
+        "from_process_local: process 1 failed: axis 0 of the local part has size 3, which does not "
+        "divide into the 4 blocks this process holds"
+    )
+
+
+def test_a_process_that_never_arrives_times_out(agree_cluster):
+    message = agree_cluster[0]["absent"]["error"]
+    assert message.split("\n")[0] == "from_process_local: process 1 did not reach this call within 3 s"
+    assert 3 <= agree_cluster[0]["absent_seconds"] < 30
+
+
+def test_an_unreachable_coordinator_ends_the_process_after_its_timeout():
+    """JAX's behaviour, which docs/multihost.md shows: initialize gives up after initialization_timeout."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.pop("XLA_FLAGS", None)
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, str(WORKER), "1", str(free_port()), "nocoordinator"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=TIMEOUT,
+    )
+    seconds = time.monotonic() - started
+    if result.returncode == SKIP:
+        pytest.skip("gloo CPU collectives are not available in this JAX")
+    assert result.returncode != 0 and parse(result.stdout) is None
+    assert "DEADLINE_EXCEEDED" in result.stderr, result.stderr[-2000:]
+    assert "Terminating process because the JAX distributed service detected fatal errors" in result.stderr
+    assert 5 <= seconds < 60

@@ -80,6 +80,7 @@ from .._build import itemsize as _itemsize
 from .._devices import Devices, device_target
 from .._errors import EinshardError, EinshardWarning
 from .._explain import Report, ReportRow, _size
+from .._inputs import check_params_for_state
 from .._layout import Layout, compile_layout
 from .._place import place_leaves
 from .._plan import REPLICATE, is_array_leaf, plan_tree
@@ -579,6 +580,7 @@ def shard_opt_state(opt_state: Any, params: Any, *, tx: Initable | None = None) 
     >>> state[0].nu['w'].sharding.shard_shape((4, 64))
     (4, 8)
     """
+    check_params_for_state(opt_state, params)
     laid, treedef, placed = _laid_out(opt_state, params, tx)
     _warn_if_large(laid, placed)
     at = [i for i, (_, _, _, sharding) in enumerate(laid) if sharding is not None]

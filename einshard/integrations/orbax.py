@@ -121,9 +121,29 @@ def abstract_checkpoint(path: PathLike) -> Any:
     {'step': 0, 'w': ShapeDtypeStruct(shape=(4, 64), dtype=float32)}
     >>> tmp.cleanup()
     """
+    _check_checkpoint_exists(path)
     with ocp.StandardCheckpointer() as checkpointer:
         metadata = checkpointer.metadata(_directory(path))
-    return _unsharded_tree(metadata)
+    tree = _unsharded_tree(metadata)
+    if tree is None:
+        raise EinshardError(
+            f"there is no checkpoint at {_directory(path)!r}: the directory holds no checkpoint metadata",
+            hint="Pass the directory save() wrote (the one holding _CHECKPOINT_METADATA).",
+        )
+    return tree
+
+
+def _check_checkpoint_exists(path: PathLike) -> None:
+    """Refuses a local path with no checkpoint (orbax's metadata would be ``None``: an empty plan)."""
+    directory = _directory(path)
+    if "://" in directory:
+        return  # remote (gs://...): orbax reads it
+    if not os.path.isdir(directory):
+        raise EinshardError(
+            f"there is no checkpoint at {directory!r}: "
+            f"{'it is a file' if os.path.exists(directory) else 'no such directory'}",
+            hint="Pass the directory save() wrote (the one holding _CHECKPOINT_METADATA).",
+        )
 
 
 def _is_metadata(leaf: Any) -> bool:
