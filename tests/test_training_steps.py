@@ -28,6 +28,17 @@ KV_HEADS = 2  # key/value heads: split 2, copied over the rest
 STEPS = 3
 LEARNING_RATE = 1e-2
 
+# Flax's kernels are (in, heads, head) etc.: queries split over all devices, the two KV heads
+# split 2 and copied over the rest, the output row-parallel, the norm replicated.
+FLAX_RULES = [
+    (r"q/kernel$", "d h k -> d h* k"),
+    (r"q/bias$", "h k -> h* k"),
+    (r"kv/kernel$", "d c k h -> d c k2 h *"),
+    (r"kv/bias$", "c k h -> c k2 h *"),
+    (r"o/kernel$", "h k d -> h* k d"),
+    (r".*", "... -> * ..."),
+]
+
 _COMPILES = [0]
 
 
@@ -94,14 +105,7 @@ def test_linen_train_state_step_keeps_layouts_and_matches_one_device():
             out = nn.DenseGeneral(D, axis=(-2, -1), name="o")
             return _attention(x, q, kv, out, nn.LayerNorm(name="norm"))
 
-    rules = [
-        (r"q/kernel$", "d h k -> d h* k"),
-        (r"q/bias$", "h k -> h* k"),
-        (r"kv/kernel$", "d c k h -> d c k2 h *"),
-        (r"kv/bias$", "c k h -> c k2 h *"),
-        (r"o/kernel$", "h k d -> h* k d"),
-        (r".*", "... -> * ..."),
-    ]
+    rules = FLAX_RULES
     x, y = _data()
     tx = optax.adamw(LEARNING_RATE)
     state = create_train_state(Block(), tx, rules, jax.random.key(0), x)
@@ -173,14 +177,7 @@ def test_nnx_optimizer_step_keeps_layouts_and_matches_one_device():
         def __call__(self, x):
             return _attention(x, self.q(x), self.kv(x), self.o, self.norm)
 
-    rules = [
-        (r"q/kernel$", "d h k -> d h* k"),
-        (r"q/bias$", "h k -> h* k"),
-        (r"kv/kernel$", "d c k h -> d c k2 h *"),
-        (r"kv/bias$", "c k h -> c k2 h *"),
-        (r"o/kernel$", "h k d -> h* k d"),
-        (r".*", "... -> * ..."),
-    ]
+    rules = FLAX_RULES
     x, y = _data()
 
     def make(placed: bool):
