@@ -66,9 +66,19 @@ def _is_number(text: str) -> bool:
 
 
 def table_markdown(table: dict[str, Any]) -> str:
-    """A results table as a Markdown table: the columns and rows as the script printed them."""
+    """A results table as a Markdown table: the columns and rows as the script printed them.
+
+    A numeric column that is zero in every row (a kind of collective no table moves) is left
+    out, so the page's tables fit its width.
+    """
     columns: list[str] = table["columns"]
     rows: list[list[str]] = table["rows"]
+    zero = [
+        i for i, _ in enumerate(columns) if rows and all(_is_number(r[i]) and float(r[i]) == 0 for r in rows)
+    ]
+    if zero:
+        columns = [c for i, c in enumerate(columns) if i not in zero]
+        rows = [[v for i, v in enumerate(r) if i not in zero] for r in rows]
     numeric = set(
         table.get("numeric") or [c for i, c in enumerate(columns) if all(_is_number(r[i]) for r in rows)]
     )
