@@ -39,6 +39,7 @@ from hypothesis import strategies as st
 
 import einshard
 from conftest import N_DEVICES  # type: ignore[import-not-found]
+from einshard import _sharding
 from einshard._layout import compile_layout
 from einshard._sharding import layout_mesh_shape, prime_factors, shared_mesh_shape
 
@@ -303,7 +304,6 @@ def test_equal_layouts_give_equal_hashable_shardings_on_one_mesh():
 
 
 def _device_subset(k: int) -> tuple:
-    # A device order no other test uses, so the warnings here are this test's first.
     devices = jax.devices()
     return tuple(reversed(devices[:k]))
 
@@ -311,6 +311,9 @@ def _device_subset(k: int) -> tuple:
 @pytest.mark.skipif(N_DEVICES < 6, reason="needs 6 devices")
 def test_layouts_on_two_meshes_warn_once_naming_both_and_a_fitting_order():
     devices = _device_subset(6)
+    # This order's first layouts in the process, whatever other tests handed out before.
+    _sharding._meshes_seen.pop(devices, None)
+    _sharding.layout_sharding.cache_clear()
     first = einshard.make_sharding("x -> x2 3", devices=devices)  # the shared (2, 3) mesh
     with pytest.warns(einshard.EinshardWarning) as record:
         odd = einshard.make_sharding("x -> x3 2", devices=devices)  # needs 3 first: (3, 2)
