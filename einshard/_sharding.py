@@ -220,20 +220,10 @@ def match_runs(layout: Layout, axes: Sequence[tuple[str, int]]) -> AxisRuns:
         EinshardError: If the sizes do not split that way, naming the mesh and
             suggesting an expression that fits.
     """
-    sized = [(name, size) for name, size in axes if size > 1]
-    runs = []
-    i = 0
-    for target in layout.mesh_shape:
-        run: list[str] = []
-        product = 1
-        while product < target and i < len(sized):
-            run.append(sized[i][0])
-            product *= sized[i][1]
-            i += 1
-        if product != target:
-            raise _mismatch_error(layout, axes)
-        runs.append(tuple(run))
-    return tuple(runs)
+    runs = _runs(layout.mesh_shape, [size for _, size in axes])
+    if runs is None:
+        raise _mismatch_error(layout, axes)
+    return tuple(tuple(axes[i][0] for i in run) for run in runs)
 
 
 def _mismatch_error(layout: Layout, axes: Sequence[tuple[str, int]]) -> EinshardError:
