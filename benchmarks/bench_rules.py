@@ -44,7 +44,9 @@ tensor parallelism (the first matching regex wins; the last rule replicates):
    falls back to ``getrusage(RUSAGE_SELF).ru_maxrss``, which is the same unless
    the process peaked higher before the baseline. Bar: init_sharded ≤ 1.2
    (init-then-shard needs about 2: the whole model on one device, then its
-   shards).
+   shards). A third row makes AdamW's state (2.09 GiB) born sharded with the
+   optax integration's ``init_sharded(optax.adamw(1e-3), params)``, the
+   params made before the baseline; bar: ≤ 1.2 x the state's bytes.
 
 Memory for the timings: on Linux with glibc the script re-executes itself with
 ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` set (as
@@ -464,7 +466,7 @@ def _status() -> dict[str, int]:
 
 
 def xla_temp_bytes(
-    mode: str, init_fn: Callable[..., Any], rules: einshard.Rules, key: jax.Array
+    mode: str, init_fn: Callable[..., Any], rules: einshard.Rules, key: jax.Array, params: Any = None
 ) -> tuple[int, int]:
     """The scratch memory XLA's buffer assignment gives the init's programs, and how many there are.
 
@@ -472,12 +474,13 @@ def xla_temp_bytes(
     another: the scratch alive at once is the largest part's, times 8 (a sharded program runs
     once per device, each with its own scratch). The programs are the ones it really makes: it
     is called again with ``jax.jit`` wrapped, so that each function it compiles is lowered and
-    compiled for its arguments and answered with shapes, not run. Init-then-shard compiles
-    ``init_fn`` as one program, on one device. Returns ``(-1, programs)`` when XLA gives no memory
-    analysis or no program was caught (an einshard that no longer calls ``jax.jit``).
+    compiled for its arguments and answered with shapes, not run (for the optax row: the state's
+    init, ``params`` given). Init-then-shard compiles ``init_fn`` as one program, on one device.
+    Returns ``(-1, programs)`` when XLA gives no memory analysis or no program was caught (an
+    einshard that no longer calls ``jax.jit``).
     """
     compiled: list[Any] = []
-    if mode == "init_sharded":
+    if mode in ("init_sharded", "optax_init_sharded"):
         real_jit = jax.jit
 
         def recording_jit(fun: Callable[..., Any], *jit_args: Any, **jit_kwargs: Any) -> Callable[..., Any]:
@@ -491,7 +494,10 @@ def xla_temp_bytes(
 
         jax.jit = recording_jit
         try:
-            einshard.init_sharded(init_fn, rules, key)
+            if mode == "init_sharded":
+                einshard.init_sharded(init_fn, rules, key)
+            else:
+                optax_state(params)
         finally:
             jax.jit = real_jit
         devices = N_DEVICES
@@ -504,6 +510,15 @@ def xla_temp_bytes(
     return max(analysis.temp_size_in_bytes for analysis in analyses) * devices, len(compiled)
 
 
+def optax_state(params: Any) -> Any:
+    """AdamW's state for ``params``, born sharded like them (the optax row; optax imported here only)."""
+    import optax
+
+    from einshard.integrations.optax import init_sharded
+
+    return init_sharded(optax.adamw(1e-3), params)
+
+
 def memory_child(mode: str) -> int:
     """Runs one init in this (fresh) process and prints its peak memory as JSON."""
     import resource
@@ -512,6 +527,9 @@ def memory_child(mode: str) -> int:
     rules = einshard.Rules(LLAMA_RULES)
     key = jax.random.key(0)
     jax.block_until_ready(jax.jit(lambda k: jax.random.normal(k, (8, 8)))(key))  # backend and compiler up
+    params = None
+    if mode == "optax_init_sharded":  # the params exist before the baseline: the state is measured
+        params = jax.block_until_ready(einshard.init_sharded(init_fn, rules, key))
     gc.collect()
     baseline = _status()["VmRSS"]
     try:
@@ -522,12 +540,14 @@ def memory_child(mode: str) -> int:
         method = "ru_maxrss"
     start = time.perf_counter()
     if mode == "init_sharded":
-        params = einshard.init_sharded(init_fn, rules, key)
+        params = made = einshard.init_sharded(init_fn, rules, key)
     elif mode == "init_then_shard":
-        params = einshard.shard_pytree(jax.jit(init_fn)(key), rules)
+        params = made = einshard.shard_pytree(jax.jit(init_fn)(key), rules)
+    elif mode == "optax_init_sharded":
+        made = optax_state(params)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
-    jax.block_until_ready(params)
+    jax.block_until_ready(made)
     seconds = time.perf_counter() - start
     status = _status()
     peak = (
@@ -535,10 +555,10 @@ def memory_child(mode: str) -> int:
         if method != "ru_maxrss"
         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     )
-    model = tree_bytes(params)
-    temp, programs = xla_temp_bytes(mode, init_fn, rules, key)
+    model = tree_bytes(made)
+    temp, programs = xla_temp_bytes(mode, init_fn, rules, key, params)
     # Every leaf of 1 MiB or more must be split over all 8 devices, one eighth each.
-    for leaf in jax.tree.leaves(params):
+    for leaf in jax.tree.leaves(made):
         if leaf.nbytes >= 2**20:
             shard = leaf.sharding.shard_shape(leaf.shape)
             devices = {s.device for s in leaf.addressable_shards}
@@ -569,6 +589,7 @@ def memory_rows() -> tuple[list[list[str]], list[dict[str, Any]], bool, str]:
     for mode, label, held in (
         ("init_sharded", "init_sharded(init_fn, rules, key)", True),
         ("init_then_shard", "shard_pytree(jit(init_fn)(key), rules)", False),
+        ("optax_init_sharded", "optax init_sharded(adamw, params): the state", True),
     ):
         done = subprocess.run(
             [sys.executable, str(Path(__file__).resolve()), "--memory-child", mode],
