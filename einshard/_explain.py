@@ -12,7 +12,7 @@ from ._devices import Devices, device_target
 from ._plan import plan_tree
 from ._rules import Rule, RulesLike
 
-__all__ = ["Report", "ReportRow", "explain"]
+__all__ = ["Report", "ReportRow", "explain", "report_row"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,25 +109,19 @@ def explain(
     """
     count = n_devices if n_devices is not None else device_target(devices).count
     planned, _, unused = plan_tree(tree, rules, n_devices=count)
-    rows = []
-    for _, plan in planned:
-        if plan is None:
-            continue
-        shard_shape = plan.layout.shard_shape(plan.shape)
-        itemsize = _itemsize(plan.dtype)
-        rows.append(
-            ReportRow(
-                path=plan.path,
-                shape=plan.shape,
-                dtype=str(plan.dtype),
-                rule=None if plan.rule is None else plan.rule.pattern,
-                expression=plan.expression,
-                shard_shape=shard_shape,
-                bytes=math.prod(plan.shape) * itemsize,
-                bytes_per_device=math.prod(shard_shape) * itemsize,
-                note=plan.note,
-            )
+    rows = [
+        report_row(
+            plan.path,
+            plan.shape,
+            plan.dtype,
+            None if plan.rule is None else plan.rule.pattern,
+            plan.expression,
+            plan.layout.shard_shape(plan.shape),
+            plan.note,
         )
+        for _, plan in planned
+        if plan is not None
+    ]
     # einshard lays every array over all devices, one block each, so every device holds the same.
     per_device = sum(row.bytes_per_device for row in rows)
     return Report(
@@ -136,6 +130,30 @@ def explain(
         total_bytes=sum(row.bytes for row in rows),
         max_bytes_per_device=per_device,
         unused_rules=unused,
+    )
+
+
+def report_row(
+    path: str,
+    shape: tuple[int, ...],
+    dtype: Any,
+    rule: str | None,
+    expression: str,
+    shard_shape: tuple[int, ...],
+    note: str | None,
+) -> ReportRow:
+    """A report's row for one leaf; its bytes, and each device's, from the shapes and the dtype."""
+    itemsize = _itemsize(dtype)
+    return ReportRow(
+        path=path,
+        shape=tuple(shape),
+        dtype=str(dtype),
+        rule=rule,
+        expression=expression,
+        shard_shape=tuple(shard_shape),
+        bytes=math.prod(shape) * itemsize,
+        bytes_per_device=math.prod(shard_shape) * itemsize,
+        note=note,
     )
 
 

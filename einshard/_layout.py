@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -17,7 +18,7 @@ from ._expression import Expression, RightElement, parse
 from ._inputs import checked_device_count, checked_n_dims, checked_shape
 from ._numbers import balanced_factors, divisors_preview
 
-__all__ = ["Layout", "checked_shape", "compile_layout", "integer_root", "layout"]
+__all__ = ["Layout", "carried_expression", "checked_shape", "compile_layout", "integer_root", "layout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,3 +387,47 @@ def layout(expression: str, shape: Sequence[int], *, n_devices: int) -> Layout:
 
 def _layout_context(error: EinshardError, shape: tuple[int, ...], n_devices: int) -> None:
     error.add_context(f"for an array of shape {shape} on {n_devices} devices")
+
+
+def carried_expression(layout: Layout, axes: Sequence[int | None]) -> str:
+    """The layout's expression for an array whose axes carry ``axes`` of it (``None``: an axis of its own).
+
+    Each carried axis keeps its name and split; an axis not carried leaves
+    both sides, its count (or star) staying as a standalone element so the
+    device mesh is unchanged; the array's own axes get fresh, unsplit names.
+    For ``'x y -> x y*'``: ``(1,)`` gives ``'y -> y*'``, ``(0,)`` gives
+    ``'x -> x *'``, ``(None, 0, 1)`` gives ``'a x y -> a x y*'``.
+    """
+    expression = layout.expression
+    if tuple(axes) == tuple(range(layout.n_dims)):
+        return expression.text
+    used = set(expression.left_names)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    fresh = (n for n in itertools.chain(letters, (a + b for a in letters for b in letters)) if n not in used)
+    # Each axis by name ('...' spelled out with fresh names), and each right element as text.
+    names = [expression.right[e].name if e is not None else None for e in layout.axis_elements]
+    names = [name if name is not None else next(fresh) for name in names]
+    under = [names[a] for a, e in enumerate(layout.axis_elements) if e is None]
+    right: list[tuple[str | None, str]] = []  # (axis name or None, element text)
+    for element in expression.right:
+        if element.is_ellipsis:
+            right += [(name, name) for name in under]
+        else:
+            right.append((element.name, str(element)))
+    leaf_names = [names[a] if a is not None else next(fresh) for a in axes]
+    position = {name: j for j, name in enumerate(leaf_names)}
+    out, emitted = [], 0
+    for name, element in right:
+        if name is not None and name in position:
+            while emitted < position[name]:  # fresh names of the array's earlier axes go first
+                if axes[emitted] is None:
+                    out.append(leaf_names[emitted])
+                emitted += 1
+            out.append(element)
+            emitted = max(emitted, position[name] + 1)
+        else:  # a count or star stays, standalone
+            standalone = element if name is None else element[len(name) :]
+            if standalone:
+                out.append(standalone)
+    out += [leaf_names[j] for j in range(emitted, len(axes)) if axes[j] is None]
+    return f"{' '.join(leaf_names)} -> {' '.join(out)}".strip()

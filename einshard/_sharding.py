@@ -32,6 +32,9 @@ __all__ = [
     "layout_sharding",
     "mesh_axis_names",
     "shared_mesh_shape",
+    "spec_entries",
+    "spec_expression",
+    "spec_split",
 ]
 
 AxisRuns = tuple[tuple[str, ...], ...]
@@ -311,3 +314,56 @@ def _find_run(sizes: Sequence[int], j: int, count: int) -> tuple[int, int] | Non
         if product == count:
             return start, stop
     return None
+
+
+# --- from a sharding back to text (explain_opt_state spells the layouts it reads off placed arrays) ---
+
+
+def spec_entries(sharding: NamedSharding, rank: int) -> tuple[object, ...]:
+    """The sharding's spec, one entry per axis of an array of ``rank`` axes (trailing ``None`` filled)."""
+    entries = tuple(sharding.spec)
+    return entries + (None,) * (rank - len(entries))
+
+
+def spec_split(sharding: NamedSharding, rank: int) -> tuple[tuple[str, ...] | None, ...]:
+    """Per array axis, the mesh axes of size above 1 that split it, or ``None``."""
+    sizes = dict(sharding.mesh.shape)
+    split = []
+    for entry in spec_entries(sharding, rank):
+        names = () if entry is None or entry is PartitionSpec.UNCONSTRAINED else entry
+        names = (names,) if isinstance(names, str) else tuple(names)  # type: ignore[arg-type]
+        split.append(tuple(name for name in names if sizes[name] > 1) or None)
+    return tuple(split)
+
+
+def spec_expression(sharding: object, rank: int) -> str:
+    """An einshard expression for a sharding, over its mesh's axis order; else the sharding's text.
+
+    Axes are named ``a``, ``b``, ... in order; a mesh axis that splits no array
+    axis stays as a replication count: ``P(None, 'y')`` on a ``(2, 4)`` mesh
+    ``('x', 'y')`` is ``'a b -> 2 a b4'``.
+    """
+    if getattr(sharding, "is_fully_replicated", False):
+        return "... -> * ..."
+    if not isinstance(sharding, NamedSharding) or rank > 26:
+        return str(sharding)
+    sizes = dict(sharding.mesh.shape)
+    names = [name for name in sharding.mesh.axis_names if sizes[name] > 1]
+    letters = "abcdefghijklmnopqrstuvwxyz"[:rank]
+    owner: dict[str, int] = {}  # mesh axis -> array axis
+    for axis, run in enumerate(spec_split(sharding, rank)):
+        if run is None:
+            continue
+        start = names.index(run[0])
+        if list(run) != names[start : start + len(run)] or any(name in owner for name in run):
+            return str(sharding.spec)  # not a run of consecutive mesh axes: no expression says it
+        owner.update(dict.fromkeys(run, axis))
+    right: list[tuple[int | None, str]] = []  # (array axis or None, element)
+    for axis, group in itertools.groupby(names, key=owner.get):
+        count = math.prod(sizes[name] for name in group)
+        right.append((axis, f"{letters[axis] if axis is not None else ''}{count}"))
+    sharded = {axis for axis, _ in right if axis is not None}
+    for axis in sorted(set(range(rank)) - sharded, reverse=True):
+        at = next((k for k, (other, _) in enumerate(right) if other is not None and other > axis), len(right))
+        right.insert(at, (axis, letters[axis]))
+    return f"{' '.join(letters)} -> {' '.join(element for _, element in right)}"

@@ -75,16 +75,16 @@ from jax.core import Tracer
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from .._arrays import make_sharding
-from .._build import build_sharded
-from .._build import itemsize as _itemsize
+from .._build import build_sharded, itemsize
 from .._devices import Devices, device_target
 from .._errors import EinshardError, EinshardWarning
-from .._explain import Report, ReportRow, _size
+from .._explain import Report, _size, report_row
 from .._inputs import check_params_for_state
-from .._layout import Layout, compile_layout
+from .._layout import carried_expression, compile_layout
 from .._place import place_leaves
-from .._plan import REPLICATE, is_array_leaf, plan_tree
-from .._rules import Rules, RulesLike, path_string
+from .._plan import REPLICATE, as_rules, is_array_leaf, plan_tree
+from .._rules import RulesLike, path_string
+from .._sharding import spec_entries, spec_expression, spec_split
 
 __all__ = ["explain_opt_state", "init_sharded", "opt_state_shardings", "shard_opt_state"]
 
@@ -391,7 +391,7 @@ def _adafactor_fields(opt_state: Any) -> dict[KeyPath, str]:
     return fields
 
 
-# --- reading shardings off the derivations (placed params) ---
+# --- the params' layouts, and the state's shardings read off the derivations ---
 
 
 def _param_sharding(leaf: Any, path: str) -> Sharding | None:
@@ -406,27 +406,11 @@ def _param_sharding(leaf: Any, path: str) -> Sharding | None:
     return None  # NumPy arrays and Python scalars are not placed
 
 
-def _spec_entries(sharding: NamedSharding, rank: int) -> tuple[Any, ...]:
-    entries = tuple(sharding.spec)
-    return entries + (None,) * (rank - len(entries))
-
-
-def _split_of(sharding: NamedSharding, rank: int) -> tuple[Hashable, ...]:
-    """Per axis, the mesh axes of size above 1 that split it (a tuple entry names several), or ``None``."""
-    sizes = dict(sharding.mesh.shape)
-    split = []
-    for entry in _spec_entries(sharding, rank):
-        names = () if entry is None or entry is PartitionSpec.UNCONSTRAINED else entry
-        names = (names,) if isinstance(names, str) else tuple(names)
-        split.append(tuple(name for name in names if sizes[name] > 1) or None)
-    return tuple(split)
-
-
 _WHY_NO_LAYOUT = {SingleDeviceSharding: "is on one device", type(None): "is not placed"}
 
 
 class _Placed:
-    """The parameters' shardings, and the state's shardings read off derivations."""
+    """The placed parameters: what the derivation knows of each, and the state's shardings off it."""
 
     def __init__(self, params: Any) -> None:
         path_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
@@ -449,7 +433,7 @@ class _Placed:
             shape = tuple(leaf.shape) if is_array_leaf(leaf) else None
             split, why = None, _WHY_NO_LAYOUT.get(type(sharding), f"has a {type(sharding).__name__}")
             if shape is not None and isinstance(sharding, NamedSharding):
-                split = _split_of(sharding, len(shape))
+                split = spec_split(sharding, len(shape))
             elif shape is not None and isinstance(sharding, SingleDeviceSharding) and not self.spread:
                 split = (None,) * len(shape)  # every parameter on one device: so is the state
             else:
@@ -463,7 +447,7 @@ class _Placed:
         near = self.shardings[param] if param is not None else None
         if derivation.axes is not None and isinstance(near, NamedSharding):
             assert param is not None
-            entries = _spec_entries(near, len(self.sources[param].shape or ()))
+            entries = spec_entries(near, len(self.sources[param].shape or ()))
             spec = PartitionSpec(*(None if a is None else entries[a] for a in derivation.axes))
             return NamedSharding(near.mesh, spec, memory_kind=near.memory_kind)
         for candidate in (near, self.default):  # replicated, beside the parameter or the others
@@ -476,20 +460,19 @@ class _Placed:
 
 def _laid_out(
     opt_state: Any, params: Any, tx: Initable | None
-) -> tuple[list[tuple[str, Any, _Derivation | None, Sharding | None]], Any, _Placed]:
-    """Every leaf of the state with its derivation and sharding (both ``None``: not an array)."""
+) -> tuple[list[tuple[str, Any, _Derivation | None, Sharding | None]], Any]:
+    """Every leaf of the state with its derivation and sharding (both ``None``: not an array).
+
+    Warns when the leaves no layout follows for are large.
+    """
     placed = _Placed(params)
     derived, treedef = _derivations(opt_state, params, placed.sources, tx)
     laid = [
         (path_string(path), leaf, d, None if d is None else placed.sharding(d, len(leaf.shape)))
         for path, leaf, d in derived
     ]
-    return laid, treedef, placed
-
-
-def _warn_if_large(laid: Sequence[tuple[str, Any, _Derivation | None, Any]], placed: _Placed) -> None:
     lost = [(path, leaf) for path, leaf, d, _ in laid if d is not None and d.lost]
-    total = sum(math.prod(leaf.shape) * _itemsize(leaf.dtype) for _, leaf in lost)
+    total = sum(math.prod(leaf.shape) * itemsize(leaf.dtype) for _, leaf in lost)
     if placed.spread and total >= LARGE_REPLICATED_BYTES:
         examples = ", ".join(path for path, _ in lost[:3]) + (", ..." if len(lost) > 3 else "")
         warnings.warn(
@@ -498,16 +481,7 @@ def _warn_if_large(laid: Sequence[tuple[str, Any, _Derivation | None, Any]], pla
             EinshardWarning,
             stacklevel=3,
         )
-
-
-def _place(leaves: Sequence[Any], shardings: Sequence[Any]) -> list[Any]:
-    """Places leaves as the core places a tree's: traced, abstract and concrete (one call, any processes)."""
-    return place_leaves(leaves, shardings)
-
-
-def _born_sharded(tx: Initable, params: Any, shardings: Any) -> Any:
-    """``tx.init(params)`` born with the state's shardings, by the core's bounded-memory builder."""
-    return build_sharded(tx.init, lambda _: shardings, params)
+    return laid, treedef
 
 
 # --- the public API ---
@@ -549,8 +523,7 @@ def opt_state_shardings(opt_state: Any, params: Any, *, tx: Initable | None = No
     >>> opt_state_shardings(abstract, params)[0].trace['w'] == params['w'].sharding
     True
     """
-    laid, treedef, placed = _laid_out(opt_state, params, tx)
-    _warn_if_large(laid, placed)
+    laid, treedef = _laid_out(opt_state, params, tx)
     return jax.tree_util.tree_unflatten(treedef, [sharding for _, _, _, sharding in laid])
 
 
@@ -581,13 +554,9 @@ def shard_opt_state(opt_state: Any, params: Any, *, tx: Initable | None = None) 
     (4, 8)
     """
     check_params_for_state(opt_state, params)
-    laid, treedef, placed = _laid_out(opt_state, params, tx)
-    _warn_if_large(laid, placed)
-    at = [i for i, (_, _, _, sharding) in enumerate(laid) if sharding is not None]
-    out = [leaf for _, leaf, _, _ in laid]
-    for i, value in zip(at, _place([laid[i][1] for i in at], [laid[i][3] for i in at]), strict=True):
-        out[i] = value
-    return jax.tree_util.tree_unflatten(treedef, out)
+    laid, treedef = _laid_out(opt_state, params, tx)
+    placed = place_leaves([leaf for _, leaf, _, _ in laid], [sharding for _, _, _, sharding in laid])
+    return jax.tree_util.tree_unflatten(treedef, placed)
 
 
 def init_sharded(tx: Initable, params: Any) -> Any:
@@ -632,7 +601,8 @@ def init_sharded(tx: Initable, params: Any) -> Any:
     abstract = jax.eval_shape(tx.init, params)
     if any(abstract_params):
         return shard_opt_state(abstract, params, tx=tx)
-    return _born_sharded(tx, params, opt_state_shardings(abstract, params, tx=tx))
+    shardings = opt_state_shardings(abstract, params, tx=tx)
+    return build_sharded(tx.init, lambda _: shardings, params)
 
 
 def explain_opt_state(
@@ -695,51 +665,52 @@ def explain_opt_state(
     >>> report.rows[0].note, report.rows[3].note
     ('scalar', 'adafactor placeholder beside w1: replicated')
     """
-    if rules is not None:
-        return _explain_planned(opt_state, params, rules, n_devices, devices, tx)
-    laid, _, _ = _laid_out(opt_state, params, tx)
+    if rules is None:
+        placed = _Placed(params)
+        sources = placed.sources
+    else:
+        count = n_devices if n_devices is not None else device_target(devices).count
+        plans = [plan for _, plan in plan_tree(params, as_rules(rules), n_devices=count)[0]]
+        paths = [path_string(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        sources = [
+            _Param(path, None, None) if plan is None else _Param(path, plan.shape, plan.layout.spec)
+            for path, plan in zip(paths, plans, strict=True)
+        ]
     rows, holds = [], {}
-    for path, leaf, derivation, sharding in laid:
-        if derivation is None or sharding is None:
+    for path, leaf, derivation in _derivations(opt_state, params, sources, tx)[0]:
+        if derivation is None:
             continue
-        shard_shape = tuple(sharding.shard_shape(tuple(leaf.shape)))
-        rows.append(_row(path, leaf, None, _spell(sharding, leaf.ndim), shard_shape, derivation.note))
-        for device in _holders(sharding):
-            holds[device] = holds.get(device, 0) + rows[-1].bytes_per_device
-    count = len(holds)
-    if n_devices is not None and count and n_devices != count:
-        raise EinshardError(
-            f"the parameters are placed on {count} devices, not n_devices={n_devices}",
-            hint="To plan for another device count, pass the rule table: "
-            "explain_opt_state(opt_state, params, rules, n_devices=...).",
+        shape, rule = tuple(leaf.shape), None
+        if rules is None:  # the layout spelled off the sharding the state gets
+            sharding = placed.sharding(derivation, len(shape))
+            expression, shard_shape = spec_expression(sharding, len(shape)), sharding.shard_shape(shape)
+            holders = _holders(sharding)
+        else:  # the parameter's expression, for the axes the leaf carries
+            plan = plans[derivation.param] if derivation.param is not None else None
+            expression = REPLICATE
+            if plan is not None and derivation.axes is not None and shape:
+                rule = None if plan.rule is None else plan.rule.pattern
+                expression = carried_expression(plan.layout, derivation.axes)
+            shard_shape = compile_layout(expression, len(shape), count).shard_shape(shape)
+            holders = [0]  # einshard lays every array over all devices: every device holds the same
+        rows.append(
+            report_row(path_string(path), shape, leaf.dtype, rule, expression, shard_shape, derivation.note)
         )
-    return _report(rows, count or (n_devices or 1), max(holds.values(), default=0))
-
-
-def _row(
-    path: str, leaf: Any, rule: str | None, expression: str, shard_shape: tuple[int, ...], note: str
-) -> ReportRow:
-    shape = tuple(leaf.shape)
-    itemsize = _itemsize(leaf.dtype)
-    return ReportRow(
-        path=path,
-        shape=shape,
-        dtype=str(leaf.dtype),
-        rule=rule,
-        expression=expression,
-        shard_shape=tuple(shard_shape),
-        bytes=math.prod(shape) * itemsize,
-        bytes_per_device=math.prod(shard_shape) * itemsize,
-        note=note,
-    )
-
-
-def _report(rows: Sequence[ReportRow], n_devices: int, max_bytes_per_device: int) -> Report:
+        for device in holders:
+            holds[device] = holds.get(device, 0) + rows[-1].bytes_per_device
+    if rules is None:
+        count = len(holds) or n_devices or 1
+        if n_devices is not None and holds and n_devices != count:
+            raise EinshardError(
+                f"the parameters are placed on {count} devices, not n_devices={n_devices}",
+                hint="To plan for another device count, pass the rule table: "
+                "explain_opt_state(opt_state, params, rules, n_devices=...).",
+            )
     return Report(
         rows=tuple(rows),
-        n_devices=n_devices,
+        n_devices=count,
         total_bytes=sum(row.bytes for row in rows),
-        max_bytes_per_device=max_bytes_per_device,
+        max_bytes_per_device=max(holds.values(), default=0),
         unused_rules=(),
     )
 
@@ -749,114 +720,3 @@ def _holders(sharding: Sharding) -> Sequence[Any]:
         return list(sharding.device_set)
     except Exception:  # a sharding on an abstract mesh: positions stand for devices
         return list(range(sharding.num_devices))
-
-
-def _spell(sharding: Sharding, rank: int) -> str:
-    """An einshard expression for a sharding, over its mesh's device order; else its spec."""
-    if sharding.is_fully_replicated:
-        return REPLICATE
-    if not isinstance(sharding, NamedSharding) or rank > 26:
-        return str(sharding)
-    sizes = dict(sharding.mesh.shape)
-    names = [name for name in sharding.mesh.axis_names if sizes[name] > 1]
-    letters = "abcdefghijklmnopqrstuvwxyz"[:rank]
-    owner: dict[str, int] = {}  # mesh axis -> array axis
-    for axis, run in enumerate(_split_of(sharding, rank)):
-        if run is None:
-            continue
-        assert isinstance(run, tuple)
-        start = names.index(run[0])
-        if list(run) != names[start : start + len(run)] or any(name in owner for name in run):
-            return str(sharding.spec)  # not a run of consecutive mesh axes: no expression says it
-        owner.update(dict.fromkeys(run, axis))
-    right: list[tuple[int | None, str]] = []  # (array axis or None, element)
-    for axis, group in itertools.groupby(names, key=owner.get):
-        count = math.prod(sizes[name] for name in group)
-        right.append((axis, f"{letters[axis] if axis is not None else ''}{count}"))
-    sharded = {axis for axis, _ in right if axis is not None}
-    for axis in sorted(set(range(rank)) - sharded, reverse=True):
-        at = next((k for k, (other, _) in enumerate(right) if other is not None and other > axis), len(right))
-        right.insert(at, (axis, letters[axis]))
-    return f"{' '.join(letters)} -> {' '.join(element for _, element in right)}"
-
-
-# --- reading layouts off the derivations (params planned by a rule table) ---
-
-
-def _explain_planned(
-    opt_state: Any,
-    params: Any,
-    rules: RulesLike,
-    n_devices: int | None,
-    devices: Devices | None,
-    tx: Initable | None,
-) -> Report:
-    table = rules if isinstance(rules, Rules) else Rules(rules)
-    count = n_devices if n_devices is not None else device_target(devices).count
-    planned, _, _ = plan_tree(params, table, n_devices=count)
-    plans = [plan for _, plan in planned]
-    paths = [path_string(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    sources = [
-        _Param(path, None, None) if plan is None else _Param(path, plan.shape, plan.layout.spec)
-        for path, plan in zip(paths, plans, strict=True)
-    ]
-    derived, _ = _derivations(opt_state, params, sources, tx)
-    rows = []
-    for path, leaf, derivation in derived:
-        if derivation is None:
-            continue
-        shape = tuple(leaf.shape)
-        plan = plans[derivation.param] if derivation.param is not None else None
-        if plan is None or derivation.axes is None or not shape:
-            rule, expression = None, REPLICATE
-        else:
-            rule = None if plan.rule is None else plan.rule.pattern
-            expression = _carried_expression(plan.layout, derivation.axes, plan.expression)
-        layout = compile_layout(expression, len(shape), count)
-        rows.append(
-            _row(path_string(path), leaf, rule, expression, layout.shard_shape(shape), derivation.note)
-        )
-    # einshard lays every array over all devices, one block each, so every device holds the same.
-    return _report(rows, count, sum(row.bytes_per_device for row in rows))
-
-
-def _carried_expression(layout: Layout, axes: Axes, text: str) -> str:
-    """The parameter's expression for a leaf carrying ``axes`` of it; the other elements' counts stay.
-
-    A parameter axis the leaf does not carry leaves both sides, its count (or
-    star) staying as a standalone element so the device mesh is unchanged; the
-    leaf's own axes (``None``) get fresh, unsplit names.
-    """
-    if axes == tuple(range(layout.n_dims)):
-        return text
-    expression = layout.expression
-    used = set(expression.left_names)
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    fresh = (n for n in itertools.chain(letters, (a + b for a in letters for b in letters)) if n not in used)
-    # Each parameter axis by name ('...' spelled out with fresh names), and each right element as text.
-    names = [expression.right[e].name if e is not None else None for e in layout.axis_elements]
-    names = [name if name is not None else next(fresh) for name in names]
-    under = [names[a] for a, e in enumerate(layout.axis_elements) if e is None]
-    right: list[tuple[str | None, str]] = []  # (axis name or None, element text)
-    for element in expression.right:
-        if element.is_ellipsis:
-            right += [(name, name) for name in under]
-        else:
-            right.append((element.name, str(element)))
-    leaf_names = [names[a] if a is not None else next(fresh) for a in axes]
-    position = {name: j for j, name in enumerate(leaf_names)}
-    out, emitted = [], 0
-    for name, element in right:
-        if name is not None and name in position:
-            while emitted < position[name]:  # fresh names of the leaf's earlier axes go first
-                if axes[emitted] is None:
-                    out.append(leaf_names[emitted])
-                emitted += 1
-            out.append(element)
-            emitted = max(emitted, position[name] + 1)
-        else:  # a count or star stays, standalone
-            standalone = element if name is None else element[len(name) :]
-            if standalone:
-                out.append(standalone)
-    out += [leaf_names[j] for j in range(emitted, len(axes)) if axes[j] is None]
-    return f"{' '.join(leaf_names)} -> {' '.join(out)}".strip()
