@@ -235,6 +235,28 @@ def test_create_sharded_builds_a_sharded_optimizer():
     assert_follows(state_tree(both), NNX_RULES)
 
 
+class Head(nnx.Module):
+    """A module built around a model it is given: the two share the model's variables."""
+
+    def __init__(self, body: MLP, *, rngs: nnx.Rngs):
+        self.body = body
+        self.out = nnx.Linear(D_OUT, D_OUT, rngs=rngs)
+
+
+def test_create_sharded_keeps_an_argument_shared_and_advances_its_rngs():
+    model = create_sharded(MLP, NNX_RULES, rngs=nnx.Rngs(0))
+    kernel = model.linear1.kernel
+    rngs, expected_rngs = nnx.Rngs(1), nnx.Rngs(1)
+    head = create_sharded(Head, NNX_RULES, model, rngs=rngs)
+    # The result holds the argument itself, not a copy: a step on one updates the other.
+    assert head.body is model and head.body.linear1.kernel is kernel
+    expected = Head(MLP(rngs=nnx.Rngs(0)), rngs=expected_rngs)
+    assert_trees_close(state_tree(head), state_tree(expected), rtol=0, atol=0)
+    assert int(rngs.default.count[...]) == int(expected_rngs.default.count[...]) > 0
+    assert_follows(state_tree(head), NNX_RULES)
+    assert_never_whole(state_tree(head), NNX_RULES)
+
+
 def test_create_optimizer_lays_the_state_out_like_the_model():
     model = create_sharded(MLP, NNX_RULES, rngs=nnx.Rngs(0))
     optimizer = create_optimizer(model, optax.adamw(1e-2))

@@ -68,9 +68,12 @@ import numpy as np
 from flax.core import meta as flax_meta
 
 from .. import _pytrees
+from .._build import build_sharded
 from .._devices import Devices
 from .._errors import EinshardError, adding_context
+from .._inputs import check_params_for_state
 from .._paths import register_value_wrapper
+from .._place import place_leaves
 from .._rules import RulesLike
 
 __all__ = [
@@ -190,33 +193,44 @@ def shard_module(
     >>> optimizer.opt_state[0].mu['kernel'][...].sharding.shard_shape((4, 16))
     (4, 2)
     """
-    rng_state, state = _split_state(obj)
-    with adding_context(_state_context, obj):
-        placed = _pytrees.shard_pytree(nnx.to_pure_dict(state), rules, devices=devices)
-    nnx.replace_by_pure_dict(state, placed)
-    replicated = _pytrees.shard_pytree(nnx.to_pure_dict(rng_state), _REPLICATE, devices=devices)
-    nnx.replace_by_pure_dict(rng_state, replicated)
-    nnx.update(obj, state, rng_state)
+    _place_state(obj, rules, devices)
     return obj
+
+
+def _place_state(obj: Any, rules: RulesLike, devices: Devices | None) -> dict[int, Any]:
+    """Places an NNX object's variables in place (RNG state replicated); placed value's id -> sharding."""
+    rng_state, state = _split_state(obj)
+    shardings_by_id: dict[int, Any] = {}
+    for part, table in ((state, rules), (rng_state, _REPLICATE)):
+        with adding_context(_state_context, obj):
+            planned, treedef, shardings = _pytrees.tree_shardings(nnx.to_pure_dict(part), table, devices)
+        placed = place_leaves([leaf for leaf, _ in planned], shardings)
+        shardings_by_id.update((id(v), s) for v, s in zip(placed, shardings, strict=True) if s is not None)
+        nnx.replace_by_pure_dict(part, jax.tree_util.tree_unflatten(treedef, placed))
+    nnx.update(obj, state, rng_state)
+    return shardings_by_id
 
 
 def create_sharded(factory: Callable[..., T], rules: RulesLike, *args: Any, **kwargs: Any) -> T:
     """Builds an NNX object born sharded: ``factory(*args, **kwargs)``, every variable placed by its rule.
 
-    The construction is compiled (``nnx.jit``) with every variable of the
-    result constrained to its rule's sharding (Flax's own recipe for sharded
-    construction), so each device computes only its own shards and the model
-    never exists whole on one device. The values are those an unsharded
+    The construction is compiled by einshard's born-sharded builder (the one
+    :func:`einshard.init_sharded` uses: in parts of bounded size for a big
+    model) with every variable of the result given its rule's sharding, so
+    each device computes only its own shards and the model never exists
+    whole on one device. The values are those an unsharded
     ``factory(*args, **kwargs)`` gives. The result works as any module does
     with ``nnx.jit`` train steps and ``nnx.Optimizer``.
 
     NNX objects among the arguments (an ``nnx.Rngs``, a module for an
-    ``nnx.Optimizer``) and arrays are passed through the compiled call, and
-    an ``nnx.Rngs`` argument is advanced as an eager call would advance it;
-    other arguments (sizes, optax transformations, filters) are passed as
-    they are. Build the ``nnx.Rngs`` inside the factory or pass it as an
-    argument: one the factory closes over cannot be advanced inside the
-    compiled call.
+    ``nnx.Optimizer``) and arrays are passed through the compiled call (by
+    NNX's ``update_context``, as ``nnx.jit`` passes them): an ``nnx.Rngs``
+    argument is advanced as an eager call would advance it, and a result
+    that holds an argument (a module built around a given model) holds that
+    very object, placed by the rules too. Other arguments (sizes, optax
+    transformations, filters) are passed as they are. Build the
+    ``nnx.Rngs`` inside the factory or pass it as an argument: one the
+    factory closes over cannot be advanced inside the compiled call.
 
     The policies are the table's (build a :class:`einshard.Rules` with
     ``unmatched=`` etc. to change them), the devices those of the call
@@ -249,19 +263,58 @@ def create_sharded(factory: Callable[..., T], rules: RulesLike, *args: Any, **kw
     >>> [shard.data.shape for shard in model.kernel[...].addressable_shards][:2]
     [(4, 2), (4, 2)]
     """
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_nnx_node)
-    dynamic = [i for i, leaf in enumerate(leaves) if _is_dynamic(leaf)]
 
-    def build(*values: Any) -> Any:
+    def make(*args: Any, **kwargs: Any) -> Any:
+        with _no_eager_sharding():
+            return factory(*args, **kwargs)
+
+    return _build(make, lambda built: _place_state(built, rules, None), *args, **kwargs)
+
+
+def _build(factory: Callable[..., T], place: Callable[[T], dict[int, Any]], *args: Any, **kwargs: Any) -> T:
+    """``factory(*args, **kwargs)`` born sharded by ``build_sharded``, ``place`` placing it inside.
+
+    ``place(built)`` places the traced object's variables (constraints) and
+    returns each placed value's id with its sharding, which become the
+    compiled build's ``out_shardings``. NNX's update context (its public API
+    for transforms) carries the NNX arguments through the pure build: an
+    ``nnx.Rngs`` argument advances, and a result that holds an argument holds
+    that very object.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_nnx_node)
+    nodes = [i for i, leaf in enumerate(leaves) if _is_nnx_node(leaf)]
+    arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
+    out_shardings: list[Any] = []  # of the output's leaves, filled while tracing
+
+    def build(node_state: Any, array_values: list[Any]) -> Any:
+        with nnx.merge_context(_TAG, inner=True) as ctx:
+            inner_nodes = ctx.merge(graphdef, node_state)
         filled = list(leaves)
-        for i, value in zip(dynamic, values, strict=True):
+        for i, value in [*zip(nodes, inner_nodes, strict=True), *zip(arrays, array_values, strict=True)]:
             filled[i] = value
         call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, filled)
-        with _no_eager_sharding():
-            built = factory(*call_args, **call_kwargs)
-        return shard_module(built, rules)
+        built = factory(*call_args, **call_kwargs)
+        shardings_by_id = place(built)
+        with nnx.split_context(_TAG) as ctx:
+            out = ctx.split((built, inner_nodes))
+        out_shardings[:] = [shardings_by_id.get(id(leaf)) for leaf in jax.tree_util.tree_leaves(out)]
+        return out
 
-    return nnx.jit(build)(*(leaves[i] for i in dynamic))
+    with nnx.update_context(_TAG):
+        with nnx.split_context(_TAG) as ctx:
+            graphdef, node_state = ctx.split([leaves[i] for i in nodes])
+        out_graphdef, out_state = build_sharded(
+            build,
+            lambda abstract: jax.tree_util.tree_structure(abstract).unflatten(out_shardings),
+            node_state,
+            [leaves[i] for i in arrays],
+        )
+        with nnx.merge_context(_TAG, inner=False) as ctx:
+            built, _ = ctx.merge(out_graphdef, out_state)
+    return built
+
+
+_TAG = "einshard.create_sharded"
 
 
 def shard_optimizer(optimizer: Any, model: Any) -> Any:
@@ -296,16 +349,17 @@ def shard_optimizer(optimizer: Any, model: Any) -> Any:
     (8,)
     """
     params = nnx.to_pure_dict(nnx.state(model, optimizer.wrt))
-    return _place_like(optimizer, params)
+    _place_like(optimizer, params)
+    return optimizer
 
 
 def create_optimizer(model: Any, tx: Any, *, wrt: Any = nnx.Param) -> Any:
     """An ``nnx.Optimizer(model, tx, wrt=wrt)`` born sharded like the model's parameters.
 
-    The state is computed by one compiled call whose results are constrained
-    to the layouts :func:`shard_optimizer` gives, so no leaf ever exists
-    whole on one device, whatever the optimizer (Adafactor's factored
-    statistics included).
+    The state is computed by einshard's born-sharded builder (as in
+    :func:`create_sharded`) with the layouts :func:`shard_optimizer` gives,
+    so no leaf ever exists whole on one device, whatever the optimizer
+    (Adafactor's factored statistics included).
 
     Args:
         model: The module to optimize, already placed (e.g. by :func:`create_sharded`).
@@ -328,10 +382,9 @@ def create_optimizer(model: Any, tx: Any, *, wrt: Any = nnx.Param) -> Any:
     # Only the layouts are needed inside the compiled call, not the values.
     layouts = jax.tree.map(_struct_with_sharding, params)
 
-    def build(model: Any) -> Any:
-        return _place_like(nnx.Optimizer(model, tx, wrt=wrt), layouts)
-
-    return nnx.jit(build)(model)
+    return _build(
+        lambda model: nnx.Optimizer(model, tx, wrt=wrt), lambda opt: _place_like(opt, layouts), model
+    )
 
 
 def _struct_with_sharding(leaf: Any) -> Any:
@@ -340,15 +393,21 @@ def _struct_with_sharding(leaf: Any) -> Any:
     return leaf
 
 
-def _place_like(optimizer: Any, params: Any) -> Any:
+def _place_like(optimizer: Any, params: Any) -> dict[int, Any]:
+    """Places an optimizer's state in place like the params it mirrors; placed value's id -> sharding."""
     from . import optax as optax_integration
 
     state = nnx.state(optimizer)
+    values, treedef = jax.tree_util.tree_flatten(nnx.to_pure_dict(state))
     with adding_context(_state_context, optimizer):
-        placed = optax_integration.shard_opt_state(nnx.to_pure_dict(state), params)
-    nnx.replace_by_pure_dict(state, placed)
+        check_params_for_state(treedef.unflatten(values), params)
+        shardings = treedef.flatten_up_to(
+            optax_integration.opt_state_shardings(treedef.unflatten(values), params)
+        )
+    placed = place_leaves(values, shardings)
+    nnx.replace_by_pure_dict(state, treedef.unflatten(placed))
     nnx.update(optimizer, state)
-    return optimizer
+    return {id(v): s for v, s in zip(placed, shardings, strict=True) if s is not None}
 
 
 def _is_nnx_node(leaf: Any) -> bool:
@@ -359,10 +418,6 @@ def _no_eager_sharding() -> contextlib.AbstractContextManager[Any]:
     """Turns off Flax's eager sharding (by ``with_partitioning`` annotations), where Flax has it."""
     use_eager_sharding = getattr(nnx, "use_eager_sharding", None)
     return contextlib.nullcontext() if use_eager_sharding is None else use_eager_sharding(False)
-
-
-def _is_dynamic(leaf: Any) -> bool:
-    return _is_nnx_node(leaf) or isinstance(leaf, (jax.Array, np.ndarray))
 
 
 def _state_context(error: EinshardError, obj: Any) -> None:
