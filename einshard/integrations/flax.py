@@ -298,6 +298,8 @@ def _build(factory: Callable[..., T], place: Callable[[T], dict[int, Any]], *arg
         with nnx.split_context(_TAG) as ctx:
             out = ctx.split((built, inner_nodes))
         out_shardings[:] = [shardings_by_id.get(id(leaf)) for leaf in jax.tree_util.tree_leaves(out)]
+        # NNX hands the values it was given back as they are; if it ever copied them, say so here.
+        assert sum(s is not None for s in out_shardings) == len(shardings_by_id), "NNX copied the values"
         return out
 
     with nnx.update_context(_TAG):
