@@ -12,7 +12,7 @@ from ._devices import Devices, device_target
 from ._plan import plan_tree
 from ._rules import Rule, RulesLike
 
-__all__ = ["Report", "ReportRow", "explain", "report_row"]
+__all__ = ["Report", "ReportRow", "explain", "report_row", "table_text"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +70,7 @@ class Report:
         return self.max_bytes_per_device * self.n_devices / self.total_bytes
 
     def __str__(self) -> str:
-        try:
-            return _rich_table(self)
-        except ImportError:
-            return _plain_table(self)
+        return table_text(*_columns(self))
 
 
 def explain(
@@ -221,27 +218,41 @@ def _copies(report: Report, shown: int = 3) -> str | None:
     )
 
 
-def _rich_table(report: Report) -> str:
+def table_text(header: list[str], body: list[list[str]], footer: list[str], empty: str | None = None) -> str:
+    """A report's table, drawn with ``rich`` when it is installed, else as plain text.
+
+    ``empty`` stands in for the table when ``body`` has no rows (``None``: the header alone).
+    """
+    try:
+        return _rich_table(header, body, footer, empty)
+    except ImportError:
+        return _plain_table(header, body, footer, empty)
+
+
+def _rich_table(header: list[str], body: list[list[str]], footer: list[str], empty: str | None) -> str:
     import rich.box
     import rich.console
     import rich.table
 
-    header, body, footer = _columns(report)
     table = rich.table.Table(*header, box=rich.box.SIMPLE_HEAD, show_edge=False)
     for line in body:
         table.add_row(*line)
     buffer = io.StringIO()
     console = rich.console.Console(file=buffer, width=200, color_system=None, force_terminal=False)
-    console.print(table)
+    if body or empty is None:
+        console.print(table)
+    else:
+        console.print(empty, highlight=False)
     for line in footer:
         console.print(line, highlight=False, soft_wrap=True)
     return "\n".join(line.rstrip() for line in buffer.getvalue().rstrip().splitlines())
 
 
-def _plain_table(report: Report) -> str:
-    header, body, footer = _columns(report)
+def _plain_table(header: list[str], body: list[list[str]], footer: list[str], empty: str | None) -> str:
     widths = [max(len(cell) for cell in column) for column in zip(header, *body, strict=True)]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(header, widths, strict=True)).rstrip()]
     lines.append("  ".join("-" * width for width in widths))
     lines += ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in body]
+    if not body and empty is not None:
+        lines = [empty]
     return "\n".join([*lines, *footer])

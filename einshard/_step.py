@@ -24,7 +24,7 @@ from typing import Any
 
 from . import _hlo
 from ._errors import EinshardError
-from ._explain import _size
+from ._explain import _size, table_text
 from ._rules import RulesLike, path_string
 
 __all__ = ["StepReport", "StepRow", "explain_step"]
@@ -170,10 +170,7 @@ class StepReport:
         )
 
     def __str__(self) -> str:
-        try:
-            return _rich_table(self)
-        except ImportError:
-            return _plain_table(self)
+        return table_text(*_columns(self), empty="no collectives")
 
 
 # --- the public entry -------------------------------------------------------------------------------
@@ -1007,34 +1004,3 @@ def _columns(report: StepReport) -> tuple[list[str], list[list[str]], list[str]]
             )
         footer.append(text)
     return header, body, footer
-
-
-def _rich_table(report: StepReport) -> str:
-    import rich.box
-    import rich.console
-    import rich.table
-
-    header, body, footer = _columns(report)
-    table = rich.table.Table(*header, box=rich.box.SIMPLE_HEAD, show_edge=False)
-    for line in body:
-        table.add_row(*line)
-    buffer = io.StringIO()
-    console = rich.console.Console(file=buffer, width=200, color_system=None, force_terminal=False)
-    if body:
-        console.print(table)
-    else:
-        console.print("no collectives", highlight=False)
-    for line in footer:
-        console.print(line, highlight=False, soft_wrap=True)
-    return "\n".join(line.rstrip() for line in buffer.getvalue().rstrip().splitlines())
-
-
-def _plain_table(report: StepReport) -> str:
-    header, body, footer = _columns(report)
-    widths = [max(len(cell) for cell in column) for column in zip(header, *body, strict=True)]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(header, widths, strict=True)).rstrip()]
-    lines.append("  ".join("-" * width for width in widths))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in body]
-    if not body:
-        lines = ["no collectives"]
-    return "\n".join([*lines, *footer])
