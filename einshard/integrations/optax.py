@@ -1,41 +1,26 @@
 """optax: optimizer state sharded like the parameters it mirrors.
 
-An optax state holds copies of the parameter tree (Adam's ``mu`` and ``nu``,
-momentum's ``trace``, ``MultiSteps``' ``acc_grads``), scalars (``count``,
-injected hyperparameters) and statistics derived from the parameters
-(Adafactor's factored ``v_row`` / ``v_col``, SM3's per-axis accumulators,
-L-BFGS's history). Each array leaf of the state gets one **derivation**: the
-parameter it follows and, for each of its axes, which axis of that parameter
-it takes the split of (or none). Its sharding and its row in
-:func:`explain_opt_state` are both read off that derivation:
+Each array leaf of an optax state gets one **derivation**, computed once: the
+parameter it follows and, per axis, which axis of that parameter it takes the
+split of (or none), with the reason. Shardings (:func:`opt_state_shardings`,
+:func:`shard_opt_state`, :func:`init_sharded`) and the rows of
+:func:`explain_opt_state` are read off it. A leaf that **mirrors** a parameter
+(Adam's ``mu``) gets its sharding; one with **axes reduced** (Adafactor's
+``v_row`` / ``v_col``, SM3), **leading axes added** (L-BFGS's history) or
+**axes resized** (GaLore) keeps the split of the axes it carries; **scalars**,
+and arrays no layout follows for, are **replicated** on the parameters'
+devices (placing warns, :class:`einshard.EinshardWarning`, when those are large).
 
-* a leaf that **mirrors a parameter** (same place in a parameter-shaped
-  subtree, same shape) gets exactly that parameter's sharding;
-* a parameter with **axes reduced** (Adafactor's ``v_row`` / ``v_col``, SM3's
-  accumulators) keeps the split of the axes that survive, so it never gets a
-  spec of the wrong rank (for ``v_row`` / ``v_col`` the reduced axis is the
-  one optax reduces);
-* a parameter with **extra leading axes** (L-BFGS's ``(memory, *shape)``
-  history) keeps the parameter's split, the leading axes unsplit;
-* a parameter with **axes resized** (GaLore's projected moments) keeps the
-  split of the axes whose size is unchanged;
-* **scalars**, and arrays no layout follows for, are **replicated** on the
-  parameters' devices; :func:`explain_opt_state` says why, and placing warns
-  (:class:`einshard.EinshardWarning`) when such leaves are large.
-
-Where the state's parameter copies are: with the optimizer at hand
-(:func:`init_sharded`, or ``tx=``), optax's own
-``optax.tree_utils.tree_map_params`` says; otherwise (a restored state) they
-are found structurally. Either way a copy is matched to ``params`` leaf by
-leaf: by tree structure, by key path (``optax.MaskedNode`` standing in for the
-masked-out parts of ``optax.masked`` and ``optax.multi_transform``, wrapper
-nodes of another type such as Flax NNX's optimizer variables allowed), as a
-prefix of its structure (SM3's lists under each parameter), or as a subtree of
-the parameters (``optax.lookahead``'s fast state mirrors ``params.fast``).
-
-The parameters' layouts are read from ``params`` itself: placed
-``jax.Array`` leaves, or ``jax.ShapeDtypeStruct`` leaves carrying
-shardings. Importing ``einshard`` does not import optax; this module does.
+The state's parameter copies are where optax's
+``optax.tree_utils.tree_map_params`` says, when the optimizer is at hand;
+otherwise (a restored state) they are found by structure. A copy matches
+``params`` by tree structure, by key path (``optax.MaskedNode`` standing for
+masked-out parts; wrapper nodes of other types, such as NNX's optimizer
+variables, allowed), as a prefix of its structure (SM3's per-axis lists), or
+as a subtree (``optax.lookahead``'s fast state mirrors ``params.fast``).
+The parameters' layouts are read from ``params`` (placed arrays, or
+``jax.ShapeDtypeStruct`` leaves carrying shardings). Importing ``einshard``
+does not import optax; this module does.
 
 >>> import jax.numpy as jnp, optax, einshard
 >>> from einshard.integrations.optax import init_sharded
@@ -60,13 +45,12 @@ except ModuleNotFoundError as error:
         "install it with: pip install 'einshard[optax]'"
     ) from error
 
-import contextlib
 import dataclasses
 import itertools
 import logging
 import math
 import warnings
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -195,8 +179,6 @@ class _Matcher:
             return None
         path_leaves, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=_is_masked)
         leaves = [(tuple(p), leaf) for p, leaf in path_leaves]
-        if treedef == self.treedef:
-            return [(p, i, None) for i, (p, _) in enumerate(leaves)]
         return self._by_key_path(leaves) or self._by_prefix(node) or self._as_part(treedef, leaves, path)
 
     def _by_key_path(self, leaves: list[tuple[KeyPath, Any]]) -> list[tuple[KeyPath, int, int | None]] | None:
@@ -356,24 +338,16 @@ def _parameter_copies(tx: Initable | None, opt_state: Any) -> list[tuple[KeyPath
     """Where the state keeps copies of the parameter tree: optax says, if it can; else search it all."""
     if tx is None:
         return [((), opt_state)]
+    absl, level = logging.getLogger("absl"), logging.getLogger("absl").level
+    absl.setLevel(logging.ERROR)  # lookahead logs that the placeholder params have no `fast`
     try:
-        with _quiet("absl"):  # lookahead logs that the placeholder params have no `fast`
-            marked = optax.tree_utils.tree_map_params(tx, _Copy, opt_state, is_leaf=lambda _: True)
+        marked = optax.tree_utils.tree_map_params(tx, _Copy, opt_state, is_leaf=lambda _: True)
     except Exception:  # an optimizer whose init does not take optax's placeholder params
         return [((), opt_state)]
+    finally:
+        absl.setLevel(level)
     found = jax.tree_util.tree_flatten_with_path(marked, is_leaf=lambda node: isinstance(node, _Copy))[0]
     return [(tuple(path), node.value) for path, node in found if isinstance(node, _Copy)]
-
-
-@contextlib.contextmanager
-def _quiet(logger_name: str) -> Iterator[None]:
-    logger = logging.getLogger(logger_name)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def _adafactor_fields(opt_state: Any) -> dict[KeyPath, str]:
