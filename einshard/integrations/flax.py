@@ -200,15 +200,23 @@ def shard_module(
 def _place_state(obj: Any, rules: RulesLike, devices: Devices | None) -> dict[int, Any]:
     """Places an NNX object's variables in place (RNG state replicated); placed value's id -> sharding."""
     rng_state, state = _split_state(obj)
-    shardings_by_id: dict[int, Any] = {}
-    for part, table in ((state, rules), (rng_state, _REPLICATE)):
-        with adding_context(_state_context, obj):
-            planned, treedef, shardings = _pytrees.tree_shardings(nnx.to_pure_dict(part), table, devices)
-        placed = place_leaves([leaf for leaf, _ in planned], shardings)
-        shardings_by_id.update((id(v), s) for v, s in zip(placed, shardings, strict=True) if s is not None)
-        nnx.replace_by_pure_dict(part, jax.tree_util.tree_unflatten(treedef, placed))
+    placed = _place_part(obj, state, lambda tree: _pytrees.tree_shardings(tree, rules, devices)[2])
+    placed |= _place_part(obj, rng_state, lambda tree: _pytrees.tree_shardings(tree, _REPLICATE, devices)[2])
     nnx.update(obj, state, rng_state)
-    return shardings_by_id
+    return placed
+
+
+def _place_part(obj: Any, state: Any, shardings_of: Callable[[Any], list[Any]]) -> dict[int, Any]:
+    """Places one ``nnx.State`` of ``obj``, in place; returns each placed value's id with its sharding.
+
+    ``shardings_of`` gets the state as a pure dict and gives a flat list, in leaf order (``None``: kept).
+    """
+    values, treedef = jax.tree_util.tree_flatten(nnx.to_pure_dict(state))
+    with adding_context(_state_context, obj):
+        shardings = shardings_of(treedef.unflatten(values))
+    placed = place_leaves(values, shardings)
+    nnx.replace_by_pure_dict(state, treedef.unflatten(placed))
+    return {id(v): s for v, s in zip(placed, shardings, strict=True) if s is not None}
 
 
 def create_sharded(factory: Callable[..., T], rules: RulesLike, *args: Any, **kwargs: Any) -> T:
@@ -399,17 +407,15 @@ def _place_like(optimizer: Any, params: Any) -> dict[int, Any]:
     """Places an optimizer's state in place like the params it mirrors; placed value's id -> sharding."""
     from . import optax as optax_integration
 
+    def shardings_of(state: Any) -> list[Any]:
+        check_params_for_state(state, params)
+        shardings = optax_integration.opt_state_shardings(state, params)
+        return jax.tree_util.tree_structure(state).flatten_up_to(shardings)
+
     state = nnx.state(optimizer)
-    values, treedef = jax.tree_util.tree_flatten(nnx.to_pure_dict(state))
-    with adding_context(_state_context, optimizer):
-        check_params_for_state(treedef.unflatten(values), params)
-        shardings = treedef.flatten_up_to(
-            optax_integration.opt_state_shardings(treedef.unflatten(values), params)
-        )
-    placed = place_leaves(values, shardings)
-    nnx.replace_by_pure_dict(state, treedef.unflatten(placed))
+    placed = _place_part(optimizer, state, shardings_of)
     nnx.update(optimizer, state)
-    return {id(v): s for v, s in zip(placed, shardings, strict=True) if s is not None}
+    return placed
 
 
 def _is_nnx_node(leaf: Any) -> bool:
