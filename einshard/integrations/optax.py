@@ -536,11 +536,12 @@ def shard_opt_state(opt_state: Any, params: Any, *, tx: Initable | None = None) 
 def init_sharded(tx: Initable, params: Any) -> Any:
     """Runs ``tx.init(params)`` so that the state is born sharded.
 
-    The state's shapes are found abstractly (``jax.eval_shape``), their
-    shardings derived from the params' (:func:`opt_state_shardings`, with
-    optax saying where the parameter copies are), and ``tx.init`` compiled
-    with those as ``out_shardings``: each device computes only its own
-    shards, and no state leaf ever exists whole on one device.
+    The state's shapes are found abstractly, their shardings derived from
+    the params' (:func:`opt_state_shardings`, with optax saying where the
+    parameter copies are), and ``tx.init`` compiled with those as
+    ``out_shardings`` by einshard's born-sharded builder (in parts of
+    bounded size, as :func:`einshard.init_sharded`): each device computes
+    only its own shards, and no state leaf ever exists whole on one device.
 
     Args:
         tx: An optax ``GradientTransformation`` (any: ``chain``,
@@ -572,11 +573,9 @@ def init_sharded(tx: Initable, params: Any) -> Any:
             "params mix abstract (jax.ShapeDtypeStruct) and concrete arrays",
             hint="Pass placed params to create the state, or abstract ones for an abstract state.",
         )
-    abstract = jax.eval_shape(tx.init, params)
     if any(abstract_params):
-        return shard_opt_state(abstract, params, tx=tx)
-    shardings = opt_state_shardings(abstract, params, tx=tx)
-    return build_sharded(tx.init, lambda _: shardings, params)
+        return shard_opt_state(jax.eval_shape(tx.init, params), params, tx=tx)
+    return build_sharded(tx.init, lambda abstract: opt_state_shardings(abstract, params, tx=tx), params)
 
 
 def explain_opt_state(
