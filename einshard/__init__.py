@@ -29,5 +29,6 @@ from ._step import StepReport as StepReport
 from ._step import StepRow as StepRow
 from ._step import explain_step as explain_step
 from ._tree_shardings import shardings_of as shardings_of
+from . import strategies as strategies  # noqa: E402  (after the names it uses)
 
 __version__ = "0.3.0"
