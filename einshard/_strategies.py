@@ -179,7 +179,8 @@ class SplitLargest(ByShape):
         expression = f"{' '.join(names)} -> {' '.join(right)}" + (f" {copies}" if copies > 1 else "")
         if split == order[0]:
             return expression, None
-        return expression, f"axis {order[0]} ({shape[order[0]]}) does not divide by {parts}: axis {split} split"
+        largest = order[0]
+        return expression, f"axis {largest} ({shape[largest]}) does not divide by {parts}: axis {split} split"
 
     def __repr__(self) -> str:
         fields = [f"min_bytes={self.min_bytes}"]
@@ -245,10 +246,7 @@ def _tensor_rules(column: Sequence[str], row: Sequence[str], model: int | None) 
     """
     split = "*" if model is None else str(model)
     rest = "" if model is None else "*"
-    if model is None:
-        column_bias = "... o -> ... o*"
-    else:
-        column_bias = f"... o -> ... * o{model}"
+    column_bias = "... o -> ... o*" if model is None else f"... o -> ... * o{model}"
     return [
         (_layer_regex(column, "kernel"), f"... i o -> ... i{rest} o{split}"),
         (_layer_regex(column, "weight"), f"... o i -> ... i{rest} o{split}"),
