@@ -24,6 +24,8 @@ from ._strategies import DEFAULT_MIN_BYTES, Strategy, defaults
 __all__ = ["Plan", "PlanRow", "plan"]
 
 _BAR_WIDTH = 40
+TIE = 0.02
+"""Estimated step times within 2% of each other count as equal: the earlier candidate ranks first."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,11 +38,13 @@ class PlanRow:
             the step could not be laid out or compiled under it.
         rejected: Why the candidate cannot be used (does not fit memory, does not divide),
             or ``None``.
+        index: The candidate's position in the list given (ties go to the earlier one).
     """
 
     strategy: Strategy
     report: _step.StepReport | None
     rejected: str | None
+    index: int = 0
 
     @property
     def name(self) -> str:
@@ -82,8 +86,10 @@ class Plan:
     compiled for (simulated) CPU devices.
 
     Attributes:
-        rows: One :class:`PlanRow` per candidate: the usable ones by estimated step time (then
-            bytes sent, then peak memory), the rejected ones after them.
+        rows: One :class:`PlanRow` per candidate: the usable ones by estimated step time (by
+            bytes sent without a bandwidth; times within 2% count as equal, and then the
+            candidate given first, the simpler strategy in the default order, ranks first),
+            the rejected ones after them.
         n_devices: The device count planned for.
         memory_per_device: The memory limit, or ``None``.
         bandwidth: Bytes per second per device, or ``None``.
@@ -236,11 +242,11 @@ def plan(
     else:
         answers = _step._in_child(step, (params, batch), {}, count, None, tables=tables)
     rows = []
-    for strategy, (status, value) in zip(strategies, answers, strict=True):
+    for index, (strategy, (status, value)) in enumerate(zip(strategies, answers, strict=True)):
         if status == "ok":
-            rows.append(PlanRow(strategy, value, None))
+            rows.append(PlanRow(strategy, value, None, index))
         else:
-            rows.append(PlanRow(strategy, None, _reason(value)))
+            rows.append(PlanRow(strategy, None, _reason(value), index))
     return _ranked(rows, count, memory_per_device, bandwidth, latency, flops_per_second)
 
 
@@ -290,21 +296,27 @@ def _ranked(
                 f"{_MEMORY}: needs {_size(report.peak_bytes)} per device at the peak, "
                 f"more than memory_per_device={_size(memory_per_device)}"
             )
-        estimated.append(PlanRow(row.strategy, report, rejected))
+        estimated.append(PlanRow(row.strategy, report, rejected, row.index))
 
-    def key(item: tuple[int, PlanRow]) -> tuple:
-        index, row = item
+    def measure(row: PlanRow) -> float:
         seconds = row.seconds
-        return (
-            row.rejected is not None,
-            seconds if seconds is not None else 0.0,
-            row.traffic if row.traffic is not None else 0,
-            row.peak_bytes if row.peak_bytes is not None else 0,
-            index,
-        )
+        return seconds if seconds is not None else float(row.traffic or 0)
 
-    ranked = tuple(row for _, row in sorted(enumerate(estimated), key=key))
-    return Plan(ranked, n_devices, memory_per_device, bandwidth, latency, flops_per_second)
+    def key(row: PlanRow) -> tuple:
+        return (measure(row), row.traffic or 0, row.peak_bytes or 0, row.index)
+
+    usable = sorted((row for row in estimated if row.rejected is None), key=key)
+    rejected = sorted((row for row in estimated if row.rejected is not None), key=key)
+    # Estimates within TIE of the fastest left are not told apart: the earlier candidate (the
+    # simpler strategy, in the default order) goes first.
+    ranked: list[PlanRow] = []
+    while usable:
+        limit = measure(usable[0]) * (1 + TIE)
+        pick = min((row for row in usable if measure(row) <= limit), key=lambda row: row.index)
+        usable.remove(pick)
+        ranked.append(pick)
+    ranked += rejected
+    return Plan(tuple(ranked), n_devices, memory_per_device, bandwidth, latency, flops_per_second)
 
 
 # --- printing -------------------------------------------------------------------------------------
@@ -367,7 +379,8 @@ def _footer(plan: Plan) -> list[str]:
         figures.append(f"{_size(plan.memory_per_device)} per device")
     given = "; ".join(figures) if figures else "no bandwidth or FLOP/s given: ranked by bytes sent"
     return [
-        f"{len(plan.rows)} candidates on {plan.n_devices} devices ({given}).",
+        f"{len(plan.rows)} candidates on {plan.n_devices} devices ({given}); "
+        f"times within {TIE:.0%} count as equal (the simpler strategy first).",
         "Estimates, not measurements: collectives of the compiled program by ring formulas at the "
         "given bandwidth, plus XLA's flop count at the given FLOP/s, without overlap; peak memory "
         "from XLA's memory analysis of the program compiled for CPU devices.",
