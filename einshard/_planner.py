@@ -292,10 +292,7 @@ def _ranked(
             and report.peak_bytes is not None
             and report.peak_bytes > memory_per_device
         ):
-            rejected = (
-                f"{_MEMORY}: needs {_size(report.peak_bytes)} per device at the peak, "
-                f"more than memory_per_device={_size(memory_per_device)}"
-            )
+            rejected = f"{_MEMORY}: needs {_size(report.peak_bytes)} > {_size(memory_per_device)} per device"
         estimated.append(PlanRow(row.strategy, report, rejected, row.index))
 
     def measure(row: PlanRow) -> float:
