@@ -124,9 +124,9 @@ class SplitLargest(ByShape):
         parts: How many devices each leaf is split over, or ``None`` for all.
 
     >>> import einshard
-    >>> SplitLargest(min_bytes=1024).expression_for((16, 4096), 'float32', 8)
+    >>> einshard.strategies.SplitLargest(min_bytes=1024).expression_for((16, 4096), 'float32', 8)
     ('a b -> a b8', None)
-    >>> SplitLargest(min_bytes=1024).expression_for((12, 4100), 'float32', 8)
+    >>> einshard.strategies.SplitLargest(min_bytes=1024).expression_for((16, 4100), 'float32', 8)
     ('a b -> a8 b', 'axis 1 (4100) does not divide by 8: axis 0 split')
     """
 
