@@ -296,7 +296,8 @@ def _ranked(
         estimated.append(PlanRow(row.strategy, report, rejected, row.index))
 
     def measure(row: PlanRow) -> float:
-        seconds = row.seconds
+        # Without a bandwidth the communication has no time: the bytes sent rank instead.
+        seconds = row.seconds if bandwidth is not None else None
         return seconds if seconds is not None else float(row.traffic or 0)
 
     def key(row: PlanRow) -> tuple:
@@ -374,7 +375,9 @@ def _footer(plan: Plan) -> list[str]:
         figures.append(f"{plan.flops_per_second:.3g} FLOP/s per device")
     if plan.memory_per_device is not None:
         figures.append(f"{_size(plan.memory_per_device)} per device")
-    given = "; ".join(figures) if figures else "no bandwidth or FLOP/s given: ranked by bytes sent"
+    if plan.bandwidth is None:
+        figures.append("no bandwidth given: ranked by bytes sent")
+    given = "; ".join(figures)
     return [
         f"{len(plan.rows)} candidates on {plan.n_devices} devices ({given}); "
         f"times within {TIE:.0%} count as equal (the simpler strategy first).",
