@@ -322,8 +322,8 @@ def _ranked(
 
 def _columns(plan: Plan) -> tuple[list[str], list[list[str]]]:
     kinds = [k for k in _step.KINDS if any(row.bytes_by_kind.get(k) for row in plan.rows)]
-    header = ["#", "strategy", "step time", "communication", "compute", "peak memory", "sent"]
-    header += [f"{kind}" for kind in kinds]
+    header = ["#", "strategy", "step time", "comm", "compute", "peak/device", "sent/device"]
+    header += [_SHORT_KIND.get(kind, kind) for kind in kinds]
     header.append("verdict")
     body = []
     rank = 0
@@ -341,7 +341,9 @@ def _columns(plan: Plan) -> tuple[list[str], list[list[str]]]:
                 _size(row.peak_bytes) if row.peak_bytes is not None else "-",
                 _size(row.traffic) if row.traffic is not None else "-",
                 *[_size(row.bytes_by_kind.get(kind, 0)) for kind in kinds],
-                ("best" if rank == 1 else "fits") if row.rejected is None else f"rejected: {row.rejected}",
+                ("best" if rank == 1 else "fits")
+                if row.rejected is None
+                else f"rejected ({_short_reason(row.rejected)})",  # the reason in full below
             ]
         )
     return header, body
@@ -367,7 +369,17 @@ def _chart(plan: Plan) -> list[str]:
     return ["estimated step time (█ communication, ░ compute):", *lines]
 
 
+def _short_reason(reason: str) -> str:
+    if reason.startswith(_MEMORY):
+        return "memory"
+    return "compile" if reason.startswith("does not compile") else "shapes"
+
+
+_SHORT_KIND = {"collective-permute": "permute", "reduce-scatter": "reduce-scatter"}
+
+
 def _footer(plan: Plan) -> list[str]:
+    rejected = [f"rejected {row.name}: {row.rejected}" for row in plan.rows if row.rejected is not None]
     figures = []
     if plan.bandwidth is not None:
         figures.append(f"{plan.bandwidth / 1e9:g} GB/s per device, latency {_step._seconds(plan.latency)}")
@@ -379,6 +391,7 @@ def _footer(plan: Plan) -> list[str]:
         figures.append("no bandwidth given: ranked by bytes sent")
     given = "; ".join(figures)
     return [
+        *rejected,
         f"{len(plan.rows)} candidates on {plan.n_devices} devices ({given}); "
         f"times within {TIE:.0%} count as equal (the simpler strategy first).",
         "Estimates, not measurements: collectives of the compiled program by ring formulas at the "
@@ -397,7 +410,8 @@ def _rich_text(plan: Plan) -> str:
     for line in body:
         table.add_row(*line)
     buffer = io.StringIO()
-    console = rich.console.Console(file=buffer, width=200, color_system=None, force_terminal=False)
+    # 150 columns: what the documentation's code blocks show without wrapping a table's lines.
+    console = rich.console.Console(file=buffer, width=150, color_system=None, force_terminal=False)
     console.print(table)
     for line in [*_chart(plan), *_footer(plan)]:
         console.print(line, highlight=False, soft_wrap=True, markup=False)

@@ -78,7 +78,8 @@ def test_too_little_memory_for_data_parallel_rejects_it_and_says_why(planned):
     assert all((row.peak_bytes > limit) == (row.rejected is not None) for row in plan.rows)
     assert plan.rows[-1].name == "data parallel" or plan.rows[-1].rejected is not None
     text = str(plan)
-    assert "rejected: does not fit memory" in text and "best" in text
+    assert "rejected (memory)" in text and "rejected data parallel: does not fit memory: needs" in text
+    assert "best" in text
     assert "Estimates, not measurements" in text
     # Given back the memory, it is ranked again.
     assert plan.at(memory_per_device=10 * peaks["data parallel"]).best.name == "data parallel"
