@@ -5,6 +5,7 @@
 >>> w1 = einshard(jnp.zeros((128, 256)), 'x y -> x y*')  # split y over all devices
 """
 
+from . import strategies as strategies
 from ._arrays import einshard as einshard
 from ._arrays import make_sharding as make_sharding
 from ._devices import use_devices as use_devices
@@ -20,6 +21,9 @@ from ._layout import layout as layout
 from ._multihost import from_process_local as from_process_local
 from ._picture import picture as picture
 from ._picture import visualize as visualize
+from ._planner import Plan as Plan
+from ._planner import PlanRow as PlanRow
+from ._planner import plan as plan
 from ._pytrees import init_sharded as init_sharded
 from ._pytrees import pytree_shardings as pytree_shardings
 from ._pytrees import shard_pytree as shard_pytree

@@ -94,10 +94,11 @@ def plan_tree(
         rule = table.match(path) if shape else None
         layout = None if rule is None else fitting.get((rule.index, shape))
         if layout is not None and rule is not None:
-            plan = LeafPlan(path, shape, leaf.dtype, rule, rule.expression, layout)
+            plan = LeafPlan(path, shape, leaf.dtype, rule, rule.expression, layout)  # type: ignore[arg-type]
         else:
             plan = _plan_leaf(path, leaf, table, n_devices)
-            if rule is not None and plan.rule is rule and plan.note is None:
+            # A ByShape rule decides by dtype too: its leaves are planned one by one.
+            if rule is not None and plan.rule is rule and plan.note is None and type(rule.expression) is str:
                 fitting[rule.index, shape] = plan.layout
         if plan.rule is not None:
             used.add(plan.rule.index)
@@ -145,7 +146,8 @@ def _plan_leaf(path: str, leaf: Any, rules: Rules, n_devices: int) -> LeafPlan:
     candidates = rules.matches(path) if indivisible == "next" else iter([rule])
     for candidate in candidates:
         with adding_context(leaf_context, path, shape, candidate, f"on {n_devices} devices"):
-            layout = compile_layout(candidate.expression, len(shape), n_devices)
+            expression, reason = candidate.expression_for(shape, dtype, n_devices)
+            layout = compile_layout(expression, len(shape), n_devices)
             if indivisible == "error":
                 layout.check_shape(shape)
         if indivisible != "error" and not _divides(layout, shape):
@@ -155,11 +157,11 @@ def _plan_leaf(path: str, leaf: Any, rules: Rules, n_devices: int) -> LeafPlan:
                 return LeafPlan(path, shape, dtype, None, REPLICATE, layout, note)
             skipped.append(candidate)
             continue
-        note = None
+        note = reason
         if skipped:
             note = f"rule{'s' if len(skipped) > 1 else ''} {', '.join(str(r.index) for r in skipped)} "
-            note += f"did not divide {shape}: rule {candidate.index} used"
-        return LeafPlan(path, shape, dtype, candidate, candidate.expression, layout, note)
+            note += f"did not divide {shape}: rule {candidate.index} used" + (f"; {reason}" if reason else "")
+        return LeafPlan(path, shape, dtype, candidate, expression, layout, note)
     tried = ", ".join(str(r) for r in skipped)
     raise EinshardError(
         f"no matching rule divides {describe_leaf(path, shape)} on {n_devices} devices",

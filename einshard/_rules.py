@@ -20,7 +20,7 @@ import jax
 from ._errors import EinshardError, EinshardWarning
 from ._expression import parse
 
-__all__ = ["Indivisible", "Rule", "Rules", "RulesLike", "Unmatched", "path_string"]
+__all__ = ["ByShape", "Indivisible", "Rule", "Rules", "RulesLike", "Unmatched", "path_string"]
 
 Unmatched = Literal["error", "replicate"]
 """What to do with an array leaf no rule matches."""
@@ -29,25 +29,46 @@ Indivisible = Literal["error", "replicate", "next"]
 """What to do with a leaf whose axis does not divide by its rule's shard count."""
 
 
+class ByShape:
+    """An expression decided per leaf, from its shape, dtype and the device count.
+
+    The second element of a rule may be one of these instead of an expression's text
+    (``einshard.strategies.fsdp()`` is one): planning a leaf asks it for the expression, and
+    the reason it gives is the leaf's note in :func:`~einshard.explain`. Subclasses are frozen
+    dataclasses (hashable, comparable and picklable, like the table that holds them).
+    """
+
+    def expression_for(self, shape: tuple[int, ...], dtype: Any, n_devices: int) -> tuple[str, str | None]:
+        """The expression for a leaf, and why (``None``: nothing to explain)."""
+        raise NotImplementedError
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """One row of a rule table.
 
     Attributes:
         pattern: The regular expression, as written.
-        expression: The einshard expression for the leaves it matches.
+        expression: The einshard expression for the leaves it matches, or a :class:`ByShape`
+            that decides it per leaf.
         index: The rule's position in its table.
     """
 
     pattern: str
-    expression: str
+    expression: str | ByShape
     index: int
+
+    def expression_for(self, shape: tuple[int, ...], dtype: Any, n_devices: int) -> tuple[str, str | None]:
+        """The expression for a leaf of this shape and dtype, and why (``None`` for a fixed one)."""
+        if isinstance(self.expression, str):
+            return self.expression, None
+        return self.expression.expression_for(shape, dtype, n_devices)
 
     def __str__(self) -> str:
         return f"({self.pattern!r}, {self.expression!r})"
 
 
-RulesLike = Union["Rules", Sequence[tuple[str, str]], Mapping[str, str]]
+RulesLike = Union["Rules", Sequence[tuple[str, "str | ByShape"]], Mapping[str, "str | ByShape"]]
 """What a rule table may be given as: a :class:`Rules`, a list of pairs, or a dict."""
 
 
@@ -158,7 +179,7 @@ class Rules:
         rows = "".join(f"\n    ({r.pattern!r}, {r.expression!r})," for r in self.rules)
         return f"Rules([{rows}\n])" if rows else "Rules([])"
 
-    def pairs(self) -> tuple[tuple[str, str], ...]:
+    def pairs(self) -> tuple[tuple[str, str | ByShape], ...]:
         """The table as ``(regex, expression)`` pairs."""
         return tuple((rule.pattern, rule.expression) for rule in self.rules)
 
@@ -270,7 +291,7 @@ def _check_policies(unmatched: object, indivisible: object, strict: object) -> N
         raise EinshardError(f"strict={strict!r} is not a policy", hint="Use strict=True or strict=False.")
 
 
-def _pairs(rules: object) -> list[tuple[str, str]]:
+def _pairs(rules: object) -> list[tuple[str, str | ByShape]]:
     if isinstance(rules, Mapping):
         items: Iterable[Any] = rules.items()
     elif isinstance(rules, (str, bytes)) or not isinstance(rules, Iterable):
@@ -287,7 +308,7 @@ def _pairs(rules: object) -> list[tuple[str, str]]:
             not isinstance(item, (tuple, list))
             or len(item) != 2
             or not isinstance(item[0], str)
-            or not isinstance(item[1], str)
+            or not isinstance(item[1], (str, ByShape))
         ):
             raise EinshardError(
                 f"rule {i} is {item!r}, not a (regex, expression) pair of strings",
@@ -298,7 +319,7 @@ def _pairs(rules: object) -> list[tuple[str, str]]:
 
 
 @functools.lru_cache(maxsize=64)
-def _compile_table(pairs: tuple[tuple[str, str], ...]) -> _Table:
+def _compile_table(pairs: tuple[tuple[str, str | ByShape], ...]) -> _Table:
     """Compiles a table once per process; tables built from the same pairs share the work."""
     rules = tuple(Rule(pattern, expression, i) for i, (pattern, expression) in enumerate(pairs))
     compiled = []
@@ -351,7 +372,8 @@ def _compile_rule(rule: Rule) -> re.Pattern[str]:
             context=[f"in rule {rule.index} {rule}"],
         ) from None
     try:
-        parse(rule.expression)
+        if isinstance(rule.expression, str):  # a ByShape's expressions are checked per leaf
+            parse(rule.expression)
     except EinshardError as error:
         raise error.add_context(f"in rule {rule.index} {rule}") from None
     return regex

@@ -856,9 +856,21 @@ def _portable(value: Any) -> Any:
 
 
 def _in_child(
-    fn: Callable[..., Any] | str, args: tuple, kwargs: dict, n_devices: int, rules: RulesLike | None
-) -> StepReport:
+    fn: Callable[..., Any] | str,
+    args: tuple,
+    kwargs: dict,
+    n_devices: int,
+    rules: RulesLike | None,
+    tables: Sequence[RulesLike] | None = None,
+) -> Any:
+    """The report, compiled in a child process; with ``tables``, one answer per table (the planner).
+
+    An answer is ``('ok', report)`` or ``('error', EinshardError or text)``, so one table that
+    does not fit does not lose the others.
+    """
     payload = {"fn": fn, "args": _portable(args), "kwargs": _portable(kwargs), "rules": rules}
+    if tables is not None:
+        payload["tables"] = list(tables)
     # A step defined in the script being run lives in __main__: the child runs that file as
     # __mp_main__ first, as multiprocessing's spawn does, so that pickle finds it there.
     main = sys.modules.get("__main__")
@@ -929,16 +941,30 @@ def _child() -> None:
             main.__dict__.update(runpy.run_path(main_path, run_name="__mp_main__"))
             sys.modules["__main__"] = sys.modules["__mp_main__"] = main
         payload = pickle.load(stream)
-        report = _compile_and_read(
-            _resolve(payload["fn"]), payload["args"], payload["kwargs"], payload["rules"]
-        )
-        answer: tuple[str, Any] = ("ok", report)
+        fn = _resolve(payload["fn"])
+        if "tables" in payload:
+            answer: tuple[str, Any] = (
+                "ok",
+                [_answer(fn, payload["args"], payload["kwargs"], t) for t in payload["tables"]],
+            )
+        else:
+            answer = ("ok", _compile_and_read(fn, payload["args"], payload["kwargs"], payload["rules"]))
     except EinshardError as error:
         answer = ("error", error)
     except Exception as error:
         answer = ("error", f"{type(error).__name__}: {error}")
     out.write(pickle.dumps(answer))
     out.flush()
+
+
+def _answer(fn: Callable[..., Any], args: tuple, kwargs: dict, rules: RulesLike) -> tuple[str, Any]:
+    """``('ok', report)`` or ``('error', EinshardError or text)`` for one table."""
+    try:
+        return ("ok", _compile_and_read(fn, args, kwargs, rules))
+    except EinshardError as error:
+        return ("error", error)
+    except Exception as error:
+        return ("error", f"{type(error).__name__}: {error}")
 
 
 # --- the table --------------------------------------------------------------------------------------

@@ -1,0 +1,427 @@
+"""``plan``: compile a step under each candidate strategy and rank them by the step report.
+
+Every candidate is a :class:`~einshard.strategies.Strategy`; its table and batch expression
+give the step's arguments their shardings, and :mod:`einshard._step` compiles the step and
+reads what it costs (in this process for this machine's device count, else in one child
+process with simulated CPU devices for all candidates). Ranking needs no recompile:
+:meth:`Plan.at` ranks the same reports at other figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import _step
+from ._errors import EinshardError
+from ._explain import _size
+from ._rules import Rules
+from ._strategies import DEFAULT_MIN_BYTES, Strategy, defaults
+
+__all__ = ["Plan", "PlanRow", "plan"]
+
+_BAR_WIDTH = 40
+TIE = 0.02
+"""Estimated step times within 2% of each other count as equal: the earlier candidate ranks first."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+    """One candidate of a :class:`Plan`.
+
+    Attributes:
+        strategy: The candidate (its rules and batch expression).
+        report: The step report under it, estimated at the plan's figures, or ``None`` when
+            the step could not be laid out or compiled under it.
+        rejected: Why the candidate cannot be used (does not fit memory, does not divide),
+            or ``None``.
+        index: The candidate's position in the list given (ties go to the earlier one).
+    """
+
+    strategy: Strategy
+    report: _step.StepReport | None
+    rejected: str | None
+    index: int = 0
+
+    @property
+    def name(self) -> str:
+        """The strategy's name."""
+        return self.strategy.name
+
+    @property
+    def seconds(self) -> float | None:
+        """Estimated step time: communication plus compute (what is estimated of them)."""
+        if self.report is None:
+            return None
+        parts = [self.report.communication_seconds, self.report.compute_seconds]
+        known = [p for p in parts if p is not None]
+        return sum(known) if known else None
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """Memory per device at the peak, from the compiled program."""
+        return None if self.report is None else self.report.peak_bytes
+
+    @property
+    def traffic(self) -> int | None:
+        """Bytes each device sends per step (ring formulas)."""
+        return None if self.report is None else self.report.traffic
+
+    @property
+    def bytes_by_kind(self) -> dict[str, int]:
+        """The collectives' bytes per device per step, by kind."""
+        return {} if self.report is None else dict(self.report.bytes_by_kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Candidate strategies for one step, best first; ``print(plan)`` shows a table and a chart.
+
+    The figures are estimates: communication from the compiled program's collectives by the
+    ring formulas at the given bandwidth and latency, compute from XLA's flop count at the
+    given FLOP/s, added without overlap; memory from XLA's memory analysis of the program
+    compiled for (simulated) CPU devices.
+
+    Attributes:
+        rows: One :class:`PlanRow` per candidate: the usable ones by estimated step time (by
+            bytes sent without a bandwidth; times within 2% count as equal, and then the
+            candidate given first, the simpler strategy in the default order, ranks first),
+            the rejected ones after them.
+        n_devices: The device count planned for.
+        memory_per_device: The memory limit, or ``None``.
+        bandwidth: Bytes per second per device, or ``None``.
+        latency: Seconds per ring step.
+        flops_per_second: Peak FLOP/s per device, or ``None``.
+    """
+
+    rows: tuple[PlanRow, ...]
+    n_devices: int
+    memory_per_device: int | None
+    bandwidth: float | None
+    latency: float
+    flops_per_second: float | None
+
+    @property
+    def usable(self) -> tuple[PlanRow, ...]:
+        """The candidates not rejected, best first."""
+        return tuple(row for row in self.rows if row.rejected is None)
+
+    @property
+    def best(self) -> Strategy:
+        """The winning strategy: its rules shard the parameters, ``.batch`` the batch.
+
+        Raises:
+            EinshardError: If every candidate was rejected.
+        """
+        usable = self.usable
+        if not usable:
+            reasons = "; ".join(f"{row.name}: {row.rejected}" for row in self.rows)
+            raise EinshardError(
+                f"no candidate strategy fits {self.n_devices} devices",
+                hint="Give more memory_per_device or devices, or other candidates (a hybrid with a "
+                "larger model axis, fsdp with a smaller min_bytes).",
+                context=[f"rejected: {reasons}"] if reasons else [],
+            )
+        return usable[0].strategy
+
+    def at(
+        self,
+        *,
+        memory_per_device: int | None = None,
+        bandwidth: float | None = None,
+        latency: float | None = None,
+        flops_per_second: float | None = None,
+    ) -> Plan:
+        """The same candidates ranked at other figures (those not given are kept); no recompile."""
+        return _ranked(
+            [dataclasses.replace(row, rejected=_unfit(row.rejected)) for row in self.rows],
+            self.n_devices,
+            memory_per_device if memory_per_device is not None else self.memory_per_device,
+            bandwidth if bandwidth is not None else self.bandwidth,
+            latency if latency is not None else self.latency,
+            flops_per_second if flops_per_second is not None else self.flops_per_second,
+        )
+
+    def __str__(self) -> str:
+        try:
+            return _rich_text(self)
+        except ImportError:
+            return _plain_text(self)
+
+
+def plan(
+    step: Callable[..., Any] | str,
+    params: Any,
+    batch: Any,
+    *,
+    n_devices: int | None = None,
+    memory_per_device: int | None = None,
+    bandwidth: float | None = None,
+    latency: float = 0.0,
+    flops_per_second: float | None = None,
+    candidates: Sequence[Strategy] | None = None,
+    min_bytes: int = DEFAULT_MIN_BYTES,
+) -> Plan:
+    """Compiles ``step(params, batch)`` under each candidate strategy and ranks them.
+
+    Each candidate's rules shard ``params`` and its batch expression every array of
+    ``batch``; the step is compiled for those shardings (nothing is allocated:
+    ``ShapeDtypeStruct`` leaves will do) and its :func:`~einshard.explain_step` report gives
+    the estimated time, the bytes moved and the peak memory per device. A candidate is
+    rejected when its rules do not divide the shapes or the device count, or when its peak
+    memory is above ``memory_per_device``.
+
+    The rules match paths with the step's parameter name in front, as in
+    :func:`~einshard.explain_step` (``params/layers/0/kernel``): anchor your own rules with
+    ``(^|/)``, not ``^``.
+
+    Args:
+        step: The training step, ``step(params, batch)`` (see :func:`~einshard.explain_step`).
+        params: The parameters (and optimizer state, if the step takes them together).
+        batch: The batch: an array or a pytree of arrays, the batch axis first.
+        n_devices: The device count to plan for (default: this machine's). Another count is
+            compiled in one child process with that many simulated CPU devices.
+        memory_per_device: Bytes each device has; candidates that need more are rejected.
+        bandwidth: Bytes per second each device sends, for the communication estimate.
+        latency: Seconds per step of a ring algorithm.
+        flops_per_second: Peak FLOP/s per device, for the compute estimate.
+        candidates: The strategies to try; default data parallel, FSDP, tensor parallel and
+            a hybrid for every factorization of the device count (:func:`strategies.defaults
+            <einshard.strategies.defaults>`).
+        min_bytes: FSDP's and the hybrids' ``min_bytes`` in the default candidates.
+
+    Returns:
+        A :class:`Plan`; ``plan.best`` is the winning :class:`~einshard.strategies.Strategy`.
+
+    Raises:
+        EinshardError: If a candidate is not a Strategy, or the step or its arguments cannot
+            cross into the child process.
+
+    >>> import jax, jax.numpy as jnp, einshard
+    >>> def step(params, batch):
+    ...     grads = jax.grad(lambda p: jnp.sum((batch @ p['w']) ** 2))(params)
+    ...     return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    >>> params = {'w': jax.ShapeDtypeStruct((64, 64), jnp.float32)}
+    >>> batch = jax.ShapeDtypeStruct((256, 64), jnp.float32)
+    >>> result = einshard.plan(step, params, batch, bandwidth=100e9, flops_per_second=1e12,
+    ...                        candidates=[einshard.strategies.data_parallel(),
+    ...                                    einshard.strategies.tensor_parallel(column=['w'])])
+    >>> result.best.name, result.best.batch
+    ('data parallel', 'b ... -> b* ...')
+    """
+    from ._devices import device_target
+
+    strategies = list(candidates) if candidates is not None else None
+    if strategies is not None:
+        for candidate in strategies:
+            if not isinstance(candidate, Strategy):
+                raise EinshardError(
+                    f"a planner candidate must be a Strategy, not {type(candidate).__name__}",
+                    hint="Use einshard.strategies.fsdp() and friends, or wrap a table: "
+                    "einshard.strategies.Strategy(rules, batch='b ... -> b* ...', name='mine').",
+                )
+    if n_devices is not None and (
+        isinstance(n_devices, bool) or not isinstance(n_devices, int) or n_devices < 1
+    ):
+        raise EinshardError(
+            f"n_devices must be a positive integer, not {n_devices!r}",
+            hint="Give the device count to plan for, e.g. n_devices=64.",
+        )
+    local = device_target(None).count
+    count = local if n_devices is None else n_devices
+    if strategies is None:
+        strategies = defaults(count, min_bytes=min_bytes)
+    fn = _step._resolve(step)
+    names, _ = _step._named(fn, (params, batch), {})
+    tables = [_with_batch(strategy, names[1]) for strategy in strategies]
+    if count == local:
+        answers = [_step._answer(fn, (params, batch), {}, table) for table in tables]
+    else:
+        answers = _step._in_child(step, (params, batch), {}, count, None, tables=tables)
+    rows = []
+    for index, (strategy, (status, value)) in enumerate(zip(strategies, answers, strict=True)):
+        if status == "ok":
+            rows.append(PlanRow(strategy, value, None, index))
+        else:
+            rows.append(PlanRow(strategy, None, _reason(value), index))
+    return _ranked(rows, count, memory_per_device, bandwidth, latency, flops_per_second)
+
+
+def _with_batch(strategy: Strategy, batch_name: str) -> Rules:
+    """The strategy's table with the batch rule in front, for the step's argument paths."""
+    batch_rule = (rf"^{re.escape(batch_name)}(/|$)", strategy.batch)
+    return Rules([batch_rule, *strategy.pairs()], **strategy._policies())
+
+
+def _reason(error: Any) -> str:
+    if isinstance(error, EinshardError):
+        where = f" ({error.context[0]})" if error.context else ""
+        return f"does not fit the shapes or devices: {error.headline}{where}"
+    return f"does not compile: {error}"
+
+
+_MEMORY = "does not fit memory"
+
+
+def _unfit(reason: str | None) -> str | None:
+    """A rejection that does not depend on the figures (memory is decided again)."""
+    return None if reason is not None and reason.startswith(_MEMORY) else reason
+
+
+def _ranked(
+    rows: list[PlanRow],
+    n_devices: int,
+    memory_per_device: int | None,
+    bandwidth: float | None,
+    latency: float,
+    flops_per_second: float | None,
+) -> Plan:
+    estimated = []
+    for row in rows:
+        report = row.report
+        if report is not None:
+            report = _step._estimated(report, bandwidth, latency, flops_per_second)
+        rejected = row.rejected
+        if (
+            rejected is None
+            and memory_per_device is not None
+            and report is not None
+            and report.peak_bytes is not None
+            and report.peak_bytes > memory_per_device
+        ):
+            rejected = f"{_MEMORY}: needs {_size(report.peak_bytes)} > {_size(memory_per_device)} per device"
+        estimated.append(PlanRow(row.strategy, report, rejected, row.index))
+
+    def measure(row: PlanRow) -> float:
+        # Without a bandwidth the communication has no time: the bytes sent rank instead.
+        seconds = row.seconds if bandwidth is not None else None
+        return seconds if seconds is not None else float(row.traffic or 0)
+
+    def key(row: PlanRow) -> tuple:
+        return (measure(row), row.traffic or 0, row.peak_bytes or 0, row.index)
+
+    usable = sorted((row for row in estimated if row.rejected is None), key=key)
+    rejected = sorted((row for row in estimated if row.rejected is not None), key=key)
+    # Estimates within TIE of the fastest left are not told apart: the earlier candidate (the
+    # simpler strategy, in the default order) goes first.
+    ranked: list[PlanRow] = []
+    while usable:
+        limit = measure(usable[0]) * (1 + TIE)
+        pick = min((row for row in usable if measure(row) <= limit), key=lambda row: row.index)
+        usable.remove(pick)
+        ranked.append(pick)
+    ranked += rejected
+    return Plan(tuple(ranked), n_devices, memory_per_device, bandwidth, latency, flops_per_second)
+
+
+# --- printing -------------------------------------------------------------------------------------
+
+
+def _columns(plan: Plan) -> tuple[list[str], list[list[str]]]:
+    kinds = [k for k in _step.KINDS if any(row.bytes_by_kind.get(k) for row in plan.rows)]
+    header = ["#", "strategy", "step time", "comm", "compute", "peak/device", "sent/device"]
+    header += [_SHORT_KIND.get(kind, kind) for kind in kinds]
+    header.append("verdict")
+    body = []
+    rank = 0
+    for row in plan.rows:
+        report = row.report
+        if row.rejected is None:
+            rank += 1
+        body.append(
+            [
+                str(rank) if row.rejected is None else "-",
+                row.name,
+                _step._seconds(row.seconds) if report is not None else "-",
+                _step._seconds(report.communication_seconds) if report is not None else "-",
+                _step._seconds(report.compute_seconds) if report is not None else "-",
+                _size(row.peak_bytes) if row.peak_bytes is not None else "-",
+                _size(row.traffic) if row.traffic is not None else "-",
+                *[_size(row.bytes_by_kind.get(kind, 0)) for kind in kinds],
+                ("best" if rank == 1 else "fits")
+                if row.rejected is None
+                else f"rejected ({_short_reason(row.rejected)})",  # the reason in full below
+            ]
+        )
+    return header, body
+
+
+def _chart(plan: Plan) -> list[str]:
+    """Bars of the estimated step time: ``█`` communication, ``░`` compute."""
+    usable = [row for row in plan.usable if row.seconds is not None]
+    if not usable:
+        return []
+    longest = max(row.seconds or 0.0 for row in usable) or 1.0
+    width = max(len(row.name) for row in usable)
+    lines = []
+    for row in usable:
+        report = row.report
+        assert report is not None
+        communication = report.communication_seconds or 0.0
+        compute = report.compute_seconds or 0.0
+        bar_comm = round(_BAR_WIDTH * communication / longest)
+        bar_compute = round(_BAR_WIDTH * (communication + compute) / longest) - bar_comm
+        bar = "█" * bar_comm + "░" * bar_compute
+        lines.append(f"{row.name.ljust(width)}  {bar.ljust(_BAR_WIDTH)}  {_step._seconds(row.seconds)}")
+    return ["estimated step time (█ communication, ░ compute):", *lines]
+
+
+def _short_reason(reason: str) -> str:
+    if reason.startswith(_MEMORY):
+        return "memory"
+    return "compile" if reason.startswith("does not compile") else "shapes"
+
+
+_SHORT_KIND = {"collective-permute": "permute", "reduce-scatter": "reduce-scatter"}
+
+
+def _footer(plan: Plan) -> list[str]:
+    rejected = [f"rejected {row.name}: {row.rejected}" for row in plan.rows if row.rejected is not None]
+    figures = []
+    if plan.bandwidth is not None:
+        figures.append(f"{plan.bandwidth / 1e9:g} GB/s per device, latency {_step._seconds(plan.latency)}")
+    if plan.flops_per_second is not None:
+        figures.append(f"{plan.flops_per_second:.3g} FLOP/s per device")
+    if plan.memory_per_device is not None:
+        figures.append(f"{_size(plan.memory_per_device)} per device")
+    if plan.bandwidth is None:
+        figures.append("no bandwidth given: ranked by bytes sent")
+    given = "; ".join(figures)
+    return [
+        *rejected,
+        f"{len(plan.rows)} candidates on {plan.n_devices} devices ({given}); "
+        f"times within {TIE:.0%} count as equal (the simpler strategy first).",
+        "Estimates, not measurements: collectives of the compiled program by ring formulas at the "
+        "given bandwidth, plus XLA's flop count at the given FLOP/s, without overlap; peak memory "
+        "from XLA's memory analysis of the program compiled for CPU devices.",
+    ]
+
+
+def _rich_text(plan: Plan) -> str:
+    import rich.box
+    import rich.console
+    import rich.table
+
+    header, body = _columns(plan)
+    table = rich.table.Table(*header, box=rich.box.SIMPLE_HEAD, show_edge=False)
+    for line in body:
+        table.add_row(*line)
+    buffer = io.StringIO()
+    # 150 columns: what the documentation's code blocks show without wrapping a table's lines.
+    console = rich.console.Console(file=buffer, width=150, color_system=None, force_terminal=False)
+    console.print(table)
+    for line in [*_chart(plan), *_footer(plan)]:
+        console.print(line, highlight=False, soft_wrap=True, markup=False)
+    return "\n".join(line.rstrip() for line in buffer.getvalue().rstrip().splitlines())
+
+
+def _plain_text(plan: Plan) -> str:
+    header, body = _columns(plan)
+    widths = [max(len(cell) for cell in column) for column in zip(header, *body, strict=True)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(header, widths, strict=True)).rstrip()]
+    lines.append("  ".join("-" * width for width in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in body]
+    return "\n".join([*lines, *_chart(plan), *_footer(plan)])

@@ -1,0 +1,217 @@
+"""Strategy tables: fsdp's per-leaf decisions against a hand computation on 8, 16 and 6 devices,
+the placed layouts on this machine's devices, tensor parallel and hybrid tables, and Flax NNX,
+optax and Equinox state following a strategy with no extra code."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import einshard
+from einshard.strategies import SplitLargest, Strategy
+
+N = jax.device_count()
+MIN_BYTES = 16 << 10
+F32 = jnp.float32
+
+
+def llama_tree() -> dict:
+    """LLaMA-shaped (stacked layers), sized so that 8, 16 and 6 devices decide differently."""
+
+    def f32(*shape: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, F32)
+
+    vocab, d, ffn, layers = 1000, 96, 320, 2
+    return {
+        "embed": {"embedding": f32(vocab, d)},
+        "layers": {
+            "attn": {f"{n}_proj": {"kernel": f32(layers, d, d)} for n in "qkvo"},
+            "mlp": {
+                "gate_proj": {"kernel": f32(layers, d, ffn)},
+                "up_proj": {"kernel": f32(layers, d, ffn)},
+                "down_proj": {"kernel": f32(layers, ffn, d)},
+            },
+            "attention_norm": {"scale": f32(layers, d)},
+        },
+        "norm": {"scale": f32(d)},
+        "lm_head": {"kernel": f32(d, vocab)},
+        "odd": {"table": f32(1001, 7)},  # 28 KiB, and no axis divides by 6, 8 or 16
+        "half": {"small": jax.ShapeDtypeStruct((64, 96), jnp.bfloat16)},  # 12 KiB in bf16: below
+        "full": {"large": f32(64, 96)},  # the same shape in f32, 24 KiB: split
+    }
+
+
+# The hand computation: the block each device holds, and whether a note must say why.
+HAND = {
+    8: {
+        "embed/embedding": (125, 96),
+        "layers/attn/q_proj/kernel": (2, 12, 96),
+        "layers/mlp/gate_proj/kernel": (2, 96, 40),
+        "layers/mlp/down_proj/kernel": (2, 40, 96),
+        "lm_head/kernel": (96, 125),
+        "full/large": (64, 12),
+    },
+    16: {
+        "embed/embedding": (1000, 6),  # 1000 does not divide by 16: the next largest, 96
+        "layers/attn/q_proj/kernel": (2, 6, 96),
+        "layers/mlp/gate_proj/kernel": (2, 96, 20),
+        "layers/mlp/down_proj/kernel": (2, 20, 96),
+        "lm_head/kernel": (6, 1000),
+        "full/large": (64, 6),
+    },
+    6: {
+        "embed/embedding": (1000, 16),
+        "layers/attn/q_proj/kernel": (2, 16, 96),
+        "layers/mlp/gate_proj/kernel": (2, 16, 320),  # 320 does not divide by 6: axis 1
+        "layers/mlp/down_proj/kernel": (2, 320, 16),
+        "lm_head/kernel": (16, 1000),
+        "full/large": (64, 16),
+    },
+}
+# Leaves whose largest axis does not divide, split on the next largest (the note says so).
+NEXT_LARGEST = {
+    8: set(),
+    16: {"embed/embedding", "lm_head/kernel"},
+    6: {"embed/embedding", "lm_head/kernel", "layers/mlp/gate_proj/kernel", "layers/mlp/up_proj/kernel"}
+    | {"layers/mlp/down_proj/kernel"},
+}
+REPLICATED_SMALL = {"layers/attention_norm/scale", "norm/scale", "half/small"}
+
+
+@pytest.mark.parametrize("n", [8, 16, 6])
+def test_fsdp_explain_agrees_with_the_hand_computation(n):
+    report = einshard.explain(llama_tree(), einshard.strategies.fsdp(min_bytes=MIN_BYTES), n_devices=n)
+    rows = {row.path: row for row in report.rows}
+    for path, block in HAND[n].items():
+        assert rows[path].shard_shape == block, path
+    assert rows["layers/mlp/up_proj/kernel"].shard_shape == rows["layers/mlp/gate_proj/kernel"].shard_shape
+    for path in REPLICATED_SMALL:
+        assert rows[path].shard_shape == rows[path].shape
+        assert "min_bytes" in rows[path].note
+    assert rows["odd/table"].shard_shape == (1001, 7)
+    assert rows["odd/table"].note == f"no axis of (1001, 7) divides by {n}: replicated"
+    for path, row in rows.items():
+        if path in NEXT_LARGEST[n]:
+            assert "does not divide" in row.note and "split" in row.note, path
+        elif path not in REPLICATED_SMALL and path != "odd/table":
+            assert row.note is None, (path, row.note)
+            assert math.prod(row.shape) == math.prod(row.shard_shape) * n  # split over all devices
+    # The reasons are in the printed report too.
+    text = str(report)
+    assert "no axis of (1001, 7) divides" in text and "< min_bytes 16.0 KiB: replicated" in text
+
+
+def test_fsdp_places_the_layouts_explain_predicts():
+    tree = jax.tree.map(
+        lambda s: jnp.arange(math.prod(s.shape), dtype=s.dtype).reshape(s.shape), llama_tree()
+    )
+    strategy = einshard.strategies.fsdp(min_bytes=MIN_BYTES)
+    placed = einshard.shard_pytree(tree, strategy)
+    report = einshard.explain(tree, strategy)
+    flat = dict(zip([row.path for row in report.rows], jax.tree.leaves(placed), strict=True))
+    for row in report.rows:
+        array = flat[row.path]
+        indices = array.sharding.devices_indices_map(array.shape)
+        ranges = [
+            tuple(range(*s.indices(n))[::1] for s, n in zip(i, array.shape, strict=True))
+            for i in indices.values()
+        ]
+        assert {tuple(len(r) for r in block) for block in ranges} == {row.shard_shape}, row.path
+        distinct = {tuple((r.start, r.stop) for r in block) for block in ranges}
+        assert len(distinct) == math.prod(row.shape) // math.prod(row.shard_shape), row.path
+    for original, sharded in zip(jax.tree.leaves(tree), jax.tree.leaves(placed), strict=True):
+        np.testing.assert_array_equal(np.asarray(sharded), np.asarray(original))
+
+
+def test_split_largest_prefers_a_given_axis_and_checks_its_arguments():
+    assert SplitLargest(min_bytes=0, axis=0).expression_for((8, 64), "float32", 8) == ("a b -> a8 b", None)
+    assert SplitLargest(min_bytes=0, axis=-1).expression_for((64, 12), "float32", 8) == (
+        "a b -> a8 b",
+        "axis 1 (12) does not divide by 8: axis 0 split",
+    )
+    assert SplitLargest(min_bytes=0, parts=2).expression_for((8, 64), "float32", 8) == ("a b -> a b2 4", None)
+    for bad in ({"min_bytes": -1}, {"axis": "first"}, {"parts": 0}):
+        with pytest.raises(einshard.EinshardError):
+            SplitLargest(**bad)
+
+
+def test_strategies_are_rules_that_keep_their_batch_when_extended():
+    strategy = einshard.strategies.fsdp(min_bytes=MIN_BYTES)
+    assert isinstance(strategy, einshard.Rules)
+    mine = [(r"embed/embedding$", "v d -> v* d")]
+    extended = mine + strategy
+    assert isinstance(extended, Strategy) and extended.batch == strategy.batch
+    assert extended.pairs()[0] == mine[0] and extended.pairs()[1:] == strategy.pairs()
+    rows = {r.path: r for r in einshard.explain(llama_tree(), extended, n_devices=8).rows}
+    assert rows["embed/embedding"].shard_shape == (125, 96) and rows["embed/embedding"].rule == mine[0][0]
+    again = pickle.loads(pickle.dumps(extended))
+    assert again == extended and again.batch == extended.batch
+    assert "SplitLargest(min_bytes=16384)" in repr(strategy)
+    assert strategy.replace(strict=True).name == "fsdp"
+
+
+@pytest.mark.parametrize("n", [8, 16, 6])
+def test_tensor_parallel_and_hybrid_split_the_megatron_pairs(n):
+    tree = llama_tree()
+    rows = {
+        r.path: r for r in einshard.explain(tree, einshard.strategies.tensor_parallel(), n_devices=8).rows
+    }
+    assert rows["layers/attn/q_proj/kernel"].shard_shape == (2, 96, 12)  # column: the output axis
+    assert rows["layers/attn/o_proj/kernel"].shard_shape == (2, 12, 96)  # row: the input axis
+    assert rows["layers/mlp/down_proj/kernel"].shard_shape == (2, 40, 96)
+    assert rows["embed/embedding"].shard_shape == (1000, 96)
+    hybrid = einshard.strategies.hybrid(model=2, min_bytes=MIN_BYTES)
+    if n % 2 or 96 % (n // 2):
+        with pytest.raises(einshard.EinshardError):
+            einshard.explain(tree, hybrid, n_devices=n)
+        return
+    rows = {r.path: r for r in einshard.explain(tree, hybrid, n_devices=n).rows}
+    assert rows["layers/mlp/up_proj/kernel"].shard_shape == (2, 96 // (n // 2), 160)
+    assert rows["layers/mlp/down_proj/kernel"].shard_shape == (2, 160, 96 // (n // 2))
+    assert hybrid.batch == "b ... -> b* ... 2"
+
+
+def test_equinox_weights_are_read_out_by_in():
+    eqx = pytest.importorskip("equinox")
+    model = eqx.nn.Linear(16, 64, key=jax.random.key(0))
+    tree = {"up": {"weight": model.weight, "bias": model.bias}}
+    rows = {
+        r.path: r for r in einshard.explain(tree, einshard.strategies.tensor_parallel(), n_devices=8).rows
+    }
+    assert rows["up/weight"].shard_shape == (8, 16) and rows["up/bias"].shard_shape == (8,)
+
+
+def test_flax_nnx_optax_and_equinox_state_follow_a_strategy():
+    nnx = pytest.importorskip("flax.nnx")
+    optax = pytest.importorskip("optax")
+    eqx = pytest.importorskip("equinox")
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(16, 8 * N, rngs=rngs)
+            self.down = nnx.Linear(8 * N, 16, rngs=rngs)
+
+    _, state = nnx.split(MLP(nnx.Rngs(0)))
+    tree = (state, optax.adam(1e-2).init(state))
+    strategy = einshard.strategies.fsdp(min_bytes=0)
+    placed = by_path(einshard.shard_pytree(tree, strategy), strategy)
+    for path in ("0/up/kernel", "1/0/mu/up/kernel", "1/0/nu/up/kernel"):
+        assert placed[path].sharding.shard_shape(placed[path].shape) == (16, 8), path
+    np.testing.assert_array_equal(
+        np.asarray(placed["0/up/kernel"]), np.asarray(by_path(tree, strategy)["0/up/kernel"])
+    )
+    model = eqx.nn.MLP(16, 16, 8 * N, 1, key=jax.random.key(0))
+    placed = by_path(einshard.shard_pytree(model, strategy), strategy)
+    assert placed["layers/0/weight"].sharding.shard_shape((8 * N, 16)) == (8, 16)
+
+
+def by_path(tree, rules) -> dict:
+    """The array leaves of a tree by their einshard paths."""
+    paths = [row.path for row in einshard.explain(tree, rules).rows]
+    leaves = [leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array)]
+    return dict(zip(paths, leaves, strict=True))
