@@ -253,7 +253,7 @@ def _filled_block(job: tuple[np.dtype, _Target]) -> np.ndarray:
     start = -raw.ctypes.data % _ALIGN
     block = raw[start : start + nbytes].view(dtype).reshape(target.shape)
     for into, view in target.pieces:
-        np.copyto(block[into], view)
+        np.copyto(block[into] if into else block, view)  # a 0-d block indexed by () is a scalar
     block.flags.writeable = False
     return block
 
