@@ -317,10 +317,10 @@ def _growth(
         verdict = "with the work" if within else "faster than the work"
         rows.append(
             [
-                f"growth {first[x]:,} → {last[x]:,}",
+                f"growth {show(first[x])} → {show(last[x])}",
                 name,
                 f"cost × {grew:.2f}",
-                f"work × {expected:g}",
+                f"work × {expected:.3g}",
                 verdict,
             ]
         )
