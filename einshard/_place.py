@@ -113,12 +113,12 @@ def place_leaves(leaves: Sequence[Any], shardings: Sequence[Sharding | None]) ->
             plans.append(plan)
         else:
             batch_at.append(i)
-    if plans:  # the large CPU leaves, block by block, all their copies together
-        for i, value in zip(plan_at, _run_plans(plans), strict=True):
-            out[i] = value
-    if batch_at:  # one call places them all
+    if batch_at:  # one call places them all (asynchronously: the copies below overlap it)
         placed = jax.device_put([leaves[i] for i in batch_at], [shardings[i] for i in batch_at])
         for i, value in zip(batch_at, placed, strict=True):
+            out[i] = value
+    if plans:  # the large CPU leaves, block by block, all their copies together
+        for i, value in zip(plan_at, _run_plans(plans), strict=True):
             out[i] = value
     return out
 
@@ -146,11 +146,12 @@ def _from_whole(x: jax.Array, sharding: Sharding) -> jax.Array:
 # --- block by block, on CPU devices (see the module docstring) ----------------------------------------
 
 # When block by block is faster, as measured by benchmarks/bench_placement.py: from a jax.Array of at
-# least this many bytes (device_put goes through its host value, or copies device to device), and from
-# NumPy when a block is this large (device_put's own buffers of that size are fresh memory, slow to fault
-# in; below it, device_put's parallel copies into reused memory are as fast or faster).
+# least BLOCKWISE_MIN_BYTES_FROM_JAX to a layout that splits it (device_put goes through the host
+# value, or copies device to device); and, from NumPy or to a layout that replicates blocks, when a
+# block has BLOCKWISE_MIN_BLOCK_BYTES (device_put's own buffers that large are fresh memory, slow to
+# fault in; below it, its parallel copies into reused memory are as fast or faster).
 BLOCKWISE_MIN_BYTES_FROM_JAX = 4 << 20
-BLOCKWISE_MIN_BLOCK_BYTES_FROM_NUMPY = 32 << 20
+BLOCKWISE_MIN_BLOCK_BYTES = 32 << 20
 _PARALLEL_MIN_BYTES = 8 << 20  # copies of fewer bytes in all stay on the calling thread
 _ALIGN = 64  # the CPU client takes a host buffer as the device buffer, uncopied, from this alignment
 _copy_pool: ThreadPoolExecutor | None = None
@@ -175,7 +176,7 @@ class _Plan(NamedTuple):
 def _blockwise_plan(x: Any, sharding: Sharding) -> _Plan | None:
     """How to place ``x`` block by block, or ``None`` where ``jax.device_put`` is to place it."""
     if type(x) is np.ndarray:
-        if x.nbytes < BLOCKWISE_MIN_BLOCK_BYTES_FROM_NUMPY or x.ctypes.data % _ALIGN == 0:
+        if x.nbytes < BLOCKWISE_MIN_BLOCK_BYTES or x.ctypes.data % _ALIGN == 0:
             return None
         if not _plain_dtype(x.dtype):
             return None
@@ -202,7 +203,9 @@ def _blockwise_plan(x: Any, sharding: Sharding) -> _Plan | None:
     blocks = _cpu_blocks(sharding, x.shape)
     if not blocks or jax.process_count() > 1:
         return None
-    if not held and _largest_block_bytes(blocks, x.dtype.itemsize) < BLOCKWISE_MIN_BLOCK_BYTES_FROM_NUMPY:
+    if (not held or _replicates(blocks)) and _largest_block_bytes(
+        blocks, x.dtype.itemsize
+    ) < BLOCKWISE_MIN_BLOCK_BYTES:
         return None
     one_device = len(held) == 1
     targets = []
@@ -277,6 +280,11 @@ def _plain_dtype(dtype: Any) -> bool:
         )
     except (TypeError, ValueError):
         return False
+
+
+def _replicates(blocks: Sequence[tuple[Any, tuple[tuple[int, int], ...]]]) -> bool:
+    """Whether some block is on more than one device."""
+    return len({bounds for _, bounds in blocks}) < len(blocks)
 
 
 def _largest_block_bytes(blocks: Sequence[tuple[Any, tuple[tuple[int, int], ...]]], itemsize: int) -> int:

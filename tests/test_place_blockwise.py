@@ -31,7 +31,7 @@ LAYOUTS = [
 @pytest.fixture(autouse=True)
 def blockwise_everywhere(monkeypatch):
     monkeypatch.setattr(_place, "BLOCKWISE_MIN_BYTES_FROM_JAX", 0)
-    monkeypatch.setattr(_place, "BLOCKWISE_MIN_BLOCK_BYTES_FROM_NUMPY", 0)
+    monkeypatch.setattr(_place, "BLOCKWISE_MIN_BLOCK_BYTES", 0)
 
 
 def unaligned(values):
@@ -184,7 +184,7 @@ def test_a_donated_result_computes_correctly():
 
 def test_a_tree_mixes_both_paths(monkeypatch):
     monkeypatch.setattr(_place, "BLOCKWISE_MIN_BYTES_FROM_JAX", 1024)
-    monkeypatch.setattr(_place, "BLOCKWISE_MIN_BLOCK_BYTES_FROM_NUMPY", 1024)
+    monkeypatch.setattr(_place, "BLOCKWISE_MIN_BLOCK_BYTES", 1024)
     big = values_of((N_DEVICES, 256), np.float32)
     tree = {"big": big, "big_jax": jnp.asarray(big), "small": values_of((N_DEVICES, 2), np.int32), "n": 3}
     shardings = {
