@@ -16,7 +16,8 @@ Each row takes at least ``--reps`` pairs, and more while they fit in
 Each row also has its **floor**: the bytes written to all devices (every
 device's block, less a block the input already holds on that device, which
 both keep) divided by the memcpy rate measured in the same run (one
-``np.copyto`` of the array into a preallocated one). The ``path`` column says
+``np.copyto`` of the array into a preallocated one, median, measured again just
+before each row). The ``path`` column says
 how einshard places the row: ``block by block`` (its own CPU path, see
 ``einshard/_place.py``) or ``device_put`` (where the block-by-block path was
 not measured faster, einshard calls ``jax.device_put``).
@@ -120,6 +121,16 @@ def device_put_shares(make_input: Callable[[], object], sharding: jax.sharding.S
         shared += len(set(pointers)) < len(pointers)
         del placed
     return shared
+
+
+_MEMCPY_HOST: list[np.ndarray] = []
+
+
+def row_rate(reps: int) -> float:
+    """The memcpy rate (bytes/s) measured again just before a row, so that its floor sees the same
+    load as its timings (on a shared machine the rate drifts during the run)."""
+    host = _MEMCPY_HOST[0]
+    return host.nbytes / _common.memcpy_seconds(host, max(5, reps // 3))
 
 
 def path_taken(x: object, sharding: jax.sharding.Sharding) -> str:
@@ -256,6 +267,7 @@ def tree_rows(args: argparse.Namespace, rate: float) -> tuple[list[list[str]], l
     records: list[dict[str, object]] = []
     failed = False
     for source, tree in (("numpy", host), ("jax, 1 device", on_one_device)):
+        rate = row_rate(args.reps)
         floor = sum(map(written_bytes, jax.tree.leaves(tree), jax.tree.leaves(shardings))) / rate
         result = _common.compare(
             lambda t: einshard.shard_pytree(t, _common.LLAMA_RULES),
@@ -311,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(_common.environment(N_DEVICES))
     host = np.random.default_rng(0).standard_normal(SHAPE, dtype=np.float32)
+    _MEMCPY_HOST.append(host)
     memcpy = _common.memcpy_seconds(host, args.reps)
     rate = host.nbytes / memcpy
     results.extra["memcpy"] = {
@@ -333,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         sharding = einshard.make_sharding(expression, shape=SHAPE)  # built beforehand: B is device_put alone
         for source, make_input in sources(host, expression):
             sample = make_input()
-            floor = written_bytes(sample, sharding) / rate
+            floor = written_bytes(sample, sharding) / row_rate(args.reps)
             path = path_taken(sample, sharding)
             del sample
             shares = device_put_shares(make_input, sharding)

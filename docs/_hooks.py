@@ -429,10 +429,21 @@ def curves_svg(results: dict[str, Any]) -> str:
             xs, [p["device_put_s"] * 1e3 for p in points], "x:", color=colour, label=f"device_put, {source}"
         )
     style(axes[0], "Placement of a fixed array vs device count", "devices", "ms")
+    counts = sorted({p["devices"] for p in placement if "devices" in p})
+    axes[0].set_xticks(counts, [str(c) for c in counts])
+    axes[0].minorticks_off()
     series(axes[1], tables["resolve_leaves"]["records"], "leaves", "us_per_leaf", "measure", 1.0)
     style(axes[1], "Rule resolution vs leaves (flat = linear)", "leaves", "µs per leaf", logy=False)
     axes[1].set_ylim(bottom=0)
-    series(axes[2], tables["explain_devices"]["records"], "devices", "seconds", None, 1e3)
+    explain = [r for r in tables["explain_devices"]["records"] if "seconds" in r]
+    axes[2].plot(
+        [r["devices"] for r in explain],
+        [r["seconds"] * 1e3 for r in explain],
+        "o-",
+        color=colours[0],
+        ms=4,
+        label=f"explain, {explain[0]['leaves']} leaves",
+    )
     style(axes[2], "explain(tree, rules, n_devices=N) vs N", "devices (planned)", "ms", logy=False)
     axes[2].set_ylim(bottom=0)
     memory = [r for r in tables["init_memory"]["records"] if "model_bytes" in r]
