@@ -179,6 +179,72 @@ def compare(
     }
 
 
+# --- LLaMA-shaped trees (bench_placement, bench_curves) -------------------------------------------
+
+# Hybrid data x tensor parallelism: 4-way tensor parallel over the fast-varying devices, d_model over
+# what is left; the norms replicated; the first match wins.
+LLAMA_RULES = [
+    (r"embed/embedding$", "vocab d -> d* vocab4"),
+    (r"attn/(q|k|v)_proj/kernel$", "d heads -> d* heads4"),
+    (r"attn/(q|k|v)_proj/bias$", "heads -> * heads4"),
+    (r"attn/o_proj/kernel$", "heads d -> d* heads4"),
+    (r"mlp/(gate|up)_proj/kernel$", "d ffn -> d* ffn4"),
+    (r"mlp/(gate|up)_proj/bias$", "ffn -> * ffn4"),
+    (r"mlp/down_proj/kernel$", "ffn d -> d* ffn4"),
+    (r"(attention|ffn)_norm/scale$", "d -> * d"),
+    (r"final_norm/scale$", "d -> * d"),
+    (r"lm_head/kernel$", "d vocab -> d* vocab4"),
+    (r"rotary/(sin|cos)$", "... -> * ..."),
+    (r"(^|/)(step|count)$", "... -> * ..."),
+    (r".*", "... -> * ..."),
+]
+
+
+def llama_tree(
+    n_layers: int, d_model: int, ffn: int, vocab: int, leaf: Callable[[tuple[int, ...]], Any]
+) -> Any:
+    """A LLaMA-shaped parameter tree of nested dicts; ``leaf(shape)`` makes each leaf, in order.
+
+    Paths look like ``layers/7/attn/q_proj/kernel`` and ``layers/7/attention_norm/scale``.
+    """
+
+    def layer() -> dict[str, Any]:
+        return {
+            "attn": {f"{name}_proj": {"kernel": leaf((d_model, d_model))} for name in "qkvo"},
+            "mlp": {
+                "gate_proj": {"kernel": leaf((d_model, ffn))},
+                "up_proj": {"kernel": leaf((d_model, ffn))},
+                "down_proj": {"kernel": leaf((ffn, d_model))},
+            },
+            "attention_norm": {"scale": leaf((d_model,))},
+            "ffn_norm": {"scale": leaf((d_model,))},
+        }
+
+    return {
+        "embed": {"embedding": leaf((vocab, d_model))},
+        "layers": {str(i): layer() for i in range(n_layers)},
+        "final_norm": {"scale": leaf((d_model,))},
+        "lm_head": {"kernel": leaf((d_model, vocab))},
+    }
+
+
+def unaligned(array: Any) -> Any:
+    """A copy of the NumPy ``array`` whose data does not start on a 64-byte boundary.
+
+    On CPU, ``jax.device_put`` takes a 64-byte aligned NumPy array as the device buffer without
+    copying it (it aliases the caller's memory), and einshard then leaves it to ``device_put``;
+    the benchmarks measure the copying case, which is what NumPy's large allocations give
+    (glibc's ``mmap`` chunks start 16 bytes into a page).
+    """
+    import numpy as np
+
+    raw = np.empty(array.nbytes + 64, np.uint8)
+    start = (16 - raw.ctypes.data) % 64
+    out = raw[start : start + array.nbytes].view(array.dtype).reshape(array.shape)
+    out[...] = array
+    return out
+
+
 # --- output ---------------------------------------------------------------------------------------
 
 

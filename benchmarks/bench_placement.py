@@ -1,29 +1,43 @@
-"""Placement bars: ``einshard`` against ``jax.device_put``, and the cached ``make_sharding``.
+"""Placement: ``einshard`` against ``jax.device_put`` and against the memory-bandwidth floor.
 
     python benchmarks/bench_placement.py [--reps 30] [--seconds 4] [--warmup 5] [--no-fail] [--json PATH]
 
 On 8 simulated CPU devices, for a 4096x4096 float32 array (64 MiB), times
 ``einshard.einshard(x, e)`` (A) against ``jax.device_put(x, sharding)`` (B),
 ``sharding = einshard.make_sharding(e, shape=x.shape)`` built before the timed
-calls, for sharded,
-partially replicated and replicated layouts, from a NumPy array, from a
-``jax.Array`` on one device and from a ``jax.Array`` with another sharding.
-Runs are interleaved (A B, then B A, ...); each waits for its result
-(``block_until_ready``) and drops it before the next. Each row takes at least
-``--reps`` pairs, and more while they fit in ``--seconds`` (quick placements
-scatter more). A row passes when the median of the per-pair ratios A/B is at
-most 1.05.
+calls, for split, partially replicated and replicated layouts, from a NumPy
+array (not 64-byte aligned, so that ``device_put`` copies it; see
+``_common.unaligned``), from a ``jax.Array`` on one device and from a
+``jax.Array`` with another sharding. Runs are interleaved (A B, then B A, ...);
+each waits for its result (``block_until_ready``) and drops it before the next.
+Each row takes at least ``--reps`` pairs, and more while they fit in
+``--seconds``.
 
-Also: a repeated (cached) ``make_sharding`` call (bar: 10 µs); einshard's fixed
-cost per call (A against ``device_put`` with a ready sharding, on a tiny
-array; no bar); and the reference limit, one host memcpy of the array.
+Each row also has its **floor**: the bytes written to all devices (every
+device's block, less a block the input already holds on that device, which
+both keep) divided by the memcpy rate measured in the same run (one
+``np.copyto`` of the array into a preallocated one, median, measured again just
+before each row). The ``path`` column says
+how einshard places the row: ``block by block`` (its own CPU path, see
+``einshard/_place.py``) or ``device_put`` (where the block-by-block path was
+not measured faster, einshard calls ``jax.device_put``).
+
+Bars: every row within 2 x its floor and no slower than ``device_put`` (median
+per-pair ratio A/B <= 1.05); the geometric mean of the ratio over the
+replicated rows (partly and fully) <= 0.8.
+
+Also: ``einshard.shard_pytree`` of a 32-layer LLaMA-shaped tree (424 MiB
+float32, d_model 512) against ``jax.device_put(tree, shardings)`` and its
+floor, from NumPy and from one device; a repeated (cached) ``make_sharding``
+call (bar: 10 µs); einshard's fixed cost per call (no bar).
 
 Memory: on Linux with glibc the script re-executes itself with
 ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` set, so that freed
 shard buffers are reused rather than handed back to the kernel and faulted in
-afresh (zero-filled) on the next run. Both sides get the same allocator; without
-this, page faults dominate the times and scatter them by several percent on a
-small machine, more than the bar. ``--default-malloc`` measures without it.
+afresh (zero-filled) on the next run. glibc caps the first at 32 MiB, so
+buffers of 32 MiB and more are still fresh memory on every run (the replicated
+rows). Both sides get the same allocator; ``--default-malloc`` measures
+without it.
 
 ``--json PATH`` also writes every table row (the printed strings and the raw
 numbers) and the set-up (versions, cores, devices, the memcpy reference) as JSON;
@@ -34,6 +48,8 @@ Exits with status 1 when a bar is missed, unless ``--no-fail``.
 
 from __future__ import annotations
 
+import argparse
+import math
 import statistics
 import sys
 import time
@@ -54,15 +70,74 @@ import einshard  # noqa: E402
 
 SHAPE = (4096, 4096)  # float32: 64 MiB
 PLACEMENT_BAR = 1.05  # einshard / device_put: the median of the per-pair ratios
+FLOOR_BAR = 2.0  # einshard / floor
+REPLICATED_GEOMEAN_BAR = 0.8  # geometric mean of einshard / device_put over the replicated rows
 MAKE_SHARDING_BAR_US = 10.0
 EXTRA_PAIRS_CAP = 20  # quick rows take more pairs while they fit in --seconds, up to 20 x --reps
+TREE = (32, 512, 1408, 8192)  # layers, d_model, ffn, vocab: 424 MiB float32
 
 LAYOUTS = [
-    ("sharded", "x y -> x y*"),
-    ("sharded", "x y -> x* y"),
+    ("split", "x y -> x y*"),
+    ("split", "x y -> x* y"),
     ("partly replicated", "x y -> x4 y 2"),
     ("replicated", "... -> * ..."),
 ]
+
+
+def written_bytes(x: object, sharding: jax.sharding.Sharding) -> int:
+    """Bytes the placement writes: each device's block, less one the input holds there already.
+
+    A ``jax.Array`` on one device keeps its buffer where the target puts the whole array on that
+    device (``jax.device_put`` and einshard both reuse it).
+    """
+    shape = tuple(x.shape)  # type: ignore[attr-defined]
+    itemsize = np.dtype(x.dtype).itemsize  # type: ignore[attr-defined]
+    held = set()
+    if isinstance(x, jax.Array) and len(x.sharding.device_set) == 1:
+        held = x.sharding.device_set
+    total = 0
+    for device, index in sharding.devices_indices_map(shape).items():
+        block = math.prod(len(range(*part.indices(size))) for part, size in zip(index, shape, strict=True))
+        if not (device in held and block == math.prod(shape)):
+            total += block * itemsize
+    return total
+
+
+ALIAS_SAMPLES = 6
+
+
+def device_put_shares(make_input: Callable[[], object], sharding: jax.sharding.Sharding) -> int:
+    """In how many of ``ALIAS_SAMPLES`` runs device_put's result has devices sharing one buffer.
+
+    On CPU, resharding a ``jax.Array`` can go through its host value, and when that happens to be
+    64-byte aligned, ``device_put`` makes it the buffer of every device holding the same block,
+    without copying. einshard's block-by-block path gives each device a buffer of its own, so a
+    row where device_put shares is held to the floor bar only, not to the ratio bars.
+    """
+    shared = 0
+    for _ in range(ALIAS_SAMPLES):
+        placed = jax.block_until_ready(jax.device_put(make_input(), sharding))
+        pointers = [shard.data.unsafe_buffer_pointer() for shard in placed.addressable_shards]
+        shared += len(set(pointers)) < len(pointers)
+        del placed
+    return shared
+
+
+_MEMCPY_HOST: list[np.ndarray] = []
+
+
+def row_rate(reps: int) -> float:
+    """The memcpy rate (bytes/s) measured again just before a row, so that its floor sees the same
+    load as its timings (on a shared machine the rate drifts during the run)."""
+    host = _MEMCPY_HOST[0]
+    return host.nbytes / _common.memcpy_seconds(host, max(5, reps // 3))
+
+
+def path_taken(x: object, sharding: jax.sharding.Sharding) -> str:
+    """How einshard places ``x`` here: its block-by-block CPU path or ``jax.device_put``."""
+    from einshard import _place
+
+    return "block by block" if _place._blockwise_plan(x, sharding) is not None else "device_put"
 
 
 def sources(host: np.ndarray, expression: str) -> list[tuple[str, Callable[[], object]]]:
@@ -74,6 +149,7 @@ def sources(host: np.ndarray, expression: str) -> list[tuple[str, Callable[[], o
     other = "x y -> x y*" if expression == "x y -> x* y" else "x y -> x* y"
     other_sharding = einshard.make_sharding(other, shape=host.shape)
     on_one_device = jax.device_put(host, jax.devices()[0])
+    host = _common.unaligned(host)
     return [
         ("numpy", lambda: host),
         ("jax, 1 device", lambda: on_one_device),
@@ -108,6 +184,135 @@ def fixed_cost_us() -> tuple[float, float]:
     return result["a"] * 1e6, result["b"] * 1e6
 
 
+PLACEMENT_COLUMNS = [
+    "expression",
+    "layout",
+    "input",
+    "path",
+    "einshard ms",
+    "device_put ms",
+    "floor ms",
+    "÷ floor",
+    "device_put ÷ floor",
+    "device_put shares",
+    "pairs",
+    "ratio",
+    "bar",
+]
+NUMERIC_COLUMNS = {
+    "einshard ms",
+    "device_put ms",
+    "floor ms",
+    "÷ floor",
+    "device_put ÷ floor",
+    "pairs",
+    "ratio",
+}
+
+
+def _placement_row(
+    kind: str, expression: str, source: str, path: str, result: dict[str, float], floor: float, shares: int
+) -> dict[str, object]:
+    """One row's record; it passes within 2 x its floor and (unless device_put shares buffers, which
+    a copy cannot match) no slower than device_put."""
+    ok = result["a"] <= FLOOR_BAR * floor and (shares > 0 or result["ratio"] <= PLACEMENT_BAR)
+    return {
+        "expression": expression,
+        "layout": kind,
+        "input": source,
+        "path": path,
+        "einshard_s": result["a"],
+        "device_put_s": result["b"],
+        "floor_s": floor,
+        "einshard_over_floor": result["a"] / floor,
+        "device_put_over_floor": result["b"] / floor,
+        "pairs": result["pairs"],
+        "ratio": result["ratio"],
+        "device_put_shared_runs": shares,
+        "alias_samples": ALIAS_SAMPLES,
+        "bar": PLACEMENT_BAR if not shares else None,
+        "floor_bar": FLOOR_BAR,
+        "verdict": _common.verdict(ok),
+    }
+
+
+def _placement_strings(record: dict[str, object]) -> list[str]:
+    return [
+        str(record["expression"]),
+        str(record["layout"]),
+        str(record["input"]),
+        str(record["path"]),
+        _common.ms(record["einshard_s"]),  # type: ignore[arg-type]
+        _common.ms(record["device_put_s"]),  # type: ignore[arg-type]
+        _common.ms(record["floor_s"]),  # type: ignore[arg-type]
+        f"{record['einshard_over_floor']:.2f}",
+        f"{record['device_put_over_floor']:.2f}",
+        f"{record['device_put_shared_runs']}/{ALIAS_SAMPLES}",
+        str(record["pairs"]),
+        f"{record['ratio']:.3f}",
+        str(record["verdict"]),
+    ]
+
+
+def tree_rows(args: argparse.Namespace, rate: float) -> tuple[list[list[str]], list[dict[str, object]], bool]:
+    """shard_pytree of the 424 MiB LLaMA-shaped tree against device_put(tree, shardings), and its floor."""
+    rng = np.random.default_rng(0)
+    host = _common.llama_tree(
+        *TREE, lambda shape: _common.unaligned(rng.standard_normal(shape, dtype=np.float32))
+    )
+    shardings = einshard.pytree_shardings(host, _common.LLAMA_RULES)
+    on_one_device = jax.block_until_ready(jax.device_put(host, jax.devices()[0]))
+    nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves(host))
+    rows = []
+    records: list[dict[str, object]] = []
+    failed = False
+    for source, tree in (("numpy", host), ("jax, 1 device", on_one_device)):
+        rate = row_rate(args.reps)
+        floor = sum(map(written_bytes, jax.tree.leaves(tree), jax.tree.leaves(shardings))) / rate
+        result = _common.compare(
+            lambda t: einshard.shard_pytree(t, _common.LLAMA_RULES),
+            lambda t, s=shardings: jax.device_put(t, s),
+            lambda t=tree: t,
+            max(5, args.reps // 2),
+            args.warmup,
+            args.seconds,
+            cap=EXTRA_PAIRS_CAP,
+        )
+        ok = result["a"] <= FLOOR_BAR * floor and result["ratio"] <= PLACEMENT_BAR
+        failed |= not ok
+        record = {
+            "tree": f"32 layers, d 512 ({nbytes / 2**20:.0f} MiB)",
+            "bytes": nbytes,
+            "input": source,
+            "shard_pytree_s": result["a"],
+            "device_put_s": result["b"],
+            "floor_s": floor,
+            "shard_pytree_over_floor": result["a"] / floor,
+            "device_put_over_floor": result["b"] / floor,
+            "pairs": result["pairs"],
+            "ratio": result["ratio"],
+            "bar": PLACEMENT_BAR,
+            "floor_bar": FLOOR_BAR,
+            "verdict": _common.verdict(ok),
+        }
+        records.append(record)
+        rows.append(
+            [
+                str(record["tree"]),
+                source,
+                _common.ms(result["a"]),
+                _common.ms(result["b"]),
+                _common.ms(floor),
+                f"{result['a'] / floor:.2f}",
+                f"{result['b'] / floor:.2f}",
+                str(result["pairs"]),
+                f"{result['ratio']:.3f}",
+                _common.verdict(ok),
+            ]
+        )
+    return rows, records, failed
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmarks and prints the tables; returns the exit status."""
     parser = _common.parser(__doc__, reps=30, seconds=4.0, warmup=5, runs="pairs")
@@ -118,15 +323,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(_common.environment(N_DEVICES))
     host = np.random.default_rng(0).standard_normal(SHAPE, dtype=np.float32)
+    _MEMCPY_HOST.append(host)
     memcpy = _common.memcpy_seconds(host, args.reps)
+    rate = host.nbytes / memcpy
     results.extra["memcpy"] = {
         "what": "np.copyto of the 4096x4096 float32 array into a preallocated one, median",
         "bytes": host.nbytes,
         "seconds": memcpy,
-        "GB_per_s": host.nbytes / memcpy / 1e9,
+        "GB_per_s": rate / 1e9,
     }
     print(
-        f"array {SHAPE[0]}x{SHAPE[1]} float32 ({host.nbytes / 2**20:.0f} MiB); "
+        f"array {SHAPE[0]}x{SHAPE[1]} float32 ({host.nbytes / 2**20:.0f} MiB); memcpy {rate / 1e9:.1f} GB/s; "
         f"per row, after {args.warmup} warm-up pairs, at least {args.reps} interleaved pairs "
         f"(more while they fit in {args.seconds:g} s)"
     )
@@ -134,9 +341,15 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     rows = []
     records = []
+    replicated_ratios = []
     for kind, expression in LAYOUTS:
         sharding = einshard.make_sharding(expression, shape=SHAPE)  # built beforehand: B is device_put alone
         for source, make_input in sources(host, expression):
+            sample = make_input()
+            floor = written_bytes(sample, sharding) / row_rate(args.reps)
+            path = path_taken(sample, sharding)
+            del sample
+            shares = device_put_shares(make_input, sharding)
             result = _common.compare(
                 lambda x, e=expression: einshard.einshard(x, e),
                 lambda x, s=sharding: jax.device_put(x, s),
@@ -146,51 +359,66 @@ def main(argv: list[str] | None = None) -> int:
                 args.seconds,
                 cap=EXTRA_PAIRS_CAP,
             )
-            ok = result["ratio"] <= PLACEMENT_BAR
-            failed |= not ok
-            rows.append(
-                [
-                    expression,
-                    kind,
-                    source,
-                    _common.ms(result["a"]),
-                    _common.ms(result["b"]),
-                    f"{result['b'] / memcpy:.1f}",
-                    str(result["pairs"]),
-                    f"{result['ratio']:.3f}",
-                    _common.verdict(ok),
-                ]
-            )
-            records.append(
-                {
-                    "expression": expression,
-                    "layout": kind,
-                    "input": source,
-                    "einshard_s": result["a"],
-                    "device_put_s": result["b"],
-                    "device_put_over_memcpy": result["b"] / memcpy,
-                    "pairs": result["pairs"],
-                    "ratio": result["ratio"],
-                    "bar": PLACEMENT_BAR,
-                    "verdict": _common.verdict(ok),
-                }
-            )
+            rows_record = _placement_row(kind, expression, source, path, result, floor, shares)
+            failed |= rows_record["verdict"] == "FAIL"
+            if kind != "split" and not shares:
+                replicated_ratios.append(result["ratio"])
+            rows.append(_placement_strings(rows_record))
+            records.append(rows_record)
+    # Over the replicated rows where device_put copies (a row where it shares buffers is left out)
+    geomean = math.exp(statistics.fmean(math.log(r) for r in replicated_ratios)) if replicated_ratios else 1.0
+    ok = geomean <= REPLICATED_GEOMEAN_BAR
+    failed |= not ok
+    summary = ["replicated rows", "geomean", f"{len(replicated_ratios)} rows where device_put copies"]
+    rows.append(summary + [""] * (len(PLACEMENT_COLUMNS) - 5) + [f"{geomean:.3f}", _common.verdict(ok)])
+    records.append(
+        {
+            "measure": "geomean of ratio, replicated rows where device_put copies",
+            "rows": len(replicated_ratios),
+            "ratio": geomean,
+            "bar": REPLICATED_GEOMEAN_BAR,
+            "verdict": _common.verdict(ok),
+        }
+    )
     results.table(
         "placement",
-        f"Placement: einshard(x, e) vs device_put(x, ready sharding); bar: ratio <= {PLACEMENT_BAR}",
+        f"Placement: einshard(x, e) vs device_put(x, ready sharding) and the floor; bars: ÷ floor <= "
+        f"{FLOOR_BAR:g}, ratio <= {PLACEMENT_BAR}, replicated geomean <= {REPLICATED_GEOMEAN_BAR}",
+        PLACEMENT_COLUMNS,
+        rows,
+        numeric=NUMERIC_COLUMNS,
+        bar=PLACEMENT_BAR,
+        records=records,
+    )
+
+    rows, records, tree_failed = tree_rows(args, rate)
+    failed |= tree_failed
+    results.table(
+        "shard_pytree",
+        f"shard_pytree(tree, rules) vs device_put(tree, shardings) and the floor; bars: ÷ floor <= "
+        f"{FLOOR_BAR:g}, ratio <= {PLACEMENT_BAR}",
         [
-            "expression",
-            "layout",
+            "tree",
             "input",
-            "einshard ms",
+            "shard_pytree ms",
             "device_put ms",
-            "÷ memcpy",
+            "floor ms",
+            "÷ floor",
+            "device_put ÷ floor",
             "pairs",
             "ratio",
             "bar",
         ],
         rows,
-        numeric={"einshard ms", "device_put ms", "÷ memcpy", "pairs", "ratio"},
+        numeric={
+            "shard_pytree ms",
+            "device_put ms",
+            "floor ms",
+            "÷ floor",
+            "device_put ÷ floor",
+            "pairs",
+            "ratio",
+        },
         bar=PLACEMENT_BAR,
         records=records,
     )

@@ -126,11 +126,36 @@ def bars_markdown() -> str:
     placement = _load("placement")["tables"]
     rules = _load("rules")["tables"]
     rows = []
-    worst, verdict = _worst(placement["placement"]["records"], "ratio")
+    layout_rows = [r for r in placement["placement"]["records"] if "expression" in r]
+    worst, verdict = _worst(layout_rows, "ratio")
     rows.append(
         f"| `einshard(x, e)`, 64 MiB, every layout and input | `jax.device_put(x, sharding)`, built before "
         f"| ratio ≤ {placement['placement']['bar']:g} | {worst:.3f} | {verdict} |"
     )
+    if layout_rows and "floor_s" in layout_rows[0]:
+        worst = max(r["einshard_over_floor"] for r in layout_rows)
+        ok = worst <= layout_rows[0]["floor_bar"]
+        rows.append(
+            f"| `einshard(x, e)`, 64 MiB, every layout and input | the floor: bytes written ÷ memcpy rate "
+            f"| ≤ {layout_rows[0]['floor_bar']:g} × floor | {worst:.2f} × floor "
+            f"| {'PASS' if ok else '**FAIL**'} |"
+        )
+    for record in placement["placement"]["records"]:
+        if record.get("measure", "").startswith("geomean"):
+            rows.append(
+                f"| `einshard(x, e)`, replicated rows (partly and fully) | `jax.device_put`, geometric mean "
+                f"| ratio ≤ {record['bar']:g} | {record['ratio']:.3f} | "
+                f"{'PASS' if record['verdict'] == 'PASS' else '**FAIL**'} |"
+            )
+    if "shard_pytree" in placement:
+        for record in placement["shard_pytree"]["records"]:
+            rows.append(
+                f"| `shard_pytree(tree, rules)`, {record['tree']}, from {record['input']} "
+                f"| `jax.device_put(tree, shardings)` and the floor "
+                f"| ratio ≤ {record['bar']:g}, ≤ {record['floor_bar']:g} × floor "
+                f"| {record['ratio']:.3f}, {record['shard_pytree_over_floor']:.2f} × floor "
+                f"| {'PASS' if record['verdict'] == 'PASS' else '**FAIL**'} |"
+            )
     worst, verdict = _worst(placement["per_call"]["records"], "us")
     rows.append(
         f"| cached `make_sharding(e)`, repeated | (absolute) "
@@ -213,7 +238,7 @@ def _figure(width: float, height: float) -> Any:
 def placement_svg(results: dict[str, Any]) -> str:
     """einshard / device_put for each layout (a group) and input (a bar), with the bar as a line."""
     table = results["tables"]["placement"]
-    records = table["records"]
+    records = [r for r in table["records"] if "expression" in r]  # not the summary rows
     layouts = {r["expression"]: r["layout"] for r in records}
     expressions = list(layouts)
     fig, ax = _figure(7.0, 3.2)
@@ -356,9 +381,93 @@ def step_svg(results: dict[str, Any]) -> str:
     return _svg(fig)
 
 
+CURVES_SVG = "benchmarks/curves.svg"
+
+
+def curves_svg(results: dict[str, Any]) -> str:
+    """The four cost curves of ``bench_curves.py``, each on log-log axes against its work."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    matplotlib.rcParams["svg.hashsalt"] = "einshard"
+    from matplotlib.figure import Figure
+
+    tables = results["tables"]
+    fig = Figure(figsize=(10.0, 7.0))
+    axes = fig.subplots(2, 2).flatten()
+    colours = ["#4c72b0", "#55a868", "#c44e52", "#8172b2", "#999999"]
+
+    def series(ax: Any, records: list[dict[str, Any]], x: str, y: str, by: str | None, scale: float) -> None:
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for r in records:
+            if x in r and y in r:  # a point, not a growth summary
+                groups.setdefault(str(r[by]) if by else y, []).append(r)
+        for colour, (name, points) in zip(colours, groups.items(), strict=False):
+            ax.plot(
+                [p[x] for p in points], [p[y] * scale for p in points], "o-", color=colour, label=name, ms=4
+            )
+
+    def style(ax: Any, title: str, xlabel: str, ylabel: str, *, logy: bool = True) -> None:
+        ax.set_xscale("log")
+        if logy:
+            ax.set_yscale("log")
+        ax.spines[["top", "right"]].set_visible(False)
+        ax.grid(color="#dddddd", linewidth=0.6)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.legend(fontsize=7, frameon=False)
+
+    placement = tables["placement_devices"]["records"]
+    for source, colour in (("numpy", colours[0]), ("jax, 1 device", colours[1])):
+        points = [r for r in placement if r.get("input") == source]
+        xs = [p["devices"] for p in points]
+        axes[0].plot(
+            xs, [p["einshard_s"] * 1e3 for p in points], "o-", color=colour, ms=4, label=f"einshard, {source}"
+        )
+        axes[0].plot(
+            xs, [p["device_put_s"] * 1e3 for p in points], "x:", color=colour, label=f"device_put, {source}"
+        )
+    style(axes[0], "Placement of a fixed array vs device count", "devices", "ms")
+    counts = sorted({p["devices"] for p in placement if "devices" in p})
+    axes[0].set_xticks(counts, [str(c) for c in counts])
+    axes[0].minorticks_off()
+    series(axes[1], tables["resolve_leaves"]["records"], "leaves", "us_per_leaf", "measure", 1.0)
+    style(axes[1], "Rule resolution vs leaves (flat = linear)", "leaves", "µs per leaf", logy=False)
+    axes[1].set_ylim(bottom=0)
+    explain = [r for r in tables["explain_devices"]["records"] if "seconds" in r]
+    axes[2].plot(
+        [r["devices"] for r in explain],
+        [r["seconds"] * 1e3 for r in explain],
+        "o-",
+        color=colours[0],
+        ms=4,
+        label=f"explain, {explain[0]['leaves']} leaves",
+    )
+    style(axes[2], "explain(tree, rules, n_devices=N) vs N", "devices (planned)", "ms", logy=False)
+    axes[2].set_ylim(bottom=0)
+    memory = [r for r in tables["init_memory"]["records"] if "model_bytes" in r]
+    axes[3].plot(
+        [r["model_bytes"] / 2**30 for r in memory],
+        [r["peak_bytes"] / 2**30 for r in memory],
+        "o-",
+        color=colours[0],
+        ms=4,
+        label="init_sharded peak",
+    )
+    top = max(r["model_bytes"] for r in memory) / 2**30
+    axes[3].plot([0, top], [0, top], ":", color="#888888", label="1 × model")
+    axes[3].plot([0, top], [0, 2 * top], ":", color=colours[2], label="2 × model")
+    style(axes[3], "init_sharded peak host memory vs model size", "model GiB", "peak GiB", logy=False)
+    axes[3].set_xscale("linear")
+    fig.tight_layout()
+    return _svg(fig)
+
+
 def on_files(files: Files, config: Any) -> Files:
     """Adds the plots, drawn from ``benchmarks/results/*.json``, as generated files of the site."""
     files.append(File.generated(config, PLACEMENT_SVG, content=placement_svg(_load("placement"))))
+    files.append(File.generated(config, CURVES_SVG, content=curves_svg(_load("curves"))))
     files.append(File.generated(config, RULES_SVG, content=rules_svg(_load("rules"))))
     files.append(File.generated(config, STEP_SVG, content=step_svg(_load("step"))))
     return files
