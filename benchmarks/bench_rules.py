@@ -98,24 +98,11 @@ SHARD_PYTREE_BAR = 1.05  # shard_pytree / device_put(tree, shardings): the media
 MEMORY_BAR = 1.2  # peak host memory of init_sharded / model bytes
 EXTRA_RUNS_CAP = 10  # rows take more runs while they fit in --seconds, up to 10 x --reps
 
-# Hybrid parallelism: the devices form a 2 x 4 grid (data x tensor; on 256 devices 64 x 4). Each
-# weight splits its "tensor" axis (heads, ffn, vocab) into 4 over the fast-varying devices, and its
-# d_model axis over what is left (FSDP-style data parallelism): `d*` takes N / 4 on N devices.
-LLAMA_RULES = [
-    (r"embed/embedding$", "vocab d -> d* vocab4"),
-    (r"attn/(q|k|v)_proj/kernel$", "d heads -> d* heads4"),
-    (r"attn/(q|k|v)_proj/bias$", "heads -> * heads4"),
-    (r"attn/o_proj/kernel$", "heads d -> d* heads4"),
-    (r"mlp/(gate|up)_proj/kernel$", "d ffn -> d* ffn4"),
-    (r"mlp/(gate|up)_proj/bias$", "ffn -> * ffn4"),
-    (r"mlp/down_proj/kernel$", "ffn d -> d* ffn4"),
-    (r"(attention|ffn)_norm/scale$", "d -> * d"),
-    (r"final_norm/scale$", "d -> * d"),
-    (r"lm_head/kernel$", "d vocab -> d* vocab4"),
-    (r"rotary/(sin|cos)$", "... -> * ..."),
-    (r"(^|/)(step|count)$", "... -> * ..."),
-    (r".*", "... -> * ..."),
-]
+# Hybrid parallelism (`_common.LLAMA_RULES`): the devices form a 2 x 4 grid (data x tensor; on 256
+# devices 64 x 4). Each weight splits its "tensor" axis (heads, ffn, vocab) into 4 over the
+# fast-varying devices, and its d_model axis over what is left (FSDP-style data parallelism):
+# `d*` takes N / 4 on N devices.
+LLAMA_RULES = _common.LLAMA_RULES
 
 # The same table as EasyLM writes it: PartitionSpecs over a ('dp', 'mp') = (2, 4) mesh.
 EASYLM_RULES = [
@@ -135,33 +122,9 @@ EASYLM_RULES = [
 ]
 
 
-# --- LLaMA-shaped trees ---------------------------------------------------------------------------
+# --- LLaMA-shaped trees (`_common.llama_tree`) -----------------------------------------------------
 
-
-def llama_tree(n_layers: int, d_model: int, ffn: int, vocab: int, leaf: Callable[[tuple[int, ...]], Any]):
-    """A LLaMA-shaped parameter tree of nested dicts; ``leaf(shape)`` makes each leaf, in order.
-
-    Paths look like ``layers/7/attn/q_proj/kernel`` and ``layers/7/attention_norm/scale``.
-    """
-
-    def layer() -> dict[str, Any]:
-        return {
-            "attn": {f"{name}_proj": {"kernel": leaf((d_model, d_model))} for name in "qkvo"},
-            "mlp": {
-                "gate_proj": {"kernel": leaf((d_model, ffn))},
-                "up_proj": {"kernel": leaf((d_model, ffn))},
-                "down_proj": {"kernel": leaf((ffn, d_model))},
-            },
-            "attention_norm": {"scale": leaf((d_model,))},
-            "ffn_norm": {"scale": leaf((d_model,))},
-        }
-
-    return {
-        "embed": {"embedding": leaf((vocab, d_model))},
-        "layers": {str(i): layer() for i in range(n_layers)},
-        "final_norm": {"scale": leaf((d_model,))},
-        "lm_head": {"kernel": leaf((d_model, vocab))},
-    }
+llama_tree = _common.llama_tree
 
 
 def abstract_llama(n_layers: int, d_model: int, ffn: int, vocab: int) -> Any:
