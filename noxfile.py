@@ -11,8 +11,8 @@ with many examples), ``docs`` (runs every example on the documentation pages,
 then builds the site in strict mode), ``docs_serve`` (serves it locally),
 ``docs_screenshots`` (every page in headless Chromium at 1400 px: fails on clipped content),
 ``equinox_dev`` (the Equinox tests against the vendored development snapshot),
-``examples`` (every ``examples/*.py``) and ``benchmarks`` (every
-``benchmarks/bench_*.py``). Every
+``examples`` (every ``examples/*.py``), ``benchmarks`` (every
+``benchmarks/bench_*.py``) and ``benchmarks_quick`` (each once, bounded; CI runs it). Every
 session installs what it needs itself; bare ``nox`` runs lint, types and tests.
 
 Interpreters: a ``pythonX.Y`` that is not on ``PATH`` (or is only a pyenv shim
@@ -24,6 +24,7 @@ exposed to nox through a directory of links, so that ``-s tests`` works where
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -312,3 +313,45 @@ def benchmarks(session: nox.Session) -> None:
         session.log(f"--- {script.relative_to(ROOT)} ---")
         results = ROOT / "benchmarks" / "results" / f"{script.stem.removeprefix('bench_')}.json"
         session.run("python", str(script), "--json", str(results), *session.posargs, env=CPU_ONLY)
+
+
+# The bounded run CI makes: each script's fewest repetitions (the figures of a shared CI machine are
+# not the published ones), bars reported but not enforced, results kept out of benchmarks/results/.
+QUICK_BENCHMARK_ARGS = {
+    "bench_curves.py": ["--quick"],
+    "bench_rules.py": ["--skip-memory"],
+}
+
+
+@nox.session(python=NEWEST_PYTHON)
+def benchmarks_quick(session: nox.Session) -> None:
+    """Every ``benchmarks/bench_*.py`` once, bounded (a few minutes; CI runs it).
+
+    Each script runs with ``--reps 2 --seconds 0 --warmup 1 --no-fail`` (``bench_curves.py``:
+    ``--quick``; ``bench_rules.py`` without its memory subprocesses) and writes its JSON to
+    ``.nox/benchmarks-quick/``; the session fails if a script fails or writes no table. The
+    published figures come from ``nox -s benchmarks`` on an idle machine.
+    """
+    scripts = sorted((ROOT / "benchmarks").glob("bench_*.py"))
+    if not scripts:
+        session.error("no benchmarks/bench_*.py to run")
+    session.install("--upgrade", "-e", ".[all]", "jax")
+    out = ROOT / ".nox" / "benchmarks-quick"
+    out.mkdir(parents=True, exist_ok=True)
+    for script in scripts:
+        session.log(f"--- {script.relative_to(ROOT)} (bounded) ---")
+        results = out / f"{script.stem.removeprefix('bench_')}.json"
+        results.unlink(missing_ok=True)
+        bounded = ["--reps", "2", "--seconds", "0", "--warmup", "1", "--no-fail"]
+        session.run(
+            "python",
+            str(script),
+            *bounded,
+            *QUICK_BENCHMARK_ARGS.get(script.name, []),
+            "--json",
+            str(results),
+            env=CPU_ONLY,
+        )
+        tables = json.loads(results.read_text()).get("tables", {})
+        if not tables or not all(table.get("rows") for table in tables.values()):
+            session.error(f"{script.name} wrote no results to {results}")
