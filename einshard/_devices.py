@@ -189,4 +189,13 @@ def device_target(devices: Devices | None) -> DeviceTarget:
             abstract, concrete = ambient
             order = tuple(concrete.devices.flat) if concrete is not None else None
             return DeviceTarget(order, abstract, concrete)
-    return DeviceTarget(resolve_devices(devices))
+    order = resolve_devices(devices)
+    target = _targets.get(order)
+    if target is None:  # one per device order: building the tuple costs a third of a cached call
+        if len(_targets) >= 256:
+            _targets.clear()
+        target = _targets[order] = DeviceTarget(order)
+    return target
+
+
+_targets: dict[DeviceOrder, DeviceTarget] = {}

@@ -100,8 +100,8 @@ def check_arguments(expression: object, n_dims: object = None) -> None:
 def sharding_context(error: EinshardError, shape: tuple[int, ...] | None, devices: Devices | None) -> None:
     """Adds ``while sharding an array of shape (4, 8) on 8 CPU devices``: what the call was doing.
 
-    For ``with adding_context(sharding_context, shape, devices):`` in the public
-    functions that shard one array.
+    Called by the public functions that shard one array when an error leaves their work
+    (in a ``try``: that is their per-call path).
     """
     what = f"an array of shape {shape}" if shape is not None else "an array"
     try:
