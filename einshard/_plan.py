@@ -86,23 +86,28 @@ def plan_tree(
     planned: list[tuple[Any, LeafPlan | None]] = []
     # Leaves of one kind (same rule, same shape) share a layout: decide each kind once.
     fitting: dict[tuple[int, tuple[int, ...]], Layout] = {}
+    # The loop runs once per leaf on every call: its lookups are bound once, out of it.
+    match, fitted, append, array_types = table.match, fitting.get, planned.append, _ARRAY_TYPES
     for path, leaf in zip(paths, leaves, strict=True):
-        if not is_array_leaf(leaf):
-            planned.append((leaf, None))
+        if type(leaf) not in array_types and not is_array_leaf(leaf):
+            append((leaf, None))
             continue
-        shape = tuple(leaf.shape)
-        rule = table.match(path) if shape else None
-        layout = None if rule is None else fitting.get((rule.index, shape))
+        shape = leaf.shape
+        if type(shape) is not tuple:
+            shape = tuple(shape)
+        rule = match(path) if shape else None
+        layout = None if rule is None else fitted((rule.index, shape))
         if layout is not None and rule is not None:
             plan = LeafPlan(path, shape, leaf.dtype, rule, rule.expression, layout)  # type: ignore[arg-type]
+            used.add(rule.index)
         else:
             plan = _plan_leaf(path, leaf, table, n_devices)
             # A ByShape rule decides by dtype too: its leaves are planned one by one.
             if rule is not None and plan.rule is rule and plan.note is None and type(rule.expression) is str:
                 fitting[rule.index, shape] = plan.layout
-        if plan.rule is not None:
-            used.add(plan.rule.index)
-        planned.append((leaf, plan))
+            if plan.rule is not None:
+                used.add(plan.rule.index)
+        append((leaf, plan))
     unused = tuple(rule for rule in table if rule.index not in used)
     return planned, treedef, unused
 

@@ -105,17 +105,18 @@ def tree_shardings(
         warnings.warn(f"rules that matched no leaf: {listed}", EinshardWarning, stacklevel=3)
     by_kind: dict[tuple[str, int], NamedSharding] = {}  # one lookup per kind of leaf
     shardings: list[NamedSharding | None] = []
+    append, of_kind = shardings.append, by_kind.get
     for _, plan in planned:
         if plan is None:
-            shardings.append(None)
+            append(None)
             continue
         key = (plan.expression, len(plan.shape))
-        sharding = by_kind.get(key)
+        sharding = of_kind(key)
         if sharding is None:
             with adding_context(leaf_context, plan.path, plan.shape, plan.rule, target.describe()):
                 _, sharding = resolve_sharding(plan.expression, len(plan.shape), target)
             by_kind[key] = sharding
-        shardings.append(sharding)
+        append(sharding)
     return planned, treedef, shardings
 
 
