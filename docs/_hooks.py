@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,9 @@ from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File, Files
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-MARKER = re.compile(r"<!--\s*benchmark-(table|setup|bars)(?::\s*([\w./-]+))?\s*-->")
+# `<!-- benchmark-table: placement/placement -->`; `without pairs, layout` leaves columns out of the
+# page (the JSON and the script's printout keep them) where a table would not fit its width.
+MARKER = re.compile(r"<!--\s*benchmark-(table|setup|bars)(?::\s*([\w./-]+))?(?:\s+without\s+([^>]*?))?\s*-->")
 
 PLACEMENT_SVG = "benchmarks/placement.svg"
 RULES_SVG = "benchmarks/rules.svg"
@@ -65,16 +68,21 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def table_markdown(table: dict[str, Any]) -> str:
+def table_markdown(table: dict[str, Any], without: Sequence[str] = ()) -> str:
     """A results table as a Markdown table: the columns and rows as the script printed them.
 
     A numeric column that is zero in every row (a kind of collective no table moves) is left
-    out, so the page's tables fit its width.
+    out, and so are the columns named in ``without``, so the page's tables fit its width.
     """
     columns: list[str] = table["columns"]
     rows: list[list[str]] = table["rows"]
+    unknown = set(without) - set(columns)
+    if unknown:
+        raise PluginError(f"no column {sorted(unknown)} in the table {table.get('title')!r}: {columns}")
     zero = [
-        i for i, _ in enumerate(columns) if rows and all(_is_number(r[i]) and float(r[i]) == 0 for r in rows)
+        i
+        for i, c in enumerate(columns)
+        if c in without or (rows and all(_is_number(r[i]) and float(r[i]) == 0 for r in rows))
     ]
     if zero:
         columns = [c for i, c in enumerate(columns) if i not in zero]
@@ -192,7 +200,7 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
         return markdown
 
     def replace(match: re.Match[str]) -> str:
-        kind, target = match.groups()
+        kind, target, without = match.groups()
         if kind == "bars":
             return bars_markdown()
         if target is None:
@@ -203,7 +211,8 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
         tables = _load(name)["tables"]
         if key not in tables:
             raise PluginError(f"{page.file.src_uri}: no table {key!r} in {name}.json (it has {list(tables)})")
-        return table_markdown(tables[key])
+        left_out = [c.strip() for c in without.split(",")] if without else []
+        return table_markdown(tables[key], left_out)
 
     return MARKER.sub(replace, markdown)
 
