@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Collection
@@ -361,3 +362,23 @@ def ms(seconds: float) -> str:
 def verdict(ok: bool) -> str:
     """PASS or FAIL."""
     return "PASS" if ok else "FAIL"
+
+
+def run_child(
+    script: str, arguments: list[str], env: dict[str, str] | None, timeout: float
+) -> dict[str, Any]:
+    """Runs ``script`` again with ``arguments`` in a fresh process; its answer is the last line, JSON.
+
+    On failure, prints the child's output and exits.
+    """
+    done = subprocess.run(
+        [sys.executable, str(Path(script).resolve()), *arguments],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if done.returncode != 0:
+        print(done.stdout, done.stderr, file=sys.stderr)
+        raise SystemExit(f"the child {Path(script).name} {' '.join(arguments)} failed")
+    return json.loads(done.stdout.strip().splitlines()[-1])

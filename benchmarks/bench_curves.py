@@ -40,7 +40,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -279,17 +278,7 @@ def memory_curve(mode: str) -> tuple[list[list[str]], list[dict[str, Any]]]:
 
 
 def _run_child(arguments: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
-    done = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), *arguments],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    if done.returncode != 0:
-        print(done.stdout, done.stderr, file=sys.stderr)
-        raise SystemExit(f"the child {arguments} failed")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _common.run_child(__file__, arguments, env, timeout=900)
 
 
 GROWTH_SLACK = 1.5  # a curve grows "with its work" while cost growth / work growth stays below this

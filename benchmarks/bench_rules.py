@@ -71,7 +71,6 @@ import math
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -554,17 +553,7 @@ def memory_rows() -> tuple[list[list[str]], list[dict[str, Any]], bool, str]:
         ("init_then_shard", "shard_pytree(jit(init_fn)(key), rules)", False),
         ("optax_init_sharded", "optax init_sharded(adamw, params): the state", True),
     ):
-        done = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), "--memory-child", mode],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        if done.returncode != 0:
-            print(done.stdout, done.stderr, file=sys.stderr)
-            raise SystemExit(f"the {mode} subprocess failed")
-        result = json.loads(done.stdout.strip().splitlines()[-1])
+        result = _common.run_child(__file__, ["--memory-child", mode], env, timeout=600)
         method = result["method"]
         ratio = result["peak"] / result["model"]
         ok = ratio <= MEMORY_BAR
