@@ -40,8 +40,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import einshard  # noqa: E402
-from einshard import _layout, _numbers  # noqa: E402
 from einshard.__main__ import main  # noqa: E402
+from einshard._language import _layout, _numbers  # noqa: E402
 
 BAR_MS = 100.0
 

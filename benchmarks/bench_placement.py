@@ -19,7 +19,7 @@ both keep) divided by the memcpy rate measured in the same run (one
 ``np.copyto`` of the array into a preallocated one, median, measured again just
 before each row). The ``path`` column says
 how einshard places the row: ``block by block`` (its own CPU path, see
-``einshard/_place.py``) or ``device_put`` (where the block-by-block path was
+``einshard/_arrays/_place.py``) or ``device_put`` (where the block-by-block path was
 not measured faster, einshard calls ``jax.device_put``).
 
 Bars: every row within 2 x its floor and no slower than ``device_put`` (median
@@ -135,7 +135,7 @@ def row_rate(reps: int) -> float:
 
 def path_taken(x: object, sharding: jax.sharding.Sharding) -> str:
     """How einshard places ``x`` here: its block-by-block CPU path or ``jax.device_put``."""
-    from einshard import _place
+    from einshard._arrays import _place
 
     return "block by block" if _place._blockwise_plan(x, sharding) is not None else "device_put"
 

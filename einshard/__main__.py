@@ -15,9 +15,9 @@ import re
 import sys
 from collections.abc import Sequence
 
-from ._errors import EinshardError
-from ._layout import Layout, layout
-from ._picture import MAX_DEVICES_DRAWN, MAX_SCALE, MAX_WIDTH, picture
+from ._language._errors import EinshardError
+from ._language._layout import Layout, layout
+from ._sharding._picture import MAX_DEVICES_DRAWN, MAX_SCALE, MAX_WIDTH, picture
 
 __all__ = ["main", "summary"]
 

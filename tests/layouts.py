@@ -6,7 +6,7 @@ import jax
 import numpy as np
 
 import einshard
-from einshard._rules import path_string
+from einshard._trees._rules import path_string
 
 REPLICATE = "... -> * ..."
 

@@ -27,7 +27,7 @@ from jax.sharding import AxisType, NamedSharding
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import einshard
-from einshard import _sharding
+from einshard._sharding import _mesh
 
 N_DEVICES = 0  # set by main(), before JAX starts its backend
 
@@ -63,8 +63,8 @@ def run(case: dict) -> dict:
         for i in range(len(exprs))
     ]
     # Every case starts from a fresh einshard state, so its warnings are its own.
-    _sharding._meshes_seen.clear()
-    _sharding.layout_sharding.cache_clear()
+    _mesh._meshes_seen.clear()
+    _mesh.layout_sharding.cache_clear()
     ambient = case.get("ambient")
     mesh = None
     if ambient:
@@ -130,7 +130,7 @@ def _mesh_text(mesh: jax.sharding.Mesh) -> str:
 
 
 def shared_mesh_text(n_devices: int) -> str:
-    return _mesh_text(_sharding.device_mesh(tuple(jax.devices()), _sharding.shared_mesh_shape(n_devices)))
+    return _mesh_text(_mesh.device_mesh(tuple(jax.devices()), _mesh.shared_mesh_shape(n_devices)))
 
 
 def main() -> None:

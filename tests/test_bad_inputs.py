@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 
 import einshard
 from conftest import N_DEVICES
-from einshard import EinshardError, _numbers
+from einshard import EinshardError
 from einshard.__main__ import main
-from einshard._layout import compile_layout
+from einshard._language import _numbers
+from einshard._language._layout import compile_layout
 
 EXPRESSIONS = [
     "x -> x*",
@@ -297,7 +298,7 @@ def on_fresh_thread(function):
     """Runs a deep-tree check on its own thread. A RecursionError inside JAX's C++ flattening
     leaves the thread's recursion budget smaller for good (CPython 3.12's accounting), so such
     checks must neither inherit a spent budget nor spend the main thread's."""
-    from einshard._inputs import _on_fresh_thread
+    from einshard._language._inputs import _on_fresh_thread
 
     return _on_fresh_thread(lambda _: function(), None)
 

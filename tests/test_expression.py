@@ -9,7 +9,7 @@ from oracles import assert_catalogued
 
 import einshard
 from einshard import EinshardError
-from einshard._layout import compile_layout, integer_root
+from einshard._language._layout import compile_layout, integer_root
 
 
 class TestGrammar:

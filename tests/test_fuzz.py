@@ -21,7 +21,7 @@ from reference_v020 import blocks_v020, expected_blocks, index_blocks
 import einshard
 from conftest import N_DEVICES
 from einshard import EinshardError, EinshardWarning
-from einshard._layout import compile_layout
+from einshard._language._layout import compile_layout
 
 GRAMMAR = "xyzab_模 .*->0123456789\t"
 REGEX_ALPHABET = "abw/0123456789.*+?()[]{}|^$\\-"

@@ -39,9 +39,9 @@ from hypothesis import strategies as st
 
 import einshard
 from conftest import N_DEVICES  # type: ignore[import-not-found]
-from einshard import _sharding
-from einshard._layout import compile_layout
-from einshard._sharding import layout_mesh_shape, prime_factors, shared_mesh_shape
+from einshard._language._layout import compile_layout
+from einshard._sharding import _mesh
+from einshard._sharding._mesh import layout_mesh_shape, prime_factors, shared_mesh_shape
 
 HERE = Path(__file__).parent
 WORKER = HERE / "meet_worker.py"
@@ -312,8 +312,8 @@ def _device_subset(k: int) -> tuple:
 def test_layouts_on_two_meshes_warn_once_naming_both_and_a_fitting_order():
     devices = _device_subset(6)
     # This order's first layouts in the process, whatever other tests handed out before.
-    _sharding._meshes_seen.pop(devices, None)
-    _sharding.layout_sharding.cache_clear()
+    _mesh._meshes_seen.pop(devices, None)
+    _mesh.layout_sharding.cache_clear()
     first = einshard.make_sharding("x -> x2 3", devices=devices)  # the shared (2, 3) mesh
     with pytest.warns(einshard.EinshardWarning) as record:
         odd = einshard.make_sharding("x -> x3 2", devices=devices)  # needs 3 first: (3, 2)

@@ -16,7 +16,7 @@ import einshard
 from conftest import N_DEVICES
 from einshard import EinshardError
 from einshard.__main__ import main, summary
-from einshard._picture import picture, visualize
+from einshard._sharding._picture import picture, visualize
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Block-by-block placement on CPU (einshard._place): jax.device_put's result, bit for bit, buffer for buffer.
+"""Block-by-block placement on CPU (einshard._arrays._place): device_put's result, bit for bit.
 
 The size thresholds are lowered here so that small arrays take the block-by-block path; each test
 checks that it did, so that a case never passes by falling back to device_put unnoticed.
@@ -14,7 +14,7 @@ import pytest
 
 import einshard
 from conftest import N_DEVICES
-from einshard import _place
+from einshard._arrays import _place
 
 DTYPES = [np.float32, ml_dtypes.bfloat16, np.bool_, np.int32, np.int8]
 # (expression, shape): split, partly and fully replicated, odd sizes

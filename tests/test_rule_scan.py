@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from einshard import Rules, _rules
+from einshard import Rules
+from einshard._trees import _rules
 
 REPLICATE = "... -> * ..."
 ALPHABET = "ab12/"  # digits too: digit-blind tables decide 'l/12' as 'l/00'

@@ -47,7 +47,7 @@ class Layer:
 
 
 def paths_of(tree):
-    planned, _, _ = einshard._plan.plan_tree(tree, [(".*", REPLICATE)], n_devices=N_DEVICES)
+    planned, _, _ = einshard._trees._plan.plan_tree(tree, [(".*", REPLICATE)], n_devices=N_DEVICES)
     return [plan.path for _, plan in planned if plan is not None]
 
 
@@ -452,7 +452,7 @@ def test_shard_pytree_keeps_values_and_follows_make_sharding(tree, data):
             continue
         np.testing.assert_array_equal(np.asarray(after), before)
         assert after.dtype == before.dtype
-        rule = rules.match(einshard._rules.path_string(path))
+        rule = rules.match(einshard._trees._rules.path_string(path))
         expression = REPLICATE if before.ndim == 0 else rule.expression
         assert same_layout(after, expression)
 
@@ -484,14 +484,14 @@ def test_flax_wrappers_are_not_part_of_paths():
 
 def test_init_sharded_in_parts(monkeypatch):
     """A big init is compiled in parts (bounding XLA's scratch memory), with the same result."""
-    monkeypatch.setattr(einshard._build, "_PART_BYTES", 4 * 16 * 8 * N_DEVICES)
+    monkeypatch.setattr(einshard._arrays._build, "_PART_BYTES", 4 * 16 * 8 * N_DEVICES)
 
     def init(key):
         keys = jax.random.split(key, 5)
         return {f"w{i}": jax.random.normal(k, (16, 8 * N_DEVICES)) for i, k in enumerate(keys)}
 
     shapes = jax.tree_util.tree_leaves(jax.eval_shape(init, jax.random.key(0)))
-    assert len(einshard._build._parts(shapes)) == 5
+    assert len(einshard._arrays._build._parts(shapes)) == 5
     params = einshard.init_sharded(init, [("w", "x y -> x y*")], jax.random.key(0))
     plain = init(jax.random.key(0))
     for name, value in plain.items():
@@ -520,7 +520,7 @@ def test_doubtful_regex_is_a_warning_naming_the_rule():
 
 
 def test_many_paths_switch_to_the_one_scan_regex_with_the_same_answers():
-    from einshard import _rules
+    from einshard._trees import _rules
 
     patterns = ["emb", "q_proj/w$", "(k|v)_proj", "norm_[a-c]$", "x{2,}", ".*y$"]
     rules = Rules([(p, REPLICATE) for p in [*patterns, "zzz_never"]])
@@ -562,12 +562,12 @@ _PLAIN_TREES = st.recursive(
 @given(tree=_PLAIN_TREES)
 def test_paths_read_off_the_structure_are_those_of_the_key_paths(tree):
     """Dicts, lists, tuples and None: the structure gives the paths tree_flatten_with_path gives."""
-    from einshard import _paths
+    from einshard._trees import _paths
 
     try:
         treedef = jax.tree_util.tree_structure(tree)
     except ValueError:  # dict keys of mixed types JAX cannot sort
         return
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    expected = [einshard._rules.path_string(key_path) for key_path, _ in flat]
+    expected = [einshard._trees._rules.path_string(key_path) for key_path, _ in flat]
     assert _paths._structure_paths(treedef) == expected

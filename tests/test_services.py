@@ -8,9 +8,9 @@ from jax.sharding import NamedSharding
 
 import einshard
 from conftest import N_DEVICES
-from einshard._build import build_sharded
-from einshard._devices import device_target
-from einshard._place import place_tree
+from einshard._arrays._build import build_sharded
+from einshard._arrays._place import place_tree
+from einshard._sharding._devices import device_target
 
 
 def sharding(expression, shape):

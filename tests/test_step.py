@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import einshard
-from einshard import _hlo
+from einshard._cost import _hlo
 
 N = jax.device_count()
 THIS = Path(__file__).name

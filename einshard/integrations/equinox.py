@@ -72,12 +72,12 @@ from typing import Any, TypeVar, cast
 import jax
 from jax.core import Tracer
 
-from .. import _plan, _pytrees
-from .._arrays import einshard
-from .._devices import Devices
-from .._errors import EinshardError
-from .._expression import parse
-from .._rules import Indivisible, Rules, RulesLike, Unmatched, path_string
+from .._arrays._arrays import einshard
+from .._language._errors import EinshardError
+from .._language._expression import parse
+from .._sharding._devices import Devices
+from .._trees import _plan, _pytrees
+from .._trees._rules import Indivisible, Rules, RulesLike, Unmatched, path_string
 
 __all__ = ["create_sharded", "field_expressions", "module_rules", "shard_module", "sharded"]
 

@@ -67,14 +67,14 @@ import jax
 import numpy as np
 from flax.core import meta as flax_meta
 
-from .. import _pytrees
-from .._build import build_sharded
-from .._devices import Devices
-from .._errors import EinshardError, adding_context
-from .._inputs import check_params_for_state
-from .._paths import register_value_wrapper
-from .._place import place_leaves
-from .._rules import RulesLike
+from .._arrays._build import build_sharded
+from .._arrays._place import place_leaves
+from .._language._errors import EinshardError, adding_context
+from .._language._inputs import check_params_for_state
+from .._sharding._devices import Devices
+from .._trees import _pytrees
+from .._trees._paths import register_value_wrapper
+from .._trees._rules import RulesLike
 
 __all__ = [
     "create_optimizer",

@@ -58,17 +58,17 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from .._arrays import make_sharding
-from .._build import build_sharded, itemsize
-from .._devices import Devices, device_target
-from .._errors import EinshardError, EinshardWarning
-from .._explain import Report, _size, report_row
-from .._inputs import check_params_for_state
-from .._layout import carried_expression, compile_layout
-from .._place import place_leaves
-from .._plan import REPLICATE, as_rules, is_array_leaf, plan_tree
-from .._rules import RulesLike, path_string
-from .._sharding import spec_entries, spec_expression, spec_split
+from .._arrays._arrays import make_sharding
+from .._arrays._build import build_sharded, itemsize
+from .._arrays._place import place_leaves
+from .._language._errors import EinshardError, EinshardWarning
+from .._language._inputs import check_params_for_state
+from .._language._layout import carried_expression, compile_layout
+from .._sharding._devices import Devices, device_target
+from .._sharding._mesh import spec_entries, spec_expression, spec_split
+from .._trees._explain import Report, _size, report_row
+from .._trees._plan import REPLICATE, as_rules, is_array_leaf, plan_tree
+from .._trees._rules import RulesLike, path_string
 
 __all__ = ["explain_opt_state", "init_sharded", "opt_state_shardings", "shard_opt_state"]
 

@@ -49,11 +49,11 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from .._devices import Devices
-from .._errors import EinshardError
-from .._place import place_leaves
-from .._pytrees import tree_shardings
-from .._rules import Rules, RulesLike, path_string
+from .._arrays._place import place_leaves
+from .._language._errors import EinshardError
+from .._sharding._devices import Devices
+from .._trees._pytrees import tree_shardings
+from .._trees._rules import Rules, RulesLike, path_string
 
 __all__ = ["abstract_checkpoint", "restore", "restore_target", "save"]
 

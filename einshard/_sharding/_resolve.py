@@ -4,7 +4,7 @@ Every function that turns an expression into a sharding comes here: arrays
 (:func:`~einshard.make_sharding`, :func:`~einshard.einshard`), trees (once per
 kind of leaf), pictures and several processes
 (:func:`~einshard.from_process_local`). The device target is decided before,
-once per call, by :func:`~einshard._devices.device_target`. The arguments a
+once per call, by :func:`~einshard._sharding._devices.device_target`. The arguments a
 user gives (the expression's type, the rank, the shape) are checked once, by
 the public function, before it asks (:func:`check_arguments`); adding context
 to an error is the public function's job too (:func:`sharding_context`).
@@ -16,10 +16,10 @@ from typing import Any
 
 from jax.sharding import AxisType, NamedSharding
 
+from .._language._errors import EinshardError
+from .._language._layout import Layout
 from ._devices import Devices, DeviceTarget, device_target
-from ._errors import EinshardError
-from ._layout import Layout
-from ._sharding import ambient_spec, layout_sharding
+from ._mesh import ambient_spec, layout_sharding
 
 __all__ = ["check_arguments", "resolve_sharding", "sharding_context"]
 
@@ -38,7 +38,7 @@ def resolve_sharding(
     Args:
         expression: The expression's text.
         n_dims: The array's rank, or ``None`` to take it from the expression.
-        target: Where the array goes (from :func:`~einshard._devices.device_target`).
+        target: Where the array goes (from :func:`~einshard._sharding._devices.device_target`).
         shape: The array's shape, if known: every split axis must divide.
 
     Raises:

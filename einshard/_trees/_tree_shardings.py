@@ -14,7 +14,7 @@ from typing import Any
 import jax
 from jax.core import Tracer
 
-from ._errors import EinshardError
+from .._language._errors import EinshardError
 
 __all__ = ["shardings_of"]
 

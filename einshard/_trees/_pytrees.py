@@ -1,10 +1,10 @@
 """Whole pytrees from a rule table: ``shard_pytree``, ``pytree_shardings``, ``init_sharded``.
 
 Each array leaf gets the expression of the first rule whose regex matches its
-path (:mod:`einshard._plan`, pure); the device target is decided once per
+path (:mod:`einshard._trees._plan`, pure); the device target is decided once per
 call, each kind of leaf (expression and rank) resolved to a sharding once
-(:mod:`einshard._resolve`), and the leaves placed by
-:func:`~einshard._place.place_leaves`. The table's policies apply
+(:mod:`einshard._sharding._resolve`), and the leaves placed by
+:func:`~einshard._arrays._place.place_leaves`. The table's policies apply
 (``Rules(..., unmatched=...)``, or ``rules.replace(...)`` for one call).
 """
 
@@ -17,12 +17,12 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from ._build import build_sharded
-from ._devices import Devices, device_target
-from ._errors import EinshardWarning, adding_context
-from ._place import place_leaves
+from .._arrays._build import build_sharded
+from .._arrays._place import place_leaves
+from .._language._errors import EinshardWarning, adding_context
+from .._sharding._devices import Devices, device_target
+from .._sharding._resolve import resolve_sharding
 from ._plan import LeafPlan, as_rules, leaf_context, plan_tree
-from ._resolve import resolve_sharding
 from ._rules import RulesLike
 
 __all__ = ["init_sharded", "pytree_shardings", "shard_pytree", "tree_shardings"]

@@ -18,10 +18,10 @@ import sys
 from collections.abc import Sequence
 from typing import IO, Any
 
+from .._language._errors import EinshardError
+from .._language._inputs import checked_shape
+from .._language._layout import Layout, layout
 from ._devices import Devices, device_target, resolve_devices
-from ._errors import EinshardError
-from ._inputs import checked_shape
-from ._layout import Layout, layout
 
 __all__ = ["picture", "visualize"]
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import jax
 from jax.sharding import AbstractMesh, Mesh
 
-from ._errors import EinshardError
+from .._language._errors import EinshardError
 
 __all__ = [
     "Device",

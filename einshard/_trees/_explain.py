@@ -7,8 +7,8 @@ import io
 import math
 from typing import Any
 
-from ._build import itemsize as _itemsize
-from ._devices import Devices, device_target
+from .._arrays._build import itemsize as _itemsize
+from .._sharding._devices import Devices, device_target
 from ._plan import plan_tree
 from ._rules import Rule, RulesLike
 

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._errors import EinshardError
+from .._language._errors import EinshardError
 
 __all__ = ["DEFAULT_TIMEOUT", "announce_failure", "block_hashes", "check_agreement"]
 

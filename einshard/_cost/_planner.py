@@ -1,7 +1,7 @@
 """``plan``: compile a step under each candidate strategy and rank them by the step report.
 
 Every candidate is a :class:`~einshard.strategies.Strategy`; its table and batch expression
-give the step's arguments their shardings, and :mod:`einshard._step` compiles the step and
+give the step's arguments their shardings, and :mod:`einshard._cost._step` compiles the step and
 reads what it costs (in this process for this machine's device count, else in one child
 process with simulated CPU devices for all candidates). Ranking needs no recompile:
 :meth:`Plan.at` ranks the same reports at other figures.
@@ -15,10 +15,10 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._language._errors import EinshardError
+from .._trees._explain import _size
+from .._trees._rules import Rules
 from . import _step
-from ._errors import EinshardError
-from ._explain import _size
-from ._rules import Rules
 from ._strategies import DEFAULT_MIN_BYTES, Strategy, defaults
 
 __all__ = ["Plan", "PlanRow", "plan"]
@@ -212,7 +212,7 @@ def plan(
     >>> result.best.name, result.best.batch
     ('data parallel', 'b ... -> b* ...')
     """
-    from ._devices import device_target
+    from .._sharding._devices import device_target
 
     strategies = list(candidates) if candidates is not None else None
     if strategies is not None:

@@ -14,8 +14,8 @@ import jax
 import numpy as np
 from jax.core import Tracer
 
-from ._errors import EinshardError, adding_context
-from ._layout import Layout, compile_layout
+from .._language._errors import EinshardError, adding_context
+from .._language._layout import Layout, compile_layout
 from ._paths import flatten_with_paths
 from ._rules import Rule, Rules, RulesLike
 

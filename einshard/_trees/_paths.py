@@ -1,7 +1,7 @@
 """Leaf paths: the ``/``-joined key path of every leaf of a tree, as rules see it.
 
 A path is the leaf's key path joined with ``/`` (``layers/0/mlp/w1/kernel``,
-see :func:`~einshard._rules.path_string`). Two things make it cheaper or
+see :func:`~einshard._trees._rules.path_string`). Two things make it cheaper or
 cleaner than ``jax.tree_util.tree_flatten_with_path``:
 
 * for trees of plain dicts, lists, tuples and ``None`` the paths are read off
@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from ._inputs import flatten_or_explain
+from .._language._inputs import flatten_or_explain
 from ._rules import path_string
 
 __all__ = ["flatten_with_paths", "register_value_wrapper"]
@@ -128,7 +128,7 @@ def _leaf_paths(tree: Any) -> list[str]:
 
 def _import_path_conventions() -> None:
     """Imports the integrations that register a path convention, for the frameworks in use."""
-    from .integrations import PATH_CONVENTIONS  # a list of names: importing it imports no framework
+    from ..integrations import PATH_CONVENTIONS  # a list of names: importing it imports no framework
 
     for framework, integration in PATH_CONVENTIONS.items():
         if framework in sys.modules and integration not in sys.modules:

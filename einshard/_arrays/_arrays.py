@@ -15,12 +15,12 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from ._devices import Devices, device_target
-from ._errors import EinshardError
-from ._inputs import check_array_value, checked_shape
+from .._language._errors import EinshardError
+from .._language._inputs import check_array_value, checked_shape
+from .._sharding._devices import Devices, device_target
+from .._sharding._resolve import check_arguments, resolve_sharding, sharding_context
 from ._one_device import warn_if_one_device
 from ._place import place_leaf
-from ._resolve import check_arguments, resolve_sharding, sharding_context
 
 __all__ = ["einshard", "make_sharding"]
 

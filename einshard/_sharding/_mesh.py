@@ -21,9 +21,9 @@ from collections.abc import Sequence
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .._language._errors import EinshardError, EinshardWarning
+from .._language._layout import Layout, compile_layout
 from ._devices import DeviceOrder
-from ._errors import EinshardError, EinshardWarning
-from ._layout import Layout, compile_layout
 
 __all__ = [
     "ambient_spec",

@@ -13,11 +13,11 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ._build import itemsize
-from ._errors import EinshardError
-from ._explain import _size
-from ._expression import parse
-from ._rules import ByShape, Indivisible, Rules, RulesLike, Unmatched
+from .._arrays._build import itemsize
+from .._language._errors import EinshardError
+from .._language._expression import parse
+from .._trees._explain import _size
+from .._trees._rules import ByShape, Indivisible, Rules, RulesLike, Unmatched
 
 __all__ = [
     "COLUMN",

@@ -6,7 +6,7 @@ identical everywhere, and a sharding it makes spans all processes. Two ways of
 building a global array follow from where the data is:
 
 * every process holds the whole value (host data, or a ``jax.Array`` on its own
-  devices): placing it (``einshard._place``) puts each process's shards of it
+  devices): placing it (``einshard._arrays._place``) puts each process's shards of it
   on its devices;
 * every process holds only its own part, as a data loader gives each process
   its own rows of a batch: :func:`from_process_local` assembles the global
@@ -22,11 +22,11 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from .._language._errors import EinshardError, adding_context
+from .._language._layout import Layout
+from .._sharding._devices import Devices, device_target
+from .._sharding._resolve import check_arguments, resolve_sharding, sharding_context
 from ._agreement import DEFAULT_TIMEOUT, announce_failure, block_hashes, check_agreement
-from ._devices import Devices, device_target
-from ._errors import EinshardError, adding_context
-from ._layout import Layout
-from ._resolve import check_arguments, resolve_sharding, sharding_context
 
 __all__ = ["from_process_local"]
 

@@ -17,8 +17,8 @@ from typing import Any, Literal, Union
 
 import jax
 
-from ._errors import EinshardError, EinshardWarning
-from ._expression import parse
+from .._language._errors import EinshardError, EinshardWarning
+from .._language._expression import parse
 
 __all__ = ["ByShape", "Indivisible", "Rule", "Rules", "RulesLike", "Unmatched", "path_string"]
 

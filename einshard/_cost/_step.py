@@ -22,10 +22,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._language._errors import EinshardError
+from .._trees._explain import _size, table_text
+from .._trees._rules import RulesLike, path_string
 from . import _hlo
-from ._errors import EinshardError
-from ._explain import _size, table_text
-from ._rules import RulesLike, path_string
 
 __all__ = ["StepReport", "StepRow", "explain_step"]
 
@@ -333,7 +333,7 @@ def _with_rules(fn: Callable[..., Any], args: tuple, kwargs: dict, rules: RulesL
     """The arguments as ``ShapeDtypeStruct`` leaves with the shardings the rules give them."""
     import jax
 
-    from ._pytrees import pytree_shardings
+    from .._trees._pytrees import pytree_shardings
 
     names, values = _named(fn, args, kwargs)
 
@@ -898,7 +898,7 @@ def _in_child(
         "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path),
     }
     result = subprocess.run(
-        [sys.executable, "-c", "from einshard._step import _child; _child()"],
+        [sys.executable, "-c", "from einshard._cost._step import _child; _child()"],
         input=data,
         capture_output=True,
         env=env,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import warnings
 
-from ._errors import EinshardWarning
-from ._layout import Layout
+from .._language._errors import EinshardWarning
+from .._language._layout import Layout
 
 __all__ = ["warn_if_one_device"]
 
