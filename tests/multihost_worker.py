@@ -235,6 +235,9 @@ def agree_scenario(jax, process_id):
     result["dtype"] = attempt(lambda: einshard.from_process_local(other_dtype, BATCH_EXPRESSION))
     other_rows = rows[: 4 + 4 * process_id]  # process 1 passes 8 rows: a global shape of 16
     result["rows"] = attempt(lambda: einshard.from_process_local(other_rows, BATCH_EXPRESSION))
+    # Process 1 lays its rows out as 'b d -> b4 d 2': the same local shape, another layout.
+    other_expression = "b d -> b4 d 2" if process_id == 1 else BATCH_EXPRESSION
+    result["expression"] = attempt(lambda: einshard.from_process_local(mine, other_expression))
     # 'b d -> * b2 d': every process holds both row blocks (replication across processes).
     whole = rows + (100 * process_id if process_id == 1 else 0)
     result["values_unchecked"] = attempt(lambda: einshard.from_process_local(whole, "b d -> * b2 d"))

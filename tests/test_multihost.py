@@ -298,6 +298,15 @@ def test_disagreement_is_an_error_on_every_process(agree_cluster, case, headline
         assert "  process 1: dtype=float64, expression=b d -> b* d, global shape=[8, 4]" in lines
 
 
+def test_processes_that_lay_out_their_parts_differently_disagree(agree_cluster):
+    for process, report in enumerate(agree_cluster):
+        lines = report["expression"]["error"].split("\n")
+        assert lines[0] == "from_process_local: the processes disagree: [0] against [1]"
+        assert "  process 0: dtype=float32, expression=b d -> b* d, global shape=[8, 4]" in lines
+        assert "  process 1: dtype=float32, expression=b d -> b4 d 2, global shape=[8, 4]" in lines
+        assert lines[-1] == f"  in process {process} of 2"
+
+
 def test_values_are_checked_only_when_asked(agree_cluster):
     for report in agree_cluster:
         assert "ok" in report["values_unchecked"]  # JAX takes each process's blocks as they are
