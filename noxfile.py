@@ -179,13 +179,16 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=NEWEST_PYTHON)
 def fuzz(session: nox.Session) -> None:
-    """Hypothesis with many examples over expressions, rule tables and trees (not run by default)."""
+    """Hypothesis with many examples over expressions, rule tables, trees, the shared mesh, the
+    planner's ranking and FSDP's choice (not run by default)."""
     session.install("--upgrade", "-e", ".[all]", "jax", *_group("test"))
     session.run(
         "pytest",
         "tests/test_fuzz.py",
         "tests/test_expression.py",
         "tests/test_meet.py",
+        "tests/test_planner.py::test_the_ranking_is_the_reference_order_at_any_figures",
+        "tests/test_strategies.py::test_fsdp_splits_the_largest_axis_that_divides_like_the_reference",
         *session.posargs,
         env={
             "EINSHARD_TEST_DEVICES": "8",
