@@ -307,6 +307,17 @@ def test_processes_that_lay_out_their_parts_differently_disagree(agree_cluster):
         assert lines[-1] == f"  in process {process} of 2"
 
 
+@pytest.mark.parametrize("block", ["11", "01"])
+def test_the_block_whose_values_differ_is_named(agree_cluster, block):
+    for process, report in enumerate(agree_cluster):
+        lines = report[f"values_{block}"]["error"].split("\n")
+        assert lines[0] == (
+            f"from_process_local: the processes hold different values for block ({block[0]}, {block[1]}): "
+            "[0] against [1]"
+        )
+        assert lines[-1] == f"  in process {process} of 2"
+
+
 def test_values_are_checked_only_when_asked(agree_cluster):
     for report in agree_cluster:
         assert "ok" in report["values_unchecked"]  # JAX takes each process's blocks as they are

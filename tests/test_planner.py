@@ -89,6 +89,15 @@ def test_too_little_memory_for_data_parallel_rejects_it_and_says_why(planned):
         _ = planned.at(memory_per_device=1).best
 
 
+@pytest.mark.parametrize("name", [strategy.name for strategy in CANDIDATES])
+def test_a_candidate_whose_peak_is_exactly_the_limit_fits(planned, name):
+    (peak,) = [row.peak_bytes for row in planned.rows if row.name == name]
+    fits = {row.name: row.rejected for row in planned.at(memory_per_device=peak).rows}
+    assert fits[name] is None
+    over = {row.name: row.rejected for row in planned.at(memory_per_device=peak - 1).rows}
+    assert over[name].startswith("does not fit memory: needs ")
+
+
 def test_a_slow_link_with_large_activations_prefers_fewer_bytes(planned):
     plan = planned.at(bandwidth=1e6, flops_per_second=1e12)
     traffic = {row.name: row.traffic for row in plan.rows}
@@ -448,8 +457,13 @@ def test_a_list_in_reverse_ranks_by_the_same_estimates(
     _assert_reference_order(given)
     _assert_reference_order(reverse)
     assert [row.name for row in reverse.rows] != [row.name for row in reversed(reverse.rows)] or N == 1
-    # The same compiled steps under both lists: the same estimates, by name.
+    # The same compiled steps under both lists: the same estimates, by name; each communication
+    # plus compute, as the reports estimate them at these figures.
     assert {row.name: row.seconds for row in given.rows} == {row.name: row.seconds for row in reverse.rows}
+    for row in given.rows:
+        report = row.report.at(bandwidth=bandwidth, flops_per_second=flops_per_second)
+        assert row.seconds == pytest.approx(report.communication_seconds + report.compute_seconds, rel=1e-12)
+        assert report.compute_seconds == pytest.approx(row.report.flops / flops_per_second, rel=1e-12)
     # The large batch makes data parallelism the fastest by more than the margin on the slow link:
     # first in either list, though the reversed list gives it last.
     if bandwidth == 1e6:

@@ -240,6 +240,30 @@ def test_a_collective_in_a_loop_runs_its_trip_count_times(kind):
     )
 
 
+def test_a_scan_over_layers_reduces_once_per_layer():
+    """The partitioner's own collective in a loop: each layer's partial sums, all-reduced."""
+    mesh, g = the_mesh("all")
+    weights = placed(mesh, (TRIPS, 4 * g, 4 * g), P(None, "d", None))  # each layer's rows split
+    h = placed(mesh, (4, 4 * g), P(None, "d"))
+
+    def layers(weights, h):
+        def layer(h, w):
+            out = jnp.tanh(h @ w)  # f32[4, 4g] of partial sums: all-reduced
+            return jax.lax.with_sharding_constraint(out, NamedSharding(mesh, P(None, "d"))), None
+
+        return jax.lax.scan(layer, h, weights)[0]
+
+    assert collectives_in(layers, weights, h) == {"all-reduce": 1}
+    report = report_of(layers, weights, h)
+    (row,) = only_row(report, "all-reduce")
+    size = 4 * 4 * g * F32  # 64 g bytes
+    assert (row.bytes, row.times, row.times_known) == (size, TRIPS, True)
+    assert report.traffic == TRIPS * 2 * (g - 1) * size / g  # 4,480 bytes at 8 devices
+    assert report.communication_seconds == pytest.approx(
+        TRIPS * (2 * (g - 1) * size / g / BANDWIDTH + 2 * (g - 1) * LATENCY), rel=1e-9
+    )
+
+
 # --- combined collectives and whole steps ---------------------------------------------------------
 
 

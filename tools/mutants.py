@@ -248,7 +248,7 @@ MUTANTS = [
         "einshard/_trees/_tree_shardings.py",
         "    if isinstance(leaf, jax.Array):\n        return leaf.sharding",
         "    if isinstance(leaf, jax.Array):\n        return None",
-        ("tests/test_training_steps.py", "tests/test_rules.py"),
+        ("tests/test_training_steps.py",),
         "shardings_of returns None for placed arrays",
     ),
     # --- multi-process agreement ---
