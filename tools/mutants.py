@@ -15,10 +15,11 @@ does occur, so the entry can be fixed by hand; ``--check`` checks every anchor w
 anything.
 
 A run stops as soon as the mutant is caught (3 failed tests in 2 functions: the count is exact,
-not "stopped at the third failure"); ``--all-failures`` runs the files to the end. Tests that
-fail unmutated (a first run of every selected file, ``--no-baseline`` skips it) are not counted.
-The mutants of the shared mesh are also run through ``tests/test_meet.py`` at 6 and 12 devices,
-to the end, and every failing test is listed (``--no-meet`` skips that).
+not "stopped at the third failure"); ``--all-failures`` runs the files to the end. At the end,
+every test function that failed on some mutant runs once more, unmutated: a test that fails
+there too is not counted (``--baseline`` instead runs every selected file unmutated first). The
+mutants of the shared mesh are also run through ``tests/test_meet.py`` at 6 and 12 devices, to
+the end, and every failing test is listed (``--no-meet`` skips that).
 
 Usage (``nox -s mutants -- ARGS`` does the same in its own environment)::
 
@@ -446,6 +447,7 @@ class Outcome:
     seconds: float
     timeout: bool = False
     collection: list[str] = dataclasses.field(default_factory=list)
+    unmutated: list[str] = dataclasses.field(default_factory=list)  # failed unmutated too: not counted
     meet: dict[int, list[str]] = dataclasses.field(default_factory=dict)
 
     @property
@@ -484,10 +486,39 @@ def details(outcomes: list[Outcome]) -> str:
         lines.append(f"{o.mutant.name}: {o.mutant.what}")
         lines += [f"    {test}" for test in o.failed]
         lines += [f"    collection error: {c}" for c in o.collection]
+        lines += [f"    (not counted, fails unmutated too: {t})" for t in o.unmutated]
         for count, failed in o.meet.items():
             lines.append(f"  tests/test_meet.py at {count} devices: {len(failed)} failed")
             lines += [f"    {test}" for test in failed]
     return "\n".join(lines)
+
+
+MEET_COUNTS = (6, 12)
+
+
+def confirm(copy: Path, outcomes: list[Outcome], devices: int) -> None:
+    """Runs the test functions that failed on some mutant, unmutated; what fails there too is not
+    counted (a test that fails anyway catches nothing)."""
+    runs = {devices: {t for o in outcomes for t in o.failed}}
+    for count in MEET_COUNTS:
+        runs.setdefault(count, set()).update(t for o in outcomes for t in o.meet.get(count, []))
+    for count, tests in runs.items():
+        if not tests:
+            continue
+        functions = sorted({function_of(test) for test in tests})
+        print(
+            f"confirming {len(functions)} test functions unmutated at {count} devices ...",
+            end=" ",
+            flush=True,
+        )
+        failing = set(run_pytest(copy, functions, count, stop=False)["failed"])
+        print(f"{len(failing & tests)} fail unmutated too" if failing & tests else "they pass", flush=True)
+        for outcome in outcomes:
+            if count == devices:
+                outcome.unmutated += [t for t in outcome.failed if t in failing]
+                outcome.failed = [t for t in outcome.failed if t not in failing]
+            if count in outcome.meet:
+                outcome.meet[count] = [t for t in outcome.meet[count] if t not in failing]
 
 
 # --- main -------------------------------------------------------------------------------------------------
@@ -499,7 +530,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", action="store_true", help="run the whole suite on each mutant")
     parser.add_argument("--all-failures", action="store_true", help="do not stop once a mutant is caught")
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
-    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated first run")
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="run every selected file unmutated first (default: only what failed on a mutant, at the end)",
+    )
     parser.add_argument("--no-meet", action="store_true", help="skip test_meet.py at 6 and 12 devices")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--check", action="store_true", help="check every anchor and exit")
@@ -535,15 +570,10 @@ def main(argv: list[str] | None = None) -> int:
         copy = copy_repository(Path(tmp))
         check_imports_the_copy(copy)
         baseline: set[str] = set()
-        if not args.no_baseline:
+        if args.baseline:
             targets = [] if args.full else sorted({t for m in selected for t in m.tests})
             print(f"baseline: {' '.join(targets) or 'the whole suite'}", flush=True)
-            first = run_pytest(copy, targets, args.devices, stop=False)
-            baseline = set(first["failed"])
-            if baseline or first["collection"]:
-                failing = [*sorted(baseline), *first["collection"]]
-                print(f"  failing unmutated (not counted): {failing}", flush=True)
-            print(f"  {first['seconds']:.0f} s", flush=True)
+            baseline = set(run_pytest(copy, targets, args.devices, stop=False)["failed"])
         outcomes = []
         for mutant in selected:
             path = copy / mutant.module
@@ -557,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
                 outcome = Outcome(mutant, failed, result["stopped"], result["seconds"], result["timeout"])
                 outcome.collection = result["collection"]
                 if mutant.meet and not args.no_meet:
-                    for count in (6, 12):
+                    for count in MEET_COUNTS:
                         meet = run_pytest(copy, ["tests/test_meet.py"], count, stop=False)
                         outcome.meet[count] = meet["failed"]
                         outcome.seconds += meet["seconds"]
@@ -565,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
                 path.write_text(original)
             outcomes.append(outcome)
             print(f"{'caught' if outcome.caught else 'NOT CAUGHT'} ({len(failed)} tests)", flush=True)
+        if not args.baseline:
+            confirm(copy, outcomes, args.devices)
 
     text = table(outcomes, markdown=False)
     print()
