@@ -298,7 +298,7 @@ def on_fresh_thread(function):
     """Runs a deep-tree check on its own thread. A RecursionError inside JAX's C++ flattening
     leaves the thread's recursion budget smaller for good (CPython 3.12's accounting), so such
     checks must neither inherit a spent budget nor spend the main thread's."""
-    from einshard._language._inputs import _on_fresh_thread
+    from einshard._trees._paths import _on_fresh_thread
 
     return _on_fresh_thread(lambda _: function(), None)
 

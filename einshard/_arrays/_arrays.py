@@ -15,8 +15,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from .._language._errors import EinshardError
-from .._language._inputs import check_array_value, checked_shape
+from .._language._errors import EinshardError, short_repr
+from .._language._numbers import checked_shape
 from .._sharding._devices import Devices, device_target
 from .._sharding._resolve import check_arguments, resolve_sharding, sharding_context
 from ._one_device import warn_if_one_device
@@ -113,12 +113,6 @@ def einshard(x: Any, expression: str, *, devices: Devices | None = None) -> Any:
                 f"cannot make an array of {type(x).__name__}: {error}",
                 hint="Pass a jax.Array, a NumPy array, a scalar, or a jax.ShapeDtypeStruct.",
             ) from None
-        if x.dtype.kind in "OUSV":  # objects, strings, bytes, records: no JAX dtype holds them
-            what = "Python objects" if x.dtype == object else f"dtype {x.dtype}"
-            raise EinshardError(
-                f"cannot shard an array of {what}",
-                hint="Pass numbers: a jax.Array, a NumPy array, a scalar or a nested list of numbers.",
-            )
     check_array_value(x)  # strings, objects, ints beyond JAX's: JAX's own errors are not ours
     shape = tuple(np.shape(x))
     check_arguments(expression)
@@ -143,3 +137,27 @@ def _resolved(
     if devices is None and target.mesh is None:  # the default order: one device may be a surprise
         warn_if_one_device(layout, stacklevel=3)  # at the caller of make_sharding / einshard
     return sharding
+
+
+def check_array_value(x: Any) -> None:
+    """Refuses, as an :class:`EinshardError`, values JAX cannot hold as an array.
+
+    NumPy arrays of strings, bytes, objects, records or dates (JAX's ``TypeError``), and Python
+    ints beyond JAX's default integer type (JAX's ``OverflowError``).
+    """
+    dtype = getattr(x, "dtype", None)
+    if isinstance(x, (np.ndarray, np.generic)) and dtype is not None and dtype.kind in "OUSVMm":
+        what = "Python objects" if dtype.kind == "O" else f"dtype {dtype}"
+        raise EinshardError(
+            f"cannot shard an array of {what}",
+            hint="Pass numbers: a jax.Array, a NumPy array, a scalar or a nested list of numbers.",
+        )
+    if isinstance(x, int) and not isinstance(x, bool):
+        int_type = np.iinfo(jax.dtypes.canonicalize_dtype(np.int64))
+        if not int_type.min <= x <= int_type.max:
+            raise EinshardError(
+                f"the integer {short_repr(x)} does not fit JAX's {int_type.dtype} "
+                f"({int_type.min} to {int_type.max})",
+                hint="Pass a float (e.g. float(x)), or enable 64-bit integers with "
+                "jax.config.update('jax_enable_x64', True) if it fits int64.",
+            )

@@ -13,7 +13,7 @@ import functools
 
 from ._errors import EinshardError
 
-__all__ = ["Expression", "LeftElement", "RightElement", "parse"]
+__all__ = ["Expression", "LeftElement", "RightElement", "check_expression_type", "parse"]
 
 _ARROW = "->"
 _ELLIPSIS = "..."
@@ -170,12 +170,17 @@ def parse(text: str) -> Expression:
     >>> parse('x y -> x y*').right[1]
     RightElement(name='y', count=None, star=True, span=(9, 11), is_ellipsis=False)
     """
+    check_expression_type(text)
+    return _parse(text)
+
+
+def check_expression_type(text: object) -> None:
+    """Refuses an expression that is not a string, before any cache sees it."""
     if not isinstance(text, str):
         raise EinshardError(
             f"an einshard expression must be a string, not {type(text).__name__}",
             hint="Write it like 'x y -> x y*'.",
         )
-    return _parse(text)
 
 
 @functools.lru_cache(maxsize=4096)

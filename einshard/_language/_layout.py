@@ -15,10 +15,9 @@ from collections.abc import Sequence
 
 from ._errors import EinshardError, adding_context
 from ._expression import Expression, RightElement, parse
-from ._inputs import checked_device_count, checked_n_dims, checked_shape
-from ._numbers import balanced_factors, divisors_preview
+from ._numbers import balanced_factors, checked_device_count, checked_n_dims, checked_shape, divisors_preview
 
-__all__ = ["Layout", "carried_expression", "checked_shape", "compile_layout", "integer_root", "layout"]
+__all__ = ["Layout", "carried_expression", "compile_layout", "integer_root", "layout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,8 +237,6 @@ def _check_rank(expression: Expression, n_dims: int | None) -> int:
                 hint="Pass n_dims= or shape= (einshard(x, ...) reads them from the array).",
             )
         return n_named
-    if not isinstance(n_dims, int) or isinstance(n_dims, bool) or n_dims < 0:
-        raise EinshardError(f"n_dims must be a non-negative integer, not {n_dims!r}")
     if expression.has_ellipsis:
         if n_dims < n_named - 1:
             raise _rank_error(expression, n_dims, None)

@@ -1,4 +1,8 @@
-"""Bounded number theory for error hints: factors and divisors of counts of any size.
+"""The numbers a user passes (device counts, ranks, shape sizes), and number theory for hints.
+
+Pure Python, no JAX. A cache keyed by a value treats ``True`` as ``1`` and ``8.0`` as ``8``; so
+whether a number is valid is decided here, outside every cache, and never depends on what was
+called before.
 
 Error messages suggest counts (``'x4 y2'`` for 8 devices, the divisors of an axis size and
 the device count). Device counts and sizes may be any integers, so these never search without
@@ -11,8 +15,86 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
+from typing import Any
 
-__all__ = ["Factors", "balanced_factors", "divisors_preview", "prime_factors"]
+from ._errors import EinshardError, short_repr
+
+__all__ = [
+    "MAX_COUNT",
+    "Factors",
+    "balanced_factors",
+    "checked_device_count",
+    "checked_n_dims",
+    "checked_shape",
+    "divisors_preview",
+    "prime_factors",
+]
+
+MAX_COUNT = 2**63
+"""The largest device count or array size einshard takes (NumPy's sizes are 64-bit signed)."""
+
+
+def checked_device_count(n_devices: Any) -> int:
+    """``n_devices`` if it is an ``int`` (not a bool) from 1 to 2**63, else an :class:`EinshardError`."""
+    if type(n_devices) is int and 1 <= n_devices <= MAX_COUNT:  # the common case, first
+        return n_devices
+    if isinstance(n_devices, int) and not isinstance(n_devices, bool) and 1 <= n_devices <= MAX_COUNT:
+        return int(n_devices)
+    if isinstance(n_devices, int) and not isinstance(n_devices, bool) and n_devices > MAX_COUNT:
+        raise EinshardError(
+            f"the device count must be a positive integer up to 2**63, not one of "
+            f"{n_devices.bit_length()} bits",
+            hint="Pass the number of devices to plan for, e.g. n_devices=256.",
+        )
+    raise EinshardError(f"the device count must be a positive integer, not {short_repr(n_devices)}")
+
+
+def checked_n_dims(n_dims: Any) -> int | None:
+    """``n_dims`` if it is ``None`` or a non-negative ``int`` (not a bool)."""
+    if n_dims is None or (type(n_dims) is int and n_dims >= 0):
+        return n_dims
+    raise EinshardError(f"n_dims must be a non-negative integer, not {short_repr(n_dims)}")
+
+
+def checked_shape(shape: Any) -> tuple[int, ...]:
+    """The shape as a tuple of ints, each a whole number from 0 to 2**63.
+
+    Refuses what ``int()`` would silently change: ``8.5`` (truncated), ``True``, ``'8'``.
+    """
+    try:
+        if isinstance(shape, (str, bytes)):
+            raise TypeError
+        sizes = tuple(shape)
+    except TypeError:
+        raise EinshardError(f"shape must be a sequence of integers, not {short_repr(shape)}") from None
+    result = []
+    for size in sizes:
+        if isinstance(size, bool):
+            index = None
+        else:
+            try:
+                index = operator.index(size)  # ints and NumPy integers; not floats or strings
+            except TypeError:
+                index = None
+        if index is None:
+            hint = None
+            if isinstance(size, float) and size.is_integer():
+                hint = f"Write the size as an integer: {int(size)}."
+            raise EinshardError(
+                f"shape must be a sequence of integers, not {short_repr(shape)}: "
+                f"{short_repr(size)} is not an integer",
+                hint=hint,
+            )
+        if index < 0:
+            raise EinshardError(f"shape {short_repr(tuple(sizes))} has a negative size")
+        if index > MAX_COUNT:
+            raise EinshardError(
+                f"shape has a size of {index.bit_length()} bits; array sizes are at most 2**63"
+            )
+        result.append(index)
+    return tuple(result)
+
 
 _TRIAL_LIMIT = 1 << 10  # trial division by every number below this
 _RHO_STEPS = 4_000  # Pollard-rho steps in all (about 2 ms in CPython): finds most factors below ~2**22

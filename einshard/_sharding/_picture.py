@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 from .._language._errors import EinshardError
-from .._language._inputs import checked_shape
 from .._language._layout import Layout, layout
+from .._language._numbers import checked_shape
 from ._devices import Devices, device_target, resolve_devices
 
 __all__ = ["picture", "visualize"]

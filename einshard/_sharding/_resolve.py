@@ -17,7 +17,9 @@ from typing import Any
 from jax.sharding import AxisType, NamedSharding
 
 from .._language._errors import EinshardError
+from .._language._expression import check_expression_type
 from .._language._layout import Layout
+from .._language._numbers import checked_n_dims
 from ._devices import Devices, DeviceTarget, device_target
 from ._mesh import ambient_spec, layout_sharding
 
@@ -88,13 +90,10 @@ def check_arguments(expression: object, n_dims: object = None) -> None:
         EinshardError: If the expression is not a string, or the rank not a
             non-negative integer.
     """
-    if not isinstance(expression, str):
-        raise EinshardError(
-            f"an einshard expression must be a string, not {type(expression).__name__}",
-            hint="Write it like 'x y -> x y*'.",
-        )
-    if n_dims is not None and (not isinstance(n_dims, int) or isinstance(n_dims, bool) or n_dims < 0):
-        raise EinshardError(f"n_dims must be a non-negative integer, not {n_dims!r}")
+    if type(expression) is not str:  # the per-call path: two tests, no call, when both are fine
+        check_expression_type(expression)
+    if n_dims is not None:
+        checked_n_dims(n_dims)
 
 
 def sharding_context(error: EinshardError, shape: tuple[int, ...] | None, devices: Devices | None) -> None:

@@ -20,14 +20,16 @@ import collections
 import importlib
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 
-from .._language._inputs import flatten_or_explain
+from .._language._errors import EinshardError, short_repr
 from ._rules import path_string
 
-__all__ = ["flatten_with_paths", "register_value_wrapper"]
+__all__ = ["flatten_or_explain", "flatten_with_paths", "register_value_wrapper"]
+
+T = TypeVar("T")
 
 # Tree structure -> the path of each leaf, for the last few structures. Few: a structure's
 # hash ignores dict keys, so structures of one shape share a bucket and are compared in turn.
@@ -133,3 +135,80 @@ def _import_path_conventions() -> None:
     for framework, integration in PATH_CONVENTIONS.items():
         if framework in sys.modules and integration not in sys.modules:
             importlib.import_module(integration)
+
+
+# --- flattening any tree, with JAX's failures on malformed ones explained ---
+
+
+def flatten_or_explain(flatten: Callable[[Any], T], tree: Any) -> T:
+    """``flatten(tree)``, with JAX's failures on a malformed tree turned into an :class:`EinshardError`.
+
+    JAX sorts a dict's keys to flatten it (keys of mixed types fail to sort), and its C++
+    flattening has a depth limit of its own.
+    """
+    try:
+        return flatten(tree)
+    except (ValueError, TypeError) as error:
+        if "sorting pytree dictionary keys" not in str(error):
+            raise
+        keys = _unsortable_keys(tree)
+        raise EinshardError(
+            "a dict in the tree has keys that cannot be sorted together (e.g. ints and strings)",
+            hint="JAX sorts a dict's keys to flatten it: give each dict keys of one type, e.g. all strings.",
+            context=[f"in a dict with the keys {short_repr(keys)}"] if keys is not None else [],
+        ) from None
+    except (RecursionError, SystemError) as error:
+        if isinstance(error, SystemError) and "exception set" not in str(error):
+            raise
+    # Deep trees meet the interpreter's recursion budget, part of which the caller's own stack
+    # has used: try once more on a fresh thread (a fresh budget, a large stack).
+    try:
+        return _on_fresh_thread(flatten, tree)
+    except (RecursionError, SystemError):
+        raise EinshardError(
+            "the tree is nested too deeply to flatten",
+            hint="JAX's tree functions (and so einshard's) take trees a few thousand levels deep "
+            "at most; flatten the structure, e.g. a dict from path strings to arrays.",
+        ) from None
+
+
+def _on_fresh_thread(function: Callable[[Any], T], argument: Any) -> T:
+    """``function(argument)`` on a new thread with a 256 MiB stack; its exception re-raised here."""
+    import threading
+
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, function(argument)))
+        except BaseException as error:  # handed to the caller's thread
+            outcome.append((False, error))
+
+    previous = threading.stack_size(256 * 2**20)
+    try:
+        thread = threading.Thread(target=run, name="einshard-deep-tree")
+        thread.start()
+    finally:
+        threading.stack_size(previous)
+    thread.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _unsortable_keys(tree: Any, limit: int = 10_000) -> list[Any] | None:
+    """The keys of the first dict (breadth first, bounded) whose keys do not sort, or ``None``."""
+    queue = [tree]
+    for node in queue:
+        if len(queue) > limit:
+            break
+        if isinstance(node, dict):
+            try:
+                sorted(node)
+            except TypeError:
+                return list(node)[:10]
+            queue.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            queue.extend(node)
+    return None

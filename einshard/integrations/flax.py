@@ -70,7 +70,6 @@ from flax.core import meta as flax_meta
 from .._arrays._build import build_sharded
 from .._arrays._place import place_leaves
 from .._language._errors import EinshardError, adding_context
-from .._language._inputs import check_params_for_state
 from .._sharding._devices import Devices
 from .._trees import _pytrees
 from .._trees._paths import register_value_wrapper
@@ -408,7 +407,7 @@ def _place_like(optimizer: Any, params: Any) -> dict[int, Any]:
     from . import optax as optax_integration
 
     def shardings_of(state: Any) -> list[Any]:
-        check_params_for_state(state, params)
+        optax_integration.check_params_for_state(state, params)
         shardings = optax_integration.opt_state_shardings(state, params)
         return jax.tree_util.tree_structure(state).flatten_up_to(shardings)
 

@@ -61,16 +61,22 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSha
 from .._arrays._arrays import make_sharding
 from .._arrays._build import build_sharded, itemsize
 from .._arrays._place import place_leaves
-from .._language._errors import EinshardError, EinshardWarning
-from .._language._inputs import check_params_for_state
+from .._language._errors import EinshardError, EinshardWarning, short_repr
 from .._language._layout import carried_expression, compile_layout
 from .._sharding._devices import Devices, device_target
 from .._sharding._mesh import spec_entries, spec_expression, spec_split
 from .._trees._explain import Report, _size, report_row
+from .._trees._paths import flatten_or_explain
 from .._trees._plan import REPLICATE, as_rules, is_array_leaf, plan_tree
 from .._trees._rules import RulesLike, path_string
 
-__all__ = ["explain_opt_state", "init_sharded", "opt_state_shardings", "shard_opt_state"]
+__all__ = [
+    "check_params_for_state",
+    "explain_opt_state",
+    "init_sharded",
+    "opt_state_shardings",
+    "shard_opt_state",
+]
 
 KeyPath = tuple[Any, ...]
 Axes = tuple[int | None, ...]  # per leaf axis: the parameter axis whose split it takes, or None
@@ -363,6 +369,75 @@ def _adafactor_fields(opt_state: Any) -> dict[KeyPath, str]:
             for sub, _ in jax.tree_util.tree_flatten_with_path(node)[0]:
                 fields[(*prefix, *sub)] = getattr(sub[0], "name", "")
     return fields
+
+
+# --- the params a state belongs to ---
+
+
+def check_params_for_state(opt_state: Any, params: Any) -> None:
+    """Refuses ``params`` that cannot be the parameters ``opt_state`` belongs to.
+
+    They must be a tree of arrays (``jax.Array``, NumPy arrays or ``jax.ShapeDtypeStruct``;
+    ``None`` allowed), at least one; and when the state holds arrays of more than one element,
+    at least one of them must have the shape of a parameter (moments mirror their parameter)
+    or be made of some of a parameter's sizes (factored statistics, as Adafactor keeps), or a
+    part of the state must have the params' structure.
+    """
+    leaves = flatten_or_explain(jax.tree_util.tree_leaves, params)
+    not_arrays = [leaf for leaf in leaves if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype"))]
+    if not leaves or not_arrays:
+        what = f"{type(params).__name__}" if not leaves else f"a tree holding {short_repr(not_arrays[0])}"
+        raise EinshardError(
+            f"params must be the tree of arrays the optimizer state belongs to, not {what}",
+            hint="Pass the parameters, e.g. shard_opt_state(opt_state, params) with params placed "
+            "by shard_pytree (or abstract, with shardings).",
+        )
+    param_shapes = {tuple(leaf.shape) for leaf in leaves}
+    state_shapes = {
+        tuple(leaf.shape)
+        for leaf in jax.tree_util.tree_leaves(opt_state)
+        if hasattr(leaf, "shape") and math.prod(leaf.shape) > 1
+    }
+    if (
+        state_shapes
+        and not any(_sizes_within(state, param) for state in state_shapes for param in param_shapes)
+        and not _has_subtree_like(opt_state, params)
+    ):
+        raise EinshardError(
+            "the optimizer state does not belong to these params: none of its arrays has the "
+            "shape of a parameter, or sizes of one",
+            hint="Pass the params the state was made from (tx.init(params)).",
+            context=[
+                f"state shapes {short_repr(sorted(state_shapes))}, "
+                f"param shapes {short_repr(sorted(param_shapes))}"
+            ],
+        )
+
+
+def _sizes_within(state: tuple[int, ...], param: tuple[int, ...]) -> bool:
+    """Whether ``state``'s sizes are some of ``param``'s (each used at most once)."""
+    left = list(param)
+    for size in state:
+        if size not in left:
+            return False
+        left.remove(size)
+    return True
+
+
+def _has_subtree_like(tree: Any, like: Any) -> bool:
+    """Whether a node of ``tree`` has the tree structure of ``like``."""
+    structure = jax.tree_util.tree_structure(like)
+    kind = type(like)
+    found = []
+
+    def is_like(node: Any) -> bool:
+        if type(node) is kind and jax.tree_util.tree_structure(node) == structure:
+            found.append(node)
+            return True
+        return False
+
+    jax.tree_util.tree_leaves(tree, is_leaf=is_like)
+    return bool(found)
 
 
 # --- the params' layouts, and the state's shardings read off the derivations ---
