@@ -5,6 +5,7 @@
 >>> w1 = einshard(jnp.zeros((128, 256)), 'x y -> x y*')  # split y over all devices
 """
 
+from . import integrations as integrations  # it registers the integrations' path conventions
 from . import strategies as strategies
 from ._arrays._arrays import einshard as einshard
 from ._arrays._arrays import make_sharding as make_sharding

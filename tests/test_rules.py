@@ -452,7 +452,7 @@ def test_shard_pytree_keeps_values_and_follows_make_sharding(tree, data):
             continue
         np.testing.assert_array_equal(np.asarray(after), before)
         assert after.dtype == before.dtype
-        rule = rules.match(einshard._trees._rules.path_string(path))
+        rule = rules.match(einshard._trees._paths.path_string(path))
         expression = REPLICATE if before.ndim == 0 else rule.expression
         assert same_layout(after, expression)
 
@@ -569,5 +569,5 @@ def test_paths_read_off_the_structure_are_those_of_the_key_paths(tree):
     except ValueError:  # dict keys of mixed types JAX cannot sort
         return
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    expected = [einshard._trees._rules.path_string(key_path) for key_path, _ in flat]
+    expected = [einshard._trees._paths.path_string(key_path) for key_path, _ in flat]
     assert _paths._structure_paths(treedef) == expected

@@ -24,7 +24,8 @@ from typing import Any
 
 from .._language._errors import EinshardError
 from .._trees._explain import _size, table_text
-from .._trees._rules import RulesLike, path_string
+from .._trees._paths import path_string
+from .._trees._rules import RulesLike
 from . import _hlo
 
 __all__ = ["StepReport", "StepRow", "explain_step"]

@@ -1,7 +1,7 @@
-"""Rule tables: ordered ``(regex, expression)`` pairs, and leaf paths to match them against.
+"""Rule tables: ordered ``(regex, expression)`` pairs, matched against leaf paths.
 
-Pure Python (JAX only for its key-path types). A leaf's path is its key path joined with ``/``
-(``layers/0/attn/q_proj/kernel``); a rule matches when ``re.search(regex,
+Pure Python. A leaf's path is its key path joined with ``/`` (``layers/0/attn/q_proj/kernel``,
+made by :mod:`einshard._trees._paths`); a rule matches when ``re.search(regex,
 path)`` succeeds, and the first matching rule wins (the EasyLM / scalax
 convention, so their tables port directly).
 """
@@ -12,15 +12,13 @@ import dataclasses
 import functools
 import re
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Union
-
-import jax
 
 from .._language._errors import EinshardError, EinshardWarning
 from .._language._expression import parse
 
-__all__ = ["ByShape", "Indivisible", "Rule", "Rules", "RulesLike", "Unmatched", "path_string"]
+__all__ = ["ByShape", "Indivisible", "Rule", "Rules", "RulesLike", "Unmatched"]
 
 Unmatched = Literal["error", "replicate"]
 """What to do with an array leaf no rule matches."""
@@ -435,31 +433,3 @@ def _combine(rules: Sequence[Rule]) -> re.Pattern[str] | None:
             return re.compile(f"(?:{branches})")
     except re.error:  # not expected for combinable rules; they are then searched one by one
         return None
-
-
-def path_string(path: Sequence[Any]) -> str:
-    """Joins a JAX key path with ``/``: dict keys, attribute names and indices.
-
-    >>> import jax
-    >>> [path_string(p) for p, _ in jax.tree_util.tree_flatten_with_path({'a': [1, {'b': 2}]})[0]]
-    ['a/0', 'a/1/b']
-    """
-    return "/".join([_KEY_STRING.get(type(key), _key_string)(key) for key in path])
-
-
-def _key_string(key: Any) -> str:
-    # Any other key type: DictKey.key, GetAttrKey.name, SequenceKey.idx, FlattenedIndexKey.key.
-    for attribute in ("key", "name", "idx"):
-        value = getattr(key, attribute, None)
-        if value is not None:
-            return str(value)
-    return str(key)
-
-
-_KEY_STRING: dict[type, Callable[[Any], str]] = {
-    # The common key types, read without trying attributes (paths are built for every leaf).
-    jax.tree_util.DictKey: lambda key: str(key.key),
-    jax.tree_util.GetAttrKey: lambda key: key.name,
-    jax.tree_util.SequenceKey: lambda key: str(key.idx),
-    jax.tree_util.FlattenedIndexKey: lambda key: str(key.key),
-}

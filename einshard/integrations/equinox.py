@@ -77,7 +77,8 @@ from .._language._errors import EinshardError
 from .._language._expression import parse
 from .._sharding._devices import Devices
 from .._trees import _plan, _pytrees
-from .._trees._rules import Indivisible, Rules, RulesLike, Unmatched, path_string
+from .._trees._paths import path_string
+from .._trees._rules import Indivisible, Rules, RulesLike, Unmatched
 
 __all__ = ["create_sharded", "field_expressions", "module_rules", "shard_module", "sharded"]
 

@@ -66,9 +66,9 @@ from .._language._layout import carried_expression, compile_layout
 from .._sharding._devices import Devices, device_target
 from .._sharding._mesh import spec_entries, spec_expression, spec_split
 from .._trees._explain import Report, _size, report_row
-from .._trees._paths import flatten_or_explain
+from .._trees._paths import flatten_or_explain, flatten_with_paths
 from .._trees._plan import REPLICATE, as_rules, is_array_leaf, plan_tree
-from .._trees._rules import RulesLike, path_string
+from .._trees._rules import RulesLike
 
 __all__ = [
     "check_params_for_state",
@@ -315,21 +315,23 @@ def _describe(axes: Axes, rank: int, field: str | None) -> tuple[str, str]:
 
 def _derivations(
     opt_state: Any, params: Any, sources: Sequence[_Param], tx: Initable | None
-) -> tuple[list[tuple[KeyPath, Any, _Derivation | None]], Any]:
-    """Every leaf of the state with its derivation (``None``: not an array), and the state's structure."""
+) -> tuple[list[tuple[str, Any, _Derivation | None]], Any]:
+    """Every leaf of the state with its path and derivation (``None``: not an array), and the structure."""
     matcher = _Matcher(params, [source.split for source in sources])
     for path, node in _parameter_copies(tx, opt_state):
         matcher.visit(node, path)
     fields = _adafactor_fields(opt_state)
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
+    _, paths, _ = flatten_with_paths(opt_state)
     derived = []
-    for path, leaf in path_leaves:
-        path = tuple(path)
+    for (key_path, leaf), path in zip(path_leaves, paths, strict=True):
+        key_path = tuple(key_path)
         if not is_array_leaf(leaf) and not isinstance(leaf, Tracer):
             derived.append((path, leaf, None))
             continue
-        param, slot = matcher.found.get(path, (None, None))
-        derived.append((path, leaf, _derive(tuple(leaf.shape), param, slot, fields.get(path), sources)))
+        param, slot = matcher.found.get(key_path, (None, None))
+        derivation = _derive(tuple(leaf.shape), param, slot, fields.get(key_path), sources)
+        derived.append((path, leaf, derivation))
     return derived, treedef
 
 
@@ -462,11 +464,10 @@ class _Placed:
     """The placed parameters: what the derivation knows of each, and the state's shardings off it."""
 
     def __init__(self, params: Any) -> None:
-        path_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-        paths = [path_string(path) for path, _ in path_leaves]
+        leaves, paths, _ = flatten_with_paths(params)
         placed = [
             _param_sharding(leaf, path) if is_array_leaf(leaf) else None
-            for (_, leaf), path in zip(path_leaves, paths, strict=True)
+            for leaf, path in zip(leaves, paths, strict=True)
         ]
         named = [s for s in placed if isinstance(s, NamedSharding)]
         self.default = max(named, key=lambda s: s.num_devices, default=None) or next(
@@ -478,7 +479,7 @@ class _Placed:
         self.spread = self.default is not None and self.default.num_devices > 1
         self.shardings: list[Sharding | None] = []
         self.sources: list[_Param] = []
-        for (_, leaf), path, sharding in zip(path_leaves, paths, placed, strict=True):
+        for leaf, path, sharding in zip(leaves, paths, placed, strict=True):
             shape = tuple(leaf.shape) if is_array_leaf(leaf) else None
             split, why = None, _WHY_NO_LAYOUT.get(type(sharding), f"has a {type(sharding).__name__}")
             if shape is not None and isinstance(sharding, NamedSharding):
@@ -517,7 +518,7 @@ def _laid_out(
     placed = _Placed(params)
     derived, treedef = _derivations(opt_state, params, placed.sources, tx)
     laid = [
-        (path_string(path), leaf, d, None if d is None else placed.sharding(d, len(leaf.shape)))
+        (path, leaf, d, None if d is None else placed.sharding(d, len(leaf.shape)))
         for path, leaf, d in derived
     ]
     lost = [(path, leaf) for path, leaf, d, _ in laid if d is not None and d.lost]
@@ -719,7 +720,7 @@ def explain_opt_state(
     else:
         count = n_devices if n_devices is not None else device_target(devices).count
         plans = [plan for _, plan in plan_tree(params, as_rules(rules), n_devices=count)[0]]
-        paths = [path_string(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        paths = flatten_with_paths(params)[1]
         sources = [
             _Param(path, None, None) if plan is None else _Param(path, plan.shape, plan.layout.spec)
             for path, plan in zip(paths, plans, strict=True)
@@ -741,9 +742,7 @@ def explain_opt_state(
                 expression = carried_expression(plan.layout, derivation.axes)
             shard_shape = compile_layout(expression, len(shape), count).shard_shape(shape)
             holders = [0]  # einshard lays every array over all devices: every device holds the same
-        rows.append(
-            report_row(path_string(path), shape, leaf.dtype, rule, expression, shard_shape, derivation.note)
-        )
+        rows.append(report_row(path, shape, leaf.dtype, rule, expression, shard_shape, derivation.note))
         for device in holders:
             holds[device] = holds.get(device, 0) + rows[-1].bytes_per_device
     if rules is None:

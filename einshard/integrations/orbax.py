@@ -52,8 +52,9 @@ from jax.sharding import Sharding
 from .._arrays._place import place_leaves
 from .._language._errors import EinshardError
 from .._sharding._devices import Devices
+from .._trees._paths import path_string
 from .._trees._pytrees import tree_shardings
-from .._trees._rules import Rules, RulesLike, path_string
+from .._trees._rules import Rules, RulesLike
 
 __all__ = ["abstract_checkpoint", "restore", "restore_target", "save"]
 
