@@ -63,9 +63,10 @@ from .._arrays._build import build_sharded, itemsize
 from .._arrays._place import place_leaves
 from .._language._errors import EinshardError, EinshardWarning, short_repr
 from .._language._layout import carried_expression, compile_layout
+from .._language._text import size_text
 from .._sharding._devices import Devices, device_target
 from .._sharding._mesh import spec_entries, spec_expression, spec_split
-from .._trees._explain import Report, _size, report_row
+from .._trees._explain import Report, report_row
 from .._trees._paths import flatten_or_explain, flatten_with_paths
 from .._trees._plan import REPLICATE, as_rules, is_array_leaf, plan_tree
 from .._trees._rules import RulesLike
@@ -526,7 +527,7 @@ def _laid_out(
     if placed.spread and total >= LARGE_REPLICATED_BYTES:
         examples = ", ".join(path for path, _ in lost[:3]) + (", ..." if len(lost) > 3 else "")
         warnings.warn(
-            f"{len(lost)} optimizer state leaves ({_size(total)}) follow no parameter's layout and are "
+            f"{len(lost)} optimizer state leaves ({size_text(total)}) follow no parameter's layout and are "
             f"replicated on every device: {examples}; explain_opt_state(...) says why",
             EinshardWarning,
             stacklevel=3,
