@@ -19,13 +19,14 @@ from .._language._errors import EinshardError, short_repr
 from .._language._numbers import checked_shape
 from .._sharding._devices import Devices, device_target
 from .._sharding._resolve import check_arguments, resolve_sharding, sharding_context
+from ._leaves import is_array
 from ._one_device import warn_if_one_device
 from ._place import place_leaf
 
 __all__ = ["einshard", "make_sharding"]
 
-# Taken as they are; anything else goes through numpy.asarray.
-_ARRAY_LIKE = (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, int, float, complex, bool)
+# Taken as they are, besides arrays; anything else goes through numpy.asarray.
+_SCALARS = (int, float, complex, bool)
 
 
 def make_sharding(
@@ -105,7 +106,7 @@ def einshard(x: Any, expression: str, *, devices: Devices | None = None) -> Any:
             expression=x,
             hint=f"Call einshard(array, {x!r}).",
         )
-    if not isinstance(x, _ARRAY_LIKE):
+    if not is_array(x) and not isinstance(x, _SCALARS):
         try:
             x = np.asarray(x)
         except Exception as error:  # anything np.asarray rejects is the caller's input

@@ -27,6 +27,7 @@ from .._language._layout import Layout
 from .._sharding._devices import Devices, device_target
 from .._sharding._resolve import check_arguments, resolve_sharding, sharding_context
 from ._agreement import DEFAULT_TIMEOUT, announce_failure, block_hashes, check_agreement
+from ._leaves import is_concrete_array
 
 __all__ = ["from_process_local"]
 
@@ -114,7 +115,7 @@ def _checked_local_part(
     Returns the part, the layout, the sharding, the global shape and the blocks of each axis
     this process holds.
     """
-    if not isinstance(local, (jax.Array, np.ndarray)):
+    if not is_concrete_array(local):
         local = np.asarray(local)
     local_shape = tuple(int(size) for size in local.shape)
     check_arguments(expression)

@@ -13,7 +13,10 @@ import functools
 
 from ._errors import EinshardError
 
-__all__ = ["Expression", "LeftElement", "RightElement", "check_expression_type", "parse"]
+__all__ = ["REPLICATE", "Expression", "LeftElement", "RightElement", "check_expression_type", "parse"]
+
+REPLICATE = "... -> * ..."
+"""The expression that replicates an array of any rank on every device."""
 
 _ARROW = "->"
 _ELLIPSIS = "..."

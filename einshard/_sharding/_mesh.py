@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._language._errors import EinshardError, EinshardWarning
+from .._language._expression import REPLICATE
 from .._language._layout import Layout, compile_layout
 from ._devices import DeviceOrder
 
@@ -344,7 +345,7 @@ def spec_expression(sharding: object, rank: int) -> str:
     ``('x', 'y')`` is ``'a b -> 2 a b4'``.
     """
     if getattr(sharding, "is_fully_replicated", False):
-        return "... -> * ..."
+        return REPLICATE
     if not isinstance(sharding, NamedSharding) or rank > 26:
         return str(sharding)
     sizes = dict(sharding.mesh.shape)

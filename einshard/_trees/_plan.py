@@ -10,18 +10,14 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import jax
-import numpy as np
-from jax.core import Tracer
-
+from .._arrays._leaves import ARRAY_TYPES, is_array
 from .._language._errors import EinshardError, adding_context
+from .._language._expression import REPLICATE
 from .._language._layout import Layout, compile_layout
 from ._paths import flatten_with_paths
 from ._rules import Rule, Rules, RulesLike
 
-__all__ = ["REPLICATE", "LeafPlan", "as_rules", "describe_leaf", "is_array_leaf", "leaf_context", "plan_tree"]
-
-REPLICATE = "... -> * ..."
+__all__ = ["LeafPlan", "as_rules", "describe_leaf", "leaf_context", "plan_tree"]
 
 
 class LeafPlan(NamedTuple):
@@ -47,24 +43,6 @@ class LeafPlan(NamedTuple):
     note: str | None = None
 
 
-def is_array_leaf(leaf: Any) -> bool:
-    """Whether a leaf is an array to place: ``jax.Array``, NumPy array or scalar, ``ShapeDtypeStruct``.
-
-    Python scalars, strings, functions and other objects pass through untouched.
-    """
-    kind = type(leaf)
-    if kind in _ARRAY_TYPES:  # by identity first: isinstance against jax.Array's ABC is slow
-        return True
-    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
-        if not issubclass(kind, Tracer):  # whether a tracer is an array can depend on the tracer
-            _ARRAY_TYPES.add(kind)
-        return True
-    return False
-
-
-_ARRAY_TYPES: set[type] = {jax.ShapeDtypeStruct, np.ndarray}
-
-
 def as_rules(rules: RulesLike) -> Rules:
     """The rule table, built if given as pairs or a dict."""
     return rules if isinstance(rules, Rules) else Rules(rules)
@@ -87,9 +65,9 @@ def plan_tree(
     # Leaves of one kind (same rule, same shape) share a layout: decide each kind once.
     fitting: dict[tuple[int, tuple[int, ...]], Layout] = {}
     # The loop runs once per leaf on every call: its lookups are bound once, out of it.
-    match, fitted, append, array_types = table.match, fitting.get, planned.append, _ARRAY_TYPES
+    match, fitted, append, array_types = table.match, fitting.get, planned.append, ARRAY_TYPES
     for path, leaf in zip(paths, leaves, strict=True):
-        if type(leaf) not in array_types and not is_array_leaf(leaf):
+        if type(leaf) not in array_types and not is_array(leaf):
             append((leaf, None))
             continue
         shape = leaf.shape

@@ -60,15 +60,17 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSha
 
 from .._arrays._arrays import make_sharding
 from .._arrays._build import build_sharded, itemsize
+from .._arrays._leaves import is_array
 from .._arrays._place import place_leaves
 from .._language._errors import EinshardError, EinshardWarning, short_repr
+from .._language._expression import REPLICATE
 from .._language._layout import carried_expression, compile_layout
 from .._language._text import size_text
 from .._sharding._devices import Devices, device_target
 from .._sharding._mesh import spec_entries, spec_expression, spec_split
 from .._trees._explain import Report, report_row
 from .._trees._paths import flatten_or_explain, flatten_with_paths
-from .._trees._plan import REPLICATE, as_rules, is_array_leaf, plan_tree
+from .._trees._plan import as_rules, plan_tree
 from .._trees._rules import RulesLike
 
 __all__ = [
@@ -327,7 +329,7 @@ def _derivations(
     derived = []
     for (key_path, leaf), path in zip(path_leaves, paths, strict=True):
         key_path = tuple(key_path)
-        if not is_array_leaf(leaf) and not isinstance(leaf, Tracer):
+        if not is_array(leaf):
             derived.append((path, leaf, None))
             continue
         param, slot = matcher.found.get(key_path, (None, None))
@@ -467,7 +469,7 @@ class _Placed:
     def __init__(self, params: Any) -> None:
         leaves, paths, _ = flatten_with_paths(params)
         placed = [
-            _param_sharding(leaf, path) if is_array_leaf(leaf) else None
+            _param_sharding(leaf, path) if is_array(leaf) else None
             for leaf, path in zip(leaves, paths, strict=True)
         ]
         named = [s for s in placed if isinstance(s, NamedSharding)]
@@ -481,7 +483,7 @@ class _Placed:
         self.shardings: list[Sharding | None] = []
         self.sources: list[_Param] = []
         for leaf, path, sharding in zip(leaves, paths, placed, strict=True):
-            shape = tuple(leaf.shape) if is_array_leaf(leaf) else None
+            shape = tuple(leaf.shape) if is_array(leaf) else None
             split, why = None, _WHY_NO_LAYOUT.get(type(sharding), f"has a {type(sharding).__name__}")
             if shape is not None and isinstance(sharding, NamedSharding):
                 split = spec_split(sharding, len(shape))
@@ -643,7 +645,7 @@ def init_sharded(tx: Initable, params: Any) -> Any:
     >>> [shard.data.shape for shard in state.acc_grads['w'].addressable_shards][:2]
     [(4, 8), (4, 8)]
     """
-    arrays = [leaf for leaf in jax.tree_util.tree_leaves(params) if is_array_leaf(leaf)]
+    arrays = [leaf for leaf in jax.tree_util.tree_leaves(params) if is_array(leaf)]
     abstract_params = [isinstance(leaf, jax.ShapeDtypeStruct) for leaf in arrays]
     if any(abstract_params) and not all(abstract_params):
         raise EinshardError(

@@ -49,6 +49,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
+from .._arrays._leaves import is_array
 from .._arrays._place import place_leaves
 from .._language._errors import EinshardError
 from .._sharding._devices import Devices
@@ -157,7 +158,7 @@ def _abstract_leaf(leaf: Any) -> Any:
         return np.dtype(leaf.dtype).type(0).item()
     if _is_metadata(leaf):
         return jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype)
-    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
+    if is_array(leaf):
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=getattr(leaf, "weak_type", False))
     return leaf
 
@@ -218,7 +219,7 @@ def _is_rules(value: Any) -> bool:
     if isinstance(value, Rules):
         return True
     leaves = jax.tree_util.tree_leaves(value)
-    return not any(isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray)) for leaf in leaves)
+    return not any(is_array(leaf) for leaf in leaves)
 
 
 def _checked_target(target: Any) -> Any:
