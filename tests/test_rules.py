@@ -47,8 +47,8 @@ class Layer:
 
 
 def paths_of(tree):
-    planned, _, _ = einshard._trees._plan.plan_tree(tree, [(".*", REPLICATE)], n_devices=N_DEVICES)
-    return [plan.path for _, plan in planned if plan is not None]
+    assigned, _, _ = einshard._trees._assign.assign_rules(tree, [(".*", REPLICATE)], n_devices=N_DEVICES)
+    return [assignment.path for _, assignment in assigned if assignment is not None]
 
 
 class TestPaths:

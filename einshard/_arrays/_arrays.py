@@ -16,14 +16,15 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from .._language._errors import EinshardError, short_repr
-from .._language._numbers import checked_shape
+from .._language._expression import check_expression_type
+from .._language._numbers import checked_n_dims, checked_shape
 from .._sharding._devices import Devices, device_target
-from .._sharding._resolve import check_arguments, resolve_sharding, sharding_context
+from .._sharding._expression_sharding import expression_sharding
 from ._leaves import is_array
 from ._one_device import warn_if_one_device
 from ._place import place_leaf
 
-__all__ = ["einshard", "make_sharding"]
+__all__ = ["check_arguments", "einshard", "make_sharding", "sharding_context"]
 
 # Taken as they are, besides arrays; anything else goes through numpy.asarray.
 _SCALARS = (int, float, complex, bool)
@@ -71,7 +72,7 @@ def make_sharding(
             )
         n_dims = len(shape)
     check_arguments(expression, n_dims)
-    return _resolved(expression, n_dims, shape, devices)
+    return _call_sharding(expression, n_dims, shape, devices)
 
 
 def einshard(x: Any, expression: str, *, devices: Devices | None = None) -> Any:
@@ -117,10 +118,10 @@ def einshard(x: Any, expression: str, *, devices: Devices | None = None) -> Any:
     check_array_value(x)  # strings, objects, ints beyond JAX's: JAX's own errors are not ours
     shape = tuple(np.shape(x))
     check_arguments(expression)
-    return place_leaf(x, _resolved(expression, len(shape), shape, devices))
+    return place_leaf(x, _call_sharding(expression, len(shape), shape, devices))
 
 
-def _resolved(
+def _call_sharding(
     expression: str, n_dims: int | None, shape: tuple[int, ...] | None, devices: Devices | None
 ) -> NamedSharding:
     """The sharding of one array, with the call's context on an error; warns of one device.
@@ -131,13 +132,40 @@ def _resolved(
     """
     try:
         target = device_target(devices)
-        layout, sharding = resolve_sharding(expression, n_dims, target, shape)
+        layout, sharding = expression_sharding(expression, n_dims, target, shape)
     except EinshardError as error:
         sharding_context(error, shape, devices)
         raise
     if devices is None and target.mesh is None:  # the default order: one device may be a surprise
         warn_if_one_device(layout, stacklevel=3)  # at the caller of make_sharding / einshard
     return sharding
+
+
+def check_arguments(expression: object, n_dims: object = None) -> None:
+    """Checks an expression and a rank a user passed, before they reach the caches.
+
+    Raises:
+        EinshardError: If the expression is not a string, or the rank not a
+            non-negative integer.
+    """
+    if type(expression) is not str:  # the per-call path: two tests, no call, when both are fine
+        check_expression_type(expression)
+    if n_dims is not None:
+        checked_n_dims(n_dims)
+
+
+def sharding_context(error: EinshardError, shape: tuple[int, ...] | None, devices: Devices | None) -> None:
+    """Adds ``while sharding an array of shape (4, 8) on 8 CPU devices``: what the call was doing.
+
+    Called by the public functions that shard one array when an error leaves their work
+    (in a ``try``: that is their per-call path).
+    """
+    what = f"an array of shape {shape}" if shape is not None else "an array"
+    try:
+        where = device_target(devices).describe()
+    except EinshardError:
+        where = "on the given devices"
+    error.add_context(f"while sharding {what} {where}")
 
 
 def check_array_value(x: Any) -> None:

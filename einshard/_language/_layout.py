@@ -2,7 +2,7 @@
 
 Pure Python, no JAX: a :class:`Layout` says how many shards each array axis
 has and which device (by its position in the einshard device order) holds
-which block. It is what shardings, pictures and plans are made from.
+which block. It is what shardings, pictures and ``explain`` are made from.
 """
 
 from __future__ import annotations
@@ -356,7 +356,7 @@ def _divisors_text(n: int) -> str:
 def layout(expression: str, shape: Sequence[int], *, n_devices: int) -> Layout:
     """The layout of ``expression`` for an array of ``shape`` on ``n_devices`` devices.
 
-    Needs no devices: use it to plan a run on more devices than you have.
+    Needs no devices: use it to lay out a run on more devices than you have.
 
     Args:
         expression: An einshard expression.
@@ -370,8 +370,8 @@ def layout(expression: str, shape: Sequence[int], *, n_devices: int) -> Layout:
         EinshardError: If the expression does not fit the shape or device count.
 
     >>> import einshard
-    >>> plan = einshard.layout('x y -> x y*', (128, 256), n_devices=256)
-    >>> plan.shard_shape((128, 256)), plan.replication
+    >>> layout = einshard.layout('x y -> x y*', (128, 256), n_devices=256)
+    >>> layout.shard_shape((128, 256)), layout.replication
     ((128, 1), 1)
     """
     shape = checked_shape(shape)

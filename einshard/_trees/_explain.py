@@ -9,7 +9,7 @@ from typing import Any
 from .._arrays._build import itemsize as _itemsize
 from .._language._text import size_text, table_text
 from .._sharding._devices import Devices, device_target
-from ._plan import plan_tree
+from ._assign import assign_rules
 from ._rules import Rule, RulesLike
 
 __all__ = ["Report", "ReportRow", "explain", "report_row"]
@@ -105,19 +105,19 @@ def explain(
     (4198400, 20480)
     """
     count = n_devices if n_devices is not None else device_target(devices).count
-    planned, _, unused = plan_tree(tree, rules, n_devices=count)
+    assigned, _, unused = assign_rules(tree, rules, n_devices=count)
     rows = [
         report_row(
-            plan.path,
-            plan.shape,
-            plan.dtype,
-            None if plan.rule is None else plan.rule.pattern,
-            plan.expression,
-            plan.layout.shard_shape(plan.shape),
-            plan.note,
+            assignment.path,
+            assignment.shape,
+            assignment.dtype,
+            None if assignment.rule is None else assignment.rule.pattern,
+            assignment.expression,
+            assignment.layout.shard_shape(assignment.shape),
+            assignment.note,
         )
-        for _, plan in planned
-        if plan is not None
+        for _, assignment in assigned
+        if assignment is not None
     ]
     # einshard lays every array over all devices, one block each, so every device holds the same.
     per_device = sum(row.bytes_per_device for row in rows)

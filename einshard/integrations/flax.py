@@ -200,8 +200,8 @@ def shard_module(
 def _place_state(obj: Any, rules: RulesLike, devices: Devices | None) -> dict[int, Any]:
     """Places an NNX object's variables in place (RNG state replicated); placed value's id -> sharding."""
     rng_state, state = _split_state(obj)
-    placed = _place_part(obj, state, lambda tree: _pytrees.tree_shardings(tree, rules, devices)[2])
-    placed |= _place_part(obj, rng_state, lambda tree: _pytrees.tree_shardings(tree, _REPLICATE, devices)[2])
+    placed = _place_part(obj, state, lambda tree: _pytrees.leaf_shardings(tree, rules, devices)[2])
+    placed |= _place_part(obj, rng_state, lambda tree: _pytrees.leaf_shardings(tree, _REPLICATE, devices)[2])
     nnx.update(obj, state, rng_state)
     return placed
 

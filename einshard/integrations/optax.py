@@ -68,9 +68,9 @@ from .._language._layout import carried_expression, compile_layout
 from .._language._text import size_text
 from .._sharding._devices import Devices, device_target
 from .._sharding._mesh import spec_entries, spec_expression, spec_split
+from .._trees._assign import as_rules, assign_rules
 from .._trees._explain import Report, report_row
 from .._trees._paths import flatten_or_explain, flatten_with_paths
-from .._trees._plan import as_rules, plan_tree
 from .._trees._rules import RulesLike
 
 __all__ = [
@@ -722,11 +722,11 @@ def explain_opt_state(
         sources = placed.sources
     else:
         count = n_devices if n_devices is not None else device_target(devices).count
-        plans = [plan for _, plan in plan_tree(params, as_rules(rules), n_devices=count)[0]]
+        assignments = [a for _, a in assign_rules(params, as_rules(rules), n_devices=count)[0]]
         paths = flatten_with_paths(params)[1]
         sources = [
-            _Param(path, None, None) if plan is None else _Param(path, plan.shape, plan.layout.spec)
-            for path, plan in zip(paths, plans, strict=True)
+            _Param(path, None, None) if a is None else _Param(path, a.shape, a.layout.spec)
+            for path, a in zip(paths, assignments, strict=True)
         ]
     rows, holds = [], {}
     for path, leaf, derivation in _derivations(opt_state, params, sources, tx)[0]:
@@ -738,11 +738,11 @@ def explain_opt_state(
             expression, shard_shape = spec_expression(sharding, len(shape)), sharding.shard_shape(shape)
             holders = _holders(sharding)
         else:  # the parameter's expression, for the axes the leaf carries
-            plan = plans[derivation.param] if derivation.param is not None else None
+            followed = assignments[derivation.param] if derivation.param is not None else None
             expression = REPLICATE
-            if plan is not None and derivation.axes is not None and shape:
-                rule = None if plan.rule is None else plan.rule.pattern
-                expression = carried_expression(plan.layout, derivation.axes)
+            if followed is not None and derivation.axes is not None and shape:
+                rule = None if followed.rule is None else followed.rule.pattern
+                expression = carried_expression(followed.layout, derivation.axes)
             shard_shape = compile_layout(expression, len(shape), count).shard_shape(shape)
             holders = [0]  # einshard lays every array over all devices: every device holds the same
         rows.append(report_row(path, shape, leaf.dtype, rule, expression, shard_shape, derivation.note))

@@ -54,7 +54,7 @@ from .._arrays._place import place_leaves
 from .._language._errors import EinshardError
 from .._sharding._devices import Devices
 from .._trees._paths import path_string
-from .._trees._pytrees import tree_shardings
+from .._trees._pytrees import leaf_shardings
 from .._trees._rules import Rules, RulesLike
 
 __all__ = ["abstract_checkpoint", "restore", "restore_target", "save"]
@@ -210,8 +210,8 @@ def restore_target(
     >>> target['w'].sharding.shard_shape((16, 8)), target['b'].sharding.shard_shape((8,))
     ((2, 8), (1,))
     """
-    planned, treedef, shardings = tree_shardings(_unsharded_tree(tree), rules, devices)
-    return jax.tree_util.tree_unflatten(treedef, place_leaves([leaf for leaf, _ in planned], shardings))
+    assigned, treedef, shardings = leaf_shardings(_unsharded_tree(tree), rules, devices)
+    return jax.tree_util.tree_unflatten(treedef, place_leaves([leaf for leaf, _ in assigned], shardings))
 
 
 def _is_rules(value: Any) -> bool:
