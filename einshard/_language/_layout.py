@@ -322,7 +322,7 @@ def _fitting_hint(expression: Expression, elements: list[RightElement], n_device
     targets = names or elements
     if not targets:
         return f"Add '*' to the right-hand side to replicate over all {n_devices} devices."
-    factors = _balanced_factors(n_devices, len(targets))
+    factors = balanced_factors(n_devices, len(targets))
     suggestion = []
     picked = iter(factors)
     target_ids = {id(e) for e in targets}
@@ -340,13 +340,8 @@ def _fitting_hint(expression: Expression, elements: list[RightElement], n_device
     )
 
 
-def _balanced_factors(n: int, k: int) -> list[int]:
-    """Splits ``n`` into ``k`` factors, as even as possible, largest first (in bounded time)."""
-    return balanced_factors(n, k)
-
-
 def _divisors_text(n: int) -> str:
-    """The divisors of ``n`` for a hint: all of them, or the first few (found in bounded time)."""
+    """The divisors of ``n`` for a hint: all of them, or the first few."""
     divisors, complete = divisors_preview(n)
     if complete:
         return ", ".join(map(str, divisors))
