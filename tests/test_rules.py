@@ -160,14 +160,12 @@ class TestRulesTable:
 
 
 def assert_first_match(rules, patterns, path):
-    """The table's answer is the first re.search match, by both matchers."""
+    """The table's answer is the first re.search match, from its memo and from a search."""
     expected = next((i for i, p in enumerate(patterns) if re.search(p, path)), None)
-    found = rules.match(path)
-    assert (found.index if found else None) == expected
-    # Both matchers: rule by rule (a table's first searches) and the scan (later ones).
-    table = rules._table
-    assert table.search_each(path) == (-1 if expected is None else expected)
-    assert table.search_scan(path) == (-1 if expected is None else expected)
+    for _ in range(2):  # searched, then from the memo
+        found = rules.match(path)
+        assert (found.index if found else None) == expected
+    assert rules._table.search(path) == (-1 if expected is None else expected)
 
 
 PATTERNS = ["a", "b$", "^a", "a/b", "(a|c)/", ".*", "x", "b/\\d+", "c$", "^$", "a.*c", "[bc]+$"]
@@ -178,8 +176,8 @@ PATTERNS = ["a", "b$", "^a", "a/b", "(a|c)/", ".*", "x", "b/\\d+", "c$", "^$", "
     patterns=st.lists(st.sampled_from(PATTERNS), min_size=1, max_size=6),
     path=st.text(alphabet="abcx/0123", max_size=8),
 )
-def test_combined_regex_is_first_search(patterns, path):
-    """The one-scan matcher gives the rule a loop of re.search would."""
+def test_a_table_decides_as_the_first_search(patterns, path):
+    """A table gives the rule a loop of re.search would."""
     rules = Rules([(p, REPLICATE) for p in patterns])
     assert_first_match(rules, patterns, path)
     assert [r.index for r in rules.matches(path)] == [i for i, p in enumerate(patterns) if re.search(p, path)]
@@ -517,27 +515,6 @@ def test_digit_blind_matching_is_exact(patterns, path):
 def test_doubtful_regex_is_a_warning_naming_the_rule():
     with pytest.warns(EinshardWarning, match=r"rule 0 \('\[\[a\]', 'x -> x\*'\): Possible nested set"):
         Rules([("[[a]", "x -> x*")])
-
-
-def test_many_paths_switch_to_the_one_scan_regex_with_the_same_answers():
-    from einshard._trees import _rules
-
-    patterns = ["emb", "q_proj/w$", "(k|v)_proj", "norm_[a-c]$", "x{2,}", ".*y$"]
-    rules = Rules([(p, REPLICATE) for p in [*patterns, "zzz_never"]])
-    paths = [
-        f"{kind}_{letter}{'y' * (i % 2)}"
-        for i, (kind, letter) in enumerate(
-            (kind, letter)
-            for kind in ("emb", "q_proj/w", "k_proj", "norm", "xx", "plain")
-            for letter in "abcdefghijklmnop"
-        )
-    ]
-    assert len(paths) > _rules._COMBINE_AFTER  # past the threshold: later searches use the scan
-    for path in paths:
-        expected = next((i for i, p in enumerate(patterns) if re.search(p, path)), None)
-        found = rules.match(path)
-        assert (found.index if found else None) == expected, path
-    assert [index for _, index in rules._table.scan()] == [-1]  # these rules combine into one regex
 
 
 _PLAIN_TREES = st.recursive(
