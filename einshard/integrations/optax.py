@@ -73,13 +73,7 @@ from .._trees._explain import Report, report_row
 from .._trees._paths import flatten_or_explain, flatten_with_paths
 from .._trees._rules import RulesLike
 
-__all__ = [
-    "check_params_for_state",
-    "explain_opt_state",
-    "init_sharded",
-    "opt_state_shardings",
-    "shard_opt_state",
-]
+__all__ = ["explain_opt_state", "init_sharded", "opt_state_shardings", "shard_opt_state"]
 
 KeyPath = tuple[Any, ...]
 Axes = tuple[int | None, ...]  # per leaf axis: the parameter axis whose split it takes, or None
