@@ -129,34 +129,19 @@ def picture(
     return "\n".join(line.rstrip() for line in buffer.getvalue().rstrip().splitlines())
 
 
-def visualize(
-    expression: str,
-    shape: Sequence[int],
-    *,
-    n_devices: int | None = None,
-    devices: Devices | None = None,
-    platform: str | None = None,
-    scale: float = 1.0,
-    min_width: int = 9,
-    max_width: int = 80,
-    file: IO[str] | None = None,
-) -> None:
+def visualize(expression: str, shape: Sequence[int], *, file: IO[str] | None = None, **options: Any) -> None:
     """Prints the :func:`picture` of an expression for a shape.
 
     The printing counterpart of :func:`picture`, as
-    ``jax.debug.visualize_array_sharding`` is for a placed array; the
-    arguments are those of :func:`picture`.
+    ``jax.debug.visualize_array_sharding`` is for a placed array:
+    ``print(picture(expression, shape, **options), file=file)``.
 
     Args:
         expression: An einshard expression.
         shape: The array's shape.
-        n_devices: A device count to draw for, without any devices.
-        devices: Real devices instead (a sequence, or a mesh).
-        platform: The platform in the labels.
-        scale: Scales the grid.
-        min_width: The narrowest cell, in characters.
-        max_width: The widest cell, and the width of the whole picture.
         file: Where to print; defaults to ``sys.stdout``.
+        **options: :func:`picture`'s keywords: ``n_devices``, ``devices``,
+            ``platform``, ``scale``, ``min_width``, ``max_width``.
 
     Raises:
         EinshardError: If the expression does not fit the shape or the devices.
@@ -168,17 +153,7 @@ def visualize(
     │ TPU 0 │ TPU 1 │ TPU 2 │
     └───────┴───────┴───────┘
     """
-    text = picture(
-        expression,
-        shape,
-        n_devices=n_devices,
-        devices=devices,
-        platform=platform,
-        scale=scale,
-        min_width=min_width,
-        max_width=max_width,
-    )
-    print(text, file=sys.stdout if file is None else file)
+    print(picture(expression, shape, **options), file=sys.stdout if file is None else file)
 
 
 def _check_size_arguments(scale: object, min_width: object, max_width: object) -> None:
