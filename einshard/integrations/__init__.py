@@ -7,10 +7,7 @@ imports one when its framework is in use (and a tree has nodes the core does not
 then read the same whether or not the user imported the integration.
 """
 
-import importlib
-import sys
-
-from .._trees._paths import register_wrapper_finder
+from .._trees._paths import register_wrapper_finder as _register_wrapper_finder
 
 # By the framework's module: the integration that registers its value wrappers.
 _PATH_CONVENTIONS = {"flax": "einshard.integrations.flax"}
@@ -18,9 +15,12 @@ _PATH_CONVENTIONS = {"flax": "einshard.integrations.flax"}
 
 def _import_path_conventions() -> None:
     """Imports the integrations that register a path convention, for the frameworks in use."""
+    import importlib
+    import sys
+
     for framework, integration in _PATH_CONVENTIONS.items():
         if framework in sys.modules and integration not in sys.modules:
             importlib.import_module(integration)
 
 
-register_wrapper_finder(_import_path_conventions)
+_register_wrapper_finder(_import_path_conventions)
