@@ -135,12 +135,8 @@ _structures = itertools.count()
 
 def _unseen(tree: dict[str, Any]) -> dict[str, Any]:
     """The same leaves in a structure not met before, every cache of paths and regexes emptied."""
-    paths_cache = getattr(getattr(einshard, "_paths", None), "_PATHS", None)
-    if paths_cache is not None:
-        paths_cache.clear()
-    compile_table = getattr(getattr(einshard, "_rules", None), "_compile_table", None)
-    if compile_table is not None:
-        compile_table.cache_clear()
+    einshard._trees._paths._PATHS.clear()
+    einshard._trees._rules._compile_table.cache_clear()
     re.purge()
     return {**tree, "_": {str(next(_structures)): None}}
 

@@ -22,7 +22,9 @@ tensor parallelism (the first matching regex wins; the last rule replicates):
    leaf), written here as EasyLM writes it, timed cold (after the same
    regex-cache purge) and warm (Python's regex cache filled); the ``÷ EasyLM``
    column divides cold rows by the cold EasyLM time and warm rows by the warm
-   one, measured in the same run.
+   one, measured in the same run. Floors: ``tree_flatten_with_path`` alone, and
+   the paths' strings (``tree_flatten_with_path`` and ``keystr``), which any
+   rule table pays before it matches a rule.
 2. **shard_pytree**: ``einshard.shard_pytree(tree, rules)`` (A) against
    ``jax.device_put(tree, shardings)`` with ``shardings =
    einshard.pytree_shardings(tree, rules)`` computed beforehand (B), on a
@@ -213,6 +215,11 @@ def check_easylm_agrees(tree: Any) -> None:
             raise AssertionError(f"the einshard and EasyLM tables disagree: {sharding} vs {spec}")
 
 
+def path_strings(tree: Any) -> list[str]:
+    """Every leaf's path as a string, as a rule-table peer builds it before matching: the floor."""
+    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
 # --- timing ---------------------------------------------------------------------------------------
 
 
@@ -255,18 +262,14 @@ def unseen_structure(tree: dict[str, Any]) -> dict[str, Any]:
     new one. Its cache is emptied too: ``PyTreeDef`` hashes ignore dict keys, so the structures
     made here would all collide in it, and a real program meets a handful, not hundreds.
     """
-    paths_cache = getattr(getattr(einshard, "_paths", None), "_PATHS", None)
-    if paths_cache is not None:
-        paths_cache.clear()
+    einshard._trees._paths._PATHS.clear()
     return {**tree, "_": {str(next(_structures)): None}}
 
 
 def fresh_regexes(tree: Any) -> Any:
     re.purge()  # Python's cache of compiled regexes: a new table compiles every regex again
     # einshard's cache of compiled tables (and of the rule each path resolved to).
-    compile_table = getattr(getattr(einshard, "_rules", None), "_compile_table", None)
-    if compile_table is not None:
-        compile_table.cache_clear()
+    einshard._trees._rules._compile_table.cache_clear()
     return tree
 
 
@@ -306,6 +309,7 @@ def resolve_rows(reps: int, seconds: float) -> tuple[list[list[str]], list[dict[
                 ),
                 "easylm": (lambda t=tree: t, lambda t: match_partition_rules(EASYLM_RULES, t)),
                 "flatten": (lambda t=tree: t, jax.tree_util.tree_flatten_with_path),
+                "paths": (lambda t=tree: t, path_strings),
             },
             reps,
             seconds,
@@ -334,6 +338,7 @@ def resolve_rows(reps: int, seconds: float) -> tuple[list[list[str]], list[dict[
         )
         measures.append(("easylm", "EasyLM match_partition_rules, warm", us["easylm"], "reference", "warm"))
         measures.append(("flatten", "tree_flatten_with_path alone", us["flatten"], "floor", "warm"))
+        measures.append(("paths", "paths' strings: flatten_with_path + keystr", us["paths"], "floor", "warm"))
         reference = {"cold": us["easylm_cold"], "warm": us["easylm"]}
         rows += [
             [label, measure, f"{value:.2f}", f"{value / reference[against]:.2f}", against, verdict]

@@ -140,28 +140,12 @@ def bars_markdown() -> str:
         f"| `einshard(x, e)`, 64 MiB, every layout and input | `jax.device_put(x, sharding)`, built before "
         f"| ratio ≤ {placement['placement']['bar']:g} | {worst:.3f} | {verdict} |"
     )
-    if layout_rows and "floor_s" in layout_rows[0]:
-        worst = max(r["einshard_over_floor"] for r in layout_rows)
-        ok = worst <= layout_rows[0]["floor_bar"]
-        rows.append(
-            f"| `einshard(x, e)`, 64 MiB, every layout and input | the floor: bytes written ÷ memcpy rate "
-            f"| ≤ {layout_rows[0]['floor_bar']:g} × floor | {worst:.2f} × floor "
-            f"| {'PASS' if ok else '**FAIL**'} |"
-        )
-    for record in placement["placement"]["records"]:
-        if record.get("measure", "").startswith("geomean"):
-            rows.append(
-                f"| `einshard(x, e)`, replicated rows (partly and fully) | `jax.device_put`, geometric mean "
-                f"| ratio ≤ {record['bar']:g} | {record['ratio']:.3f} | "
-                f"{'PASS' if record['verdict'] == 'PASS' else '**FAIL**'} |"
-            )
     if "shard_pytree" in placement:
         for record in placement["shard_pytree"]["records"]:
             rows.append(
                 f"| `shard_pytree(tree, rules)`, {record['tree']}, from {record['input']} "
-                f"| `jax.device_put(tree, shardings)` and the floor "
-                f"| ratio ≤ {record['bar']:g}, ≤ {record['floor_bar']:g} × floor "
-                f"| {record['ratio']:.3f}, {record['shard_pytree_over_floor']:.2f} × floor "
+                f"| `jax.device_put(tree, shardings)` "
+                f"| ratio ≤ {record['bar']:g} | {record['ratio']:.3f} "
                 f"| {'PASS' if record['verdict'] == 'PASS' else '**FAIL**'} |"
             )
     worst, verdict = _worst(placement["per_call"]["records"], "us")

@@ -5,6 +5,7 @@
 >>> w1 = einshard(jnp.zeros((128, 256)), 'x y -> x y*')  # split y over all devices
 """
 
+from . import integrations as integrations  # it registers the integrations' path conventions
 from . import strategies as strategies
 from ._arrays._arrays import einshard as einshard
 from ._arrays._arrays import make_sharding as make_sharding
@@ -30,8 +31,8 @@ from ._trees._explain import explain as explain
 from ._trees._pytrees import init_sharded as init_sharded
 from ._trees._pytrees import pytree_shardings as pytree_shardings
 from ._trees._pytrees import shard_pytree as shard_pytree
+from ._trees._pytrees import shardings_of as shardings_of
 from ._trees._rules import Rule as Rule
 from ._trees._rules import Rules as Rules
-from ._trees._tree_shardings import shardings_of as shardings_of
 
 __version__ = "0.3.0"

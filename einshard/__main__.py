@@ -15,8 +15,9 @@ import re
 import sys
 from collections.abc import Sequence
 
+from ._language import _layout
 from ._language._errors import EinshardError
-from ._language._layout import Layout, layout
+from ._language._layout import Layout
 from ._sharding._picture import MAX_DEVICES_DRAWN, MAX_SCALE, MAX_WIDTH, picture
 
 __all__ = ["main", "summary"]
@@ -36,11 +37,11 @@ Exit status: 0 on success, 2 for a bad expression or arguments, 1 if 'rich' is m
 """
 
 
-def summary(plan: Layout, shape: Sequence[int]) -> str:
-    """One line saying how ``plan`` splits an array of ``shape``.
+def summary(layout: Layout, shape: Sequence[int]) -> str:
+    """One line saying how ``layout`` splits an array of ``shape``.
 
     Args:
-        plan: The layout.
+        layout: The layout.
         shape: The array's shape (already checked against the layout).
 
     Returns:
@@ -53,16 +54,16 @@ def summary(plan: Layout, shape: Sequence[int]) -> str:
     'a b -> 2 a2* b*': shape (4, 8) on 16 devices: 8 shards of shape (1, 4) (split 4 × 2), each on 2 devices
     """
     shape = tuple(shape)
-    n = plan.n_devices
-    head = f"{plan.expression.text!r}: shape {shape} on {n} device{'s' if n != 1 else ''}"
-    n_shards = math.prod(plan.shards)
+    n = layout.n_devices
+    head = f"{layout.expression.text!r}: shape {shape} on {n} device{'s' if n != 1 else ''}"
+    n_shards = math.prod(layout.shards)
     if n_shards == 1:
         whole = "every device holds" if n > 1 else "the device holds"
         return f"{head}: not split, {whole} the whole array"
-    split = f" (split {' × '.join(map(str, plan.shards))})" if len(shape) > 1 else ""
-    replication = plan.replication
+    split = f" (split {' × '.join(map(str, layout.shards))})" if len(shape) > 1 else ""
+    replication = layout.replication
     each = "each on 1 device" if replication == 1 else f"each on {replication} devices"
-    return f"{head}: {n_shards} shards of shape {plan.shard_shape(shape)}{split}, {each}"
+    return f"{head}: {n_shards} shards of shape {layout.shard_shape(shape)}{split}, {each}"
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -171,9 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = _parser().parse_args(argv)
     try:
-        plan = layout(args.expression, args.shape, n_devices=args.devices)
+        layout = _layout.layout(args.expression, args.shape, n_devices=args.devices)
         if args.devices > MAX_DEVICES_DRAWN and not args.no_summary:
-            print(summary(plan, args.shape))  # the answer, though the picture is too large to draw
+            print(summary(layout, args.shape))  # the answer, though the picture is too large to draw
         text = picture(
             args.expression,
             args.shape,
@@ -189,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"einshard: error: {error}", file=sys.stderr)
         return 1
     if not args.no_summary:
-        print(summary(plan, args.shape))
+        print(summary(layout, args.shape))
     print(text)
     return 0
 

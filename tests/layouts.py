@@ -6,7 +6,7 @@ import jax
 import numpy as np
 
 import einshard
-from einshard._trees._rules import path_string
+from einshard._trees._paths import path_string
 
 REPLICATE = "... -> * ..."
 

@@ -230,3 +230,16 @@ def test_explain_with_every_leaf_split_everywhere_has_no_replication_line():
     text = str(einshard.explain(tree, [("w", "x y -> x y*")], n_devices=256))
     assert text.splitlines()[-1].endswith("replication overhead 1.00x")
     assert "replication:" not in text
+
+
+def test_explain_shows_rules_as_written_not_as_markup():
+    """A regex's brackets are text in the table and the footer, with rich installed or not."""
+    import jax
+    import jax.numpy as jnp
+
+    import einshard
+
+    tree = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
+    text = str(einshard.explain(tree, [(r"[w]", "x y -> x y*"), (r"[bold]x", "x -> x*")], n_devices=8))
+    assert "'[w]'" in text.splitlines()[2]  # the rule column of w's row
+    assert text.splitlines()[-1] == "unused rules: ('[bold]x', 'x -> x*')"

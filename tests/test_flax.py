@@ -289,6 +289,19 @@ def test_factored_optimizer_state_follows_the_model_not_the_rules():
     assert np.isfinite(float(step(model, born, *data())))
 
 
+def test_optimizer_state_paths_leave_out_nnx_value_everywhere():
+    """Paths read the same in explain and explain_opt_state: no `value` of an NNX variable."""
+    from einshard.integrations.optax import explain_opt_state
+
+    params = einshard.shard_pytree(nnx.state(MLP(rngs=nnx.Rngs(0)), nnx.Param), NNX_RULES)
+    state = optax.adam(1e-3).init(params)  # its moments hold NNX variables, as the params do
+    rows = explain_opt_state(state, params).rows
+    paths = {f"{layer}/{name}" for layer in ("linear1", "linear2") for name in ("kernel", "bias")}
+    assert {row.path for row in einshard.explain(params, NNX_RULES).rows} == paths
+    assert {row.path for row in rows} >= {"0/mu/linear1/kernel", "0/nu/linear2/kernel"}
+    assert not [row.path for row in rows if "value" in row.path.split("/")]
+
+
 def test_create_sharded_under_an_explicit_ambient_mesh():
     shape = (2, N_DEVICES // 2)
     mesh = jax.make_mesh(shape, ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)

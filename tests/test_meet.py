@@ -43,8 +43,9 @@ from reference_v020 import blocks_v020, elements_v020, expected_blocks, index_bl
 import einshard
 from conftest import N_DEVICES  # type: ignore[import-not-found]
 from einshard._language._layout import compile_layout
+from einshard._language._numbers import prime_factors
 from einshard._sharding import _mesh
-from einshard._sharding._mesh import layout_mesh_shape, prime_factors, shared_mesh_shape
+from einshard._sharding._mesh import layout_mesh_shape, shared_mesh_shape
 
 HERE = Path(__file__).parent
 WORKER = HERE / "meet_worker.py"

@@ -47,8 +47,8 @@ class Layer:
 
 
 def paths_of(tree):
-    planned, _, _ = einshard._trees._plan.plan_tree(tree, [(".*", REPLICATE)], n_devices=N_DEVICES)
-    return [plan.path for _, plan in planned if plan is not None]
+    assigned, _, _ = einshard._trees._assign.assign_rules(tree, [(".*", REPLICATE)], n_devices=N_DEVICES)
+    return [assignment.path for _, assignment in assigned if assignment is not None]
 
 
 class TestPaths:
@@ -160,14 +160,12 @@ class TestRulesTable:
 
 
 def assert_first_match(rules, patterns, path):
-    """The table's answer is the first re.search match, by both matchers."""
+    """The table's answer is the first re.search match, from its memo and from a search."""
     expected = next((i for i, p in enumerate(patterns) if re.search(p, path)), None)
-    found = rules.match(path)
-    assert (found.index if found else None) == expected
-    # Both matchers: rule by rule (a table's first searches) and the scan (later ones).
-    table = rules._table
-    assert table.search_each(path) == (-1 if expected is None else expected)
-    assert table.search_scan(path) == (-1 if expected is None else expected)
+    for _ in range(2):  # searched, then from the memo
+        found = rules.match(path)
+        assert (found.index if found else None) == expected
+    assert rules._table.search(path) == (-1 if expected is None else expected)
 
 
 PATTERNS = ["a", "b$", "^a", "a/b", "(a|c)/", ".*", "x", "b/\\d+", "c$", "^$", "a.*c", "[bc]+$"]
@@ -178,8 +176,8 @@ PATTERNS = ["a", "b$", "^a", "a/b", "(a|c)/", ".*", "x", "b/\\d+", "c$", "^$", "
     patterns=st.lists(st.sampled_from(PATTERNS), min_size=1, max_size=6),
     path=st.text(alphabet="abcx/0123", max_size=8),
 )
-def test_combined_regex_is_first_search(patterns, path):
-    """The one-scan matcher gives the rule a loop of re.search would."""
+def test_a_table_decides_as_the_first_search(patterns, path):
+    """A table gives the rule a loop of re.search would."""
     rules = Rules([(p, REPLICATE) for p in patterns])
     assert_first_match(rules, patterns, path)
     assert [r.index for r in rules.matches(path)] == [i for i, p in enumerate(patterns) if re.search(p, path)]
@@ -452,7 +450,7 @@ def test_shard_pytree_keeps_values_and_follows_make_sharding(tree, data):
             continue
         np.testing.assert_array_equal(np.asarray(after), before)
         assert after.dtype == before.dtype
-        rule = rules.match(einshard._trees._rules.path_string(path))
+        rule = rules.match(einshard._trees._paths.path_string(path))
         expression = REPLICATE if before.ndim == 0 else rule.expression
         assert same_layout(after, expression)
 
@@ -519,27 +517,6 @@ def test_doubtful_regex_is_a_warning_naming_the_rule():
         Rules([("[[a]", "x -> x*")])
 
 
-def test_many_paths_switch_to_the_one_scan_regex_with_the_same_answers():
-    from einshard._trees import _rules
-
-    patterns = ["emb", "q_proj/w$", "(k|v)_proj", "norm_[a-c]$", "x{2,}", ".*y$"]
-    rules = Rules([(p, REPLICATE) for p in [*patterns, "zzz_never"]])
-    paths = [
-        f"{kind}_{letter}{'y' * (i % 2)}"
-        for i, (kind, letter) in enumerate(
-            (kind, letter)
-            for kind in ("emb", "q_proj/w", "k_proj", "norm", "xx", "plain")
-            for letter in "abcdefghijklmnop"
-        )
-    ]
-    assert len(paths) > _rules._COMBINE_AFTER  # past the threshold: later searches use the scan
-    for path in paths:
-        expected = next((i for i, p in enumerate(patterns) if re.search(p, path)), None)
-        found = rules.match(path)
-        assert (found.index if found else None) == expected, path
-    assert [index for _, index in rules._table.scan()] == [-1]  # these rules combine into one regex
-
-
 _PLAIN_TREES = st.recursive(
     st.one_of(st.integers(), st.none(), st.floats(allow_nan=False)),
     lambda children: st.one_of(
@@ -569,5 +546,5 @@ def test_paths_read_off_the_structure_are_those_of_the_key_paths(tree):
     except ValueError:  # dict keys of mixed types JAX cannot sort
         return
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    expected = [einshard._trees._rules.path_string(key_path) for key_path, _ in flat]
+    expected = [einshard._trees._paths.path_string(key_path) for key_path, _ in flat]
     assert _paths._structure_paths(treedef) == expected

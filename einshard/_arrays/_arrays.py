@@ -15,17 +15,19 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from .._language._errors import EinshardError
-from .._language._inputs import check_array_value, checked_shape
+from .._language._errors import EinshardError, short_repr
+from .._language._expression import check_expression_type
+from .._language._numbers import checked_n_dims, checked_shape
 from .._sharding._devices import Devices, device_target
-from .._sharding._resolve import check_arguments, resolve_sharding, sharding_context
+from .._sharding._expression_sharding import expression_sharding
+from ._leaves import is_array
 from ._one_device import warn_if_one_device
 from ._place import place_leaf
 
-__all__ = ["einshard", "make_sharding"]
+__all__ = ["check_arguments", "einshard", "make_sharding", "sharding_context"]
 
-# Taken as they are; anything else goes through numpy.asarray.
-_ARRAY_LIKE = (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, int, float, complex, bool)
+# Taken as they are, besides arrays; anything else goes through numpy.asarray.
+_SCALARS = (int, float, complex, bool)
 
 
 def make_sharding(
@@ -70,7 +72,7 @@ def make_sharding(
             )
         n_dims = len(shape)
     check_arguments(expression, n_dims)
-    return _resolved(expression, n_dims, shape, devices)
+    return _call_sharding(expression, n_dims, shape, devices)
 
 
 def einshard(x: Any, expression: str, *, devices: Devices | None = None) -> Any:
@@ -105,7 +107,7 @@ def einshard(x: Any, expression: str, *, devices: Devices | None = None) -> Any:
             expression=x,
             hint=f"Call einshard(array, {x!r}).",
         )
-    if not isinstance(x, _ARRAY_LIKE):
+    if not is_array(x) and not isinstance(x, _SCALARS):
         try:
             x = np.asarray(x)
         except Exception as error:  # anything np.asarray rejects is the caller's input
@@ -113,19 +115,13 @@ def einshard(x: Any, expression: str, *, devices: Devices | None = None) -> Any:
                 f"cannot make an array of {type(x).__name__}: {error}",
                 hint="Pass a jax.Array, a NumPy array, a scalar, or a jax.ShapeDtypeStruct.",
             ) from None
-        if x.dtype.kind in "OUSV":  # objects, strings, bytes, records: no JAX dtype holds them
-            what = "Python objects" if x.dtype == object else f"dtype {x.dtype}"
-            raise EinshardError(
-                f"cannot shard an array of {what}",
-                hint="Pass numbers: a jax.Array, a NumPy array, a scalar or a nested list of numbers.",
-            )
     check_array_value(x)  # strings, objects, ints beyond JAX's: JAX's own errors are not ours
     shape = tuple(np.shape(x))
     check_arguments(expression)
-    return place_leaf(x, _resolved(expression, len(shape), shape, devices))
+    return place_leaf(x, _call_sharding(expression, len(shape), shape, devices))
 
 
-def _resolved(
+def _call_sharding(
     expression: str, n_dims: int | None, shape: tuple[int, ...] | None, devices: Devices | None
 ) -> NamedSharding:
     """The sharding of one array, with the call's context on an error; warns of one device.
@@ -136,10 +132,61 @@ def _resolved(
     """
     try:
         target = device_target(devices)
-        layout, sharding = resolve_sharding(expression, n_dims, target, shape)
+        layout, sharding = expression_sharding(expression, n_dims, target, shape)
     except EinshardError as error:
         sharding_context(error, shape, devices)
         raise
     if devices is None and target.mesh is None:  # the default order: one device may be a surprise
         warn_if_one_device(layout, stacklevel=3)  # at the caller of make_sharding / einshard
     return sharding
+
+
+def check_arguments(expression: object, n_dims: object = None) -> None:
+    """Checks an expression and a rank a user passed, before they reach the caches.
+
+    Raises:
+        EinshardError: If the expression is not a string, or the rank not a
+            non-negative integer.
+    """
+    if type(expression) is not str:  # the per-call path: two tests, no call, when both are fine
+        check_expression_type(expression)
+    if n_dims is not None:
+        checked_n_dims(n_dims)
+
+
+def sharding_context(error: EinshardError, shape: tuple[int, ...] | None, devices: Devices | None) -> None:
+    """Adds ``while sharding an array of shape (4, 8) on 8 CPU devices``: what the call was doing.
+
+    Called by the public functions that shard one array when an error leaves their work
+    (in a ``try``: that is their per-call path).
+    """
+    what = f"an array of shape {shape}" if shape is not None else "an array"
+    try:
+        where = device_target(devices).describe()
+    except EinshardError:
+        where = "on the given devices"
+    error.add_context(f"while sharding {what} {where}")
+
+
+def check_array_value(x: Any) -> None:
+    """Refuses, as an :class:`EinshardError`, values JAX cannot hold as an array.
+
+    NumPy arrays of strings, bytes, objects, records or dates (JAX's ``TypeError``), and Python
+    ints beyond JAX's default integer type (JAX's ``OverflowError``).
+    """
+    dtype = getattr(x, "dtype", None)
+    if isinstance(x, (np.ndarray, np.generic)) and dtype is not None and dtype.kind in "OUSVMm":
+        what = "Python objects" if dtype.kind == "O" else f"dtype {dtype}"
+        raise EinshardError(
+            f"cannot shard an array of {what}",
+            hint="Pass numbers: a jax.Array, a NumPy array, a scalar or a nested list of numbers.",
+        )
+    if isinstance(x, int) and not isinstance(x, bool):
+        int_type = np.iinfo(jax.dtypes.canonicalize_dtype(np.int64))
+        if not int_type.min <= x <= int_type.max:
+            raise EinshardError(
+                f"the integer {short_repr(x)} does not fit JAX's {int_type.dtype} "
+                f"({int_type.min} to {int_type.max})",
+                hint="Pass a float (e.g. float(x)), or enable 64-bit integers with "
+                "jax.config.update('jax_enable_x64', True) if it fits int64.",
+            )

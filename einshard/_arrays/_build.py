@@ -33,6 +33,8 @@ import jax
 import numpy as np
 from jax.core import eval_jaxpr
 
+from ._leaves import is_concrete_array, partition
+
 __all__ = ["build_sharded", "itemsize"]
 
 _PART_BYTES = 32 << 20  # smallest part of a born-sharded build compiled on its own
@@ -54,17 +56,12 @@ def build_sharded(
     Returns:
         ``fn(*args, **kwargs)``, value for value, placed.
     """
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
+    (arrays,), combine = partition((args, kwargs), is_concrete_array)
 
     def run(*arrays: Any) -> Any:
-        filled = list(leaves)
-        for i, array in zip(dynamic, arrays, strict=True):
-            filled[i] = array
-        call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, filled)
+        call_args, call_kwargs = combine(arrays)
         return fn(*call_args, **call_kwargs)
 
-    arrays = [leaves[i] for i in dynamic]
     closed, abstract = jax.make_jaxpr(run, return_shape=True)(*arrays)
     shardings = shardings_for(abstract)
     groups = _parts(jax.tree_util.tree_leaves(abstract))

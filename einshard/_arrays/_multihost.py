@@ -25,8 +25,10 @@ from jax.sharding import NamedSharding
 from .._language._errors import EinshardError, adding_context
 from .._language._layout import Layout
 from .._sharding._devices import Devices, device_target
-from .._sharding._resolve import check_arguments, resolve_sharding, sharding_context
+from .._sharding._expression_sharding import expression_sharding
 from ._agreement import DEFAULT_TIMEOUT, announce_failure, block_hashes, check_agreement
+from ._arrays import check_arguments, sharding_context
+from ._leaves import is_concrete_array
 
 __all__ = ["from_process_local"]
 
@@ -114,13 +116,13 @@ def _checked_local_part(
     Returns the part, the layout, the sharding, the global shape and the blocks of each axis
     this process holds.
     """
-    if not isinstance(local, (jax.Array, np.ndarray)):
+    if not is_concrete_array(local):
         local = np.asarray(local)
     local_shape = tuple(int(size) for size in local.shape)
     check_arguments(expression)
     given_shape = None if global_shape is None else _checked_global_shape(global_shape)
     with adding_context(sharding_context, None, devices):
-        layout, sharding = resolve_sharding(expression, len(local_shape), device_target(devices))
+        layout, sharding = expression_sharding(expression, len(local_shape), device_target(devices))
     with adding_context(_process_context, local_shape):
         return _assemble(local, local_shape, given_shape, layout, sharding)
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._language._errors import EinshardError
-from .._trees._explain import _size
+from .._language._text import size_text as _size
 from .._trees._rules import Rules
 from . import _step
 from ._strategies import DEFAULT_MIN_BYTES, Strategy, defaults

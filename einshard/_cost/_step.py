@@ -23,8 +23,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._language._errors import EinshardError
-from .._trees._explain import _size, table_text
-from .._trees._rules import RulesLike, path_string
+from .._language._text import size_text as _size
+from .._language._text import table_text
+from .._trees._paths import path_string
+from .._trees._rules import RulesLike
 from . import _hlo
 
 __all__ = ["StepReport", "StepRow", "explain_step"]

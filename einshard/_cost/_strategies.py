@@ -16,7 +16,7 @@ from typing import Any
 from .._arrays._build import itemsize
 from .._language._errors import EinshardError
 from .._language._expression import parse
-from .._trees._explain import _size
+from .._language._text import size_text as _size
 from .._trees._rules import ByShape, Indivisible, Rules, RulesLike, Unmatched
 
 __all__ = [

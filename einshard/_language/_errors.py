@@ -6,7 +6,7 @@ import unicodedata
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["EinshardError", "EinshardWarning", "adding_context"]
+__all__ = ["EinshardError", "EinshardWarning", "adding_context", "short_repr"]
 
 
 class EinshardError(ValueError):
@@ -104,6 +104,17 @@ class adding_context:  # named as it reads: `with adding_context(...):`
         # Returns None, never true: the error goes on (type checkers read `-> None` so too).
         if isinstance(error, EinshardError):
             self.add(error, *self.args)
+
+
+def short_repr(value: Any, limit: int = 200) -> str:
+    """``repr(value)`` for a message, cut to ``limit`` characters (and safe for ints of any size)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        text = repr(value)
+    except ValueError:  # e.g. an int beyond the string conversion limit inside a container
+        return f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 # The public home is the package, so tracebacks read `einshard.EinshardError`.

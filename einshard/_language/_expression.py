@@ -12,8 +12,12 @@ import difflib
 import functools
 
 from ._errors import EinshardError
+from ._numbers import MAX_DEVICES
 
-__all__ = ["Expression", "LeftElement", "RightElement", "parse"]
+__all__ = ["REPLICATE", "Expression", "LeftElement", "RightElement", "check_expression_type", "parse"]
+
+REPLICATE = "... -> * ..."
+"""The expression that replicates an array of any rank on every device."""
 
 _ARROW = "->"
 _ELLIPSIS = "..."
@@ -131,8 +135,8 @@ def _merged(first: RightElement, second: RightElement) -> str:
     return f"{first.name}{count if count > 1 else ''}{'*' if first.star or second.star else ''}"
 
 
-# A count is a device count: at most 2**63, 19 digits (and far from int()'s 4300-digit limit).
-_MAX_COUNT_DIGITS = 19
+# A count is at most a device count: 2**24, 8 digits (and far from int()'s 4300-digit limit).
+_MAX_COUNT_DIGITS = len(str(MAX_DEVICES))
 
 
 def _shown_digits(digits: str) -> str:
@@ -170,12 +174,17 @@ def parse(text: str) -> Expression:
     >>> parse('x y -> x y*').right[1]
     RightElement(name='y', count=None, star=True, span=(9, 11), is_ellipsis=False)
     """
+    check_expression_type(text)
+    return _parse(text)
+
+
+def check_expression_type(text: object) -> None:
+    """Refuses an expression that is not a string, before any cache sees it."""
     if not isinstance(text, str):
         raise EinshardError(
             f"an einshard expression must be a string, not {type(text).__name__}",
             hint="Write it like 'x y -> x y*'.",
         )
-    return _parse(text)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -326,10 +335,10 @@ def _parse_right(text: str, start: int, end: int) -> RightElement:
                 (start + digits_start, start + digits_start + len(digits)),
                 f"Counts are whole numbers from 1: {fix}.",
             )
-        if len(digits) > _MAX_COUNT_DIGITS or (digits and int(digits) > 2**63):
+        if len(digits) > _MAX_COUNT_DIGITS or (digits and int(digits) > MAX_DEVICES):
             raise _error(
                 text,
-                f"count {_shown_digits(digits)} is larger than any device count (2**63)",
+                f"count {_shown_digits(digits)} is larger than any device count (2**24)",
                 (start + digits_start, start + digits_start + len(digits)),
                 "Counts are numbers of shards or replicas; use '*' to let einshard derive a count "
                 "from the device count.",

@@ -2,7 +2,7 @@
 
 Pure Python, no JAX: a :class:`Layout` says how many shards each array axis
 has and which device (by its position in the einshard device order) holds
-which block. It is what shardings, pictures and plans are made from.
+which block. It is what shardings, pictures and ``explain`` are made from.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from collections.abc import Sequence
 
 from ._errors import EinshardError, adding_context
 from ._expression import Expression, RightElement, parse
-from ._inputs import checked_device_count, checked_n_dims, checked_shape
-from ._numbers import balanced_factors, divisors_preview
+from ._numbers import balanced_factors, checked_device_count, checked_n_dims, checked_shape, divisors_preview
 
-__all__ = ["Layout", "carried_expression", "checked_shape", "compile_layout", "integer_root", "layout"]
+__all__ = ["Layout", "carried_expression", "compile_layout", "integer_root", "layout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,8 +237,6 @@ def _check_rank(expression: Expression, n_dims: int | None) -> int:
                 hint="Pass n_dims= or shape= (einshard(x, ...) reads them from the array).",
             )
         return n_named
-    if not isinstance(n_dims, int) or isinstance(n_dims, bool) or n_dims < 0:
-        raise EinshardError(f"n_dims must be a non-negative integer, not {n_dims!r}")
     if expression.has_ellipsis:
         if n_dims < n_named - 1:
             raise _rank_error(expression, n_dims, None)
@@ -325,7 +322,7 @@ def _fitting_hint(expression: Expression, elements: list[RightElement], n_device
     targets = names or elements
     if not targets:
         return f"Add '*' to the right-hand side to replicate over all {n_devices} devices."
-    factors = _balanced_factors(n_devices, len(targets))
+    factors = balanced_factors(n_devices, len(targets))
     suggestion = []
     picked = iter(factors)
     target_ids = {id(e) for e in targets}
@@ -343,13 +340,8 @@ def _fitting_hint(expression: Expression, elements: list[RightElement], n_device
     )
 
 
-def _balanced_factors(n: int, k: int) -> list[int]:
-    """Splits ``n`` into ``k`` factors, as even as possible, largest first (in bounded time)."""
-    return balanced_factors(n, k)
-
-
 def _divisors_text(n: int) -> str:
-    """The divisors of ``n`` for a hint: all of them, or the first few (found in bounded time)."""
+    """The divisors of ``n`` for a hint: all of them, or the first few."""
     divisors, complete = divisors_preview(n)
     if complete:
         return ", ".join(map(str, divisors))
@@ -359,7 +351,7 @@ def _divisors_text(n: int) -> str:
 def layout(expression: str, shape: Sequence[int], *, n_devices: int) -> Layout:
     """The layout of ``expression`` for an array of ``shape`` on ``n_devices`` devices.
 
-    Needs no devices: use it to plan a run on more devices than you have.
+    Needs no devices: use it to lay out a run on more devices than you have.
 
     Args:
         expression: An einshard expression.
@@ -373,8 +365,8 @@ def layout(expression: str, shape: Sequence[int], *, n_devices: int) -> Layout:
         EinshardError: If the expression does not fit the shape or device count.
 
     >>> import einshard
-    >>> plan = einshard.layout('x y -> x y*', (128, 256), n_devices=256)
-    >>> plan.shard_shape((128, 256)), plan.replication
+    >>> layout = einshard.layout('x y -> x y*', (128, 256), n_devices=256)
+    >>> layout.shard_shape((128, 256)), layout.replication
     ((128, 1), 1)
     """
     shape = checked_shape(shape)

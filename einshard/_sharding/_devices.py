@@ -28,8 +28,8 @@ __all__ = [
     "DeviceTarget",
     "Devices",
     "ambient_mesh",
+    "device_order",
     "device_target",
-    "resolve_devices",
     "use_devices",
 ]
 
@@ -68,7 +68,7 @@ def use_devices(devices: Devices) -> Iterator[DeviceOrder]:
     ...     einshard.make_sharding('x -> x*').num_devices
     2
     """
-    order = resolve_devices(devices)
+    order = device_order(devices)
     token = _block_devices.set(order)
     try:
         yield order
@@ -76,7 +76,7 @@ def use_devices(devices: Devices) -> Iterator[DeviceOrder]:
         _block_devices.reset(token)
 
 
-def resolve_devices(devices: Devices | None) -> DeviceOrder:
+def device_order(devices: Devices | None) -> DeviceOrder:
     """The device order for a call: ``devices`` if given, else the block's or the default.
 
     Args:
@@ -189,7 +189,7 @@ def device_target(devices: Devices | None) -> DeviceTarget:
             abstract, concrete = ambient
             order = tuple(concrete.devices.flat) if concrete is not None else None
             return DeviceTarget(order, abstract, concrete)
-    order = resolve_devices(devices)
+    order = device_order(devices)
     target = _targets.get(order)
     if target is None:  # one per device order: building the tuple costs a third of a cached call
         if len(_targets) >= 256:

@@ -22,7 +22,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._language._errors import EinshardError, EinshardWarning
+from .._language._expression import REPLICATE
 from .._language._layout import Layout, compile_layout
+from .._language._numbers import prime_factors
 from ._devices import DeviceOrder
 
 __all__ = [
@@ -43,23 +45,6 @@ AxisRuns = tuple[tuple[str, ...], ...]
 def mesh_axis_names(n: int) -> tuple[str, ...]:
     """The names of einshard's own mesh axes: ``a0``, ``a1`` and so on."""
     return tuple(f"a{i}" for i in range(n))
-
-
-def prime_factors(n: int) -> tuple[int, ...]:
-    """The prime factors of ``n``, smallest first (``12`` -> ``(2, 2, 3)``).
-
-    Trial division: ``n`` is a count of real devices here, so it is small.
-    """
-    factors = []
-    p = 2
-    while p * p <= n:
-        while n % p == 0:
-            factors.append(p)
-            n //= p
-        p += 1
-    if n > 1:
-        factors.append(n)
-    return tuple(factors)
 
 
 def shared_mesh_shape(n_devices: int) -> tuple[int, ...]:
@@ -344,7 +329,7 @@ def spec_expression(sharding: object, rank: int) -> str:
     ``('x', 'y')`` is ``'a b -> 2 a b4'``.
     """
     if getattr(sharding, "is_fully_replicated", False):
-        return "... -> * ..."
+        return REPLICATE
     if not isinstance(sharding, NamedSharding) or rank > 26:
         return str(sharding)
     sizes = dict(sharding.mesh.shape)

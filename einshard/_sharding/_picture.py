@@ -18,10 +18,11 @@ import sys
 from collections.abc import Sequence
 from typing import IO, Any
 
+from .._language import _layout
 from .._language._errors import EinshardError
-from .._language._inputs import checked_shape
-from .._language._layout import Layout, layout
-from ._devices import Devices, device_target, resolve_devices
+from .._language._layout import Layout
+from .._language._numbers import checked_shape
+from ._devices import Devices, device_order, device_target
 
 __all__ = ["picture", "visualize"]
 
@@ -104,7 +105,7 @@ def picture(
     └───────────────────────┴───────────────────────┘
     """
     _check_size_arguments(scale, min_width, max_width)
-    plan, shape, labels, kind = _grid_inputs(expression, shape, n_devices, devices, platform)
+    layout, shape, labels, kind = _grid_inputs(expression, shape, n_devices, devices, platform)
     rich = _import_rich()
     buffer = io.StringIO()
     console = rich.console.Console(
@@ -117,7 +118,9 @@ def picture(
         legacy_windows=False,
         soft_wrap=False,
     )
-    for i, (title, table) in enumerate(_tables(rich, plan, shape, labels, kind, scale, min_width, max_width)):
+    for i, (title, table) in enumerate(
+        _tables(rich, layout, shape, labels, kind, scale, min_width, max_width)
+    ):
         if i:
             console.print()
         if title is not None:
@@ -126,34 +129,19 @@ def picture(
     return "\n".join(line.rstrip() for line in buffer.getvalue().rstrip().splitlines())
 
 
-def visualize(
-    expression: str,
-    shape: Sequence[int],
-    *,
-    n_devices: int | None = None,
-    devices: Devices | None = None,
-    platform: str | None = None,
-    scale: float = 1.0,
-    min_width: int = 9,
-    max_width: int = 80,
-    file: IO[str] | None = None,
-) -> None:
+def visualize(expression: str, shape: Sequence[int], *, file: IO[str] | None = None, **options: Any) -> None:
     """Prints the :func:`picture` of an expression for a shape.
 
     The printing counterpart of :func:`picture`, as
-    ``jax.debug.visualize_array_sharding`` is for a placed array; the
-    arguments are those of :func:`picture`.
+    ``jax.debug.visualize_array_sharding`` is for a placed array:
+    ``print(picture(expression, shape, **options), file=file)``.
 
     Args:
         expression: An einshard expression.
         shape: The array's shape.
-        n_devices: A device count to draw for, without any devices.
-        devices: Real devices instead (a sequence, or a mesh).
-        platform: The platform in the labels.
-        scale: Scales the grid.
-        min_width: The narrowest cell, in characters.
-        max_width: The widest cell, and the width of the whole picture.
         file: Where to print; defaults to ``sys.stdout``.
+        **options: :func:`picture`'s keywords: ``n_devices``, ``devices``,
+            ``platform``, ``scale``, ``min_width``, ``max_width``.
 
     Raises:
         EinshardError: If the expression does not fit the shape or the devices.
@@ -165,17 +153,7 @@ def visualize(
     │ TPU 0 │ TPU 1 │ TPU 2 │
     └───────┴───────┴───────┘
     """
-    text = picture(
-        expression,
-        shape,
-        n_devices=n_devices,
-        devices=devices,
-        platform=platform,
-        scale=scale,
-        min_width=min_width,
-        max_width=max_width,
-    )
-    print(text, file=sys.stdout if file is None else file)
+    print(picture(expression, shape, **options), file=sys.stdout if file is None else file)
 
 
 def _check_size_arguments(scale: object, min_width: object, max_width: object) -> None:
@@ -197,12 +175,12 @@ def _check_size_arguments(scale: object, min_width: object, max_width: object) -
             )
 
 
-def _check_drawable(plan: Layout) -> None:
-    if plan.n_devices > MAX_DEVICES_DRAWN:
+def _check_drawable(layout: Layout) -> None:
+    if layout.n_devices > MAX_DEVICES_DRAWN:
         raise EinshardError(
-            f"a picture draws at most {MAX_DEVICES_DRAWN} devices, and this layout has {plan.n_devices}",
-            expression=plan.expression.text,
-            span=plan.expression.right_span,
+            f"a picture draws at most {MAX_DEVICES_DRAWN} devices, and this layout has {layout.n_devices}",
+            expression=layout.expression.text,
+            span=layout.expression.right_span,
             hint="einshard.layout(expression, shape, n_devices=...) describes larger layouts: "
             ".shards, .shard_shape(shape), .block_index(position).",
         )
@@ -238,7 +216,7 @@ def _grid_inputs(
     else:
         order = device_target(devices).order
         if order is None:  # an ambient mesh known only abstractly (in a trace): no devices to label
-            order = resolve_devices(None)
+            order = device_order(None)
         if n_devices is not None and n_devices != len(order):
             raise EinshardError(
                 f"n_devices={n_devices!r} but devices= has {len(order)} devices",
@@ -248,18 +226,18 @@ def _grid_inputs(
         labels = tuple(device.id for device in order)
         kind = order[0].platform.upper()
     shape = checked_shape(shape)
-    plan = layout(expression, shape, n_devices=n_devices)
-    _check_drawable(plan)
+    layout = _layout.layout(expression, shape, n_devices=n_devices)
+    _check_drawable(layout)
     if labels is None:
         labels = tuple(range(n_devices))
     if platform is not None:
         kind = str(platform).upper()
-    return plan, shape, labels, kind
+    return layout, shape, labels, kind
 
 
 def _tables(
     rich: Any,
-    plan: Layout,
+    layout: Layout,
     shape: tuple[int, ...],
     labels: tuple[int, ...],
     kind: str,
@@ -270,9 +248,9 @@ def _tables(
     """One ``(title, rich table)`` per grid: one grid, or one per block of the leading axes."""
     rank = len(shape)
     n_lead = max(rank - 2, 0)
-    lead_shards = plan.shards[:n_lead]
+    lead_shards = layout.shards[:n_lead]
     shown = shape[n_lead:] or (1,)  # a scalar is drawn as one element
-    blocks = {position: plan.block_index(position) for position in range(plan.n_devices)}
+    blocks = {position: layout.block_index(position) for position in range(layout.n_devices)}
     result = []
     for lead in itertools.product(*map(range, lead_shards)):
         cells: dict[tuple[int, int], list[int]] = {}
@@ -282,8 +260,8 @@ def _tables(
             index = block[n_lead:]
             cell = (index[0], index[1]) if len(index) == 2 else (0, index[0] if index else 0)
             cells.setdefault(cell, []).append(labels[position])
-        title = _title(shape, plan.shards, lead) if n_lead else None
-        shards = plan.shards[n_lead:] or (1,)
+        title = _title(shape, layout.shards, lead) if n_lead else None
+        shards = layout.shards[n_lead:] or (1,)
         table = _table(rich, shown, shards, cells, kind, scale, min_width, max_width)
         result.append((title, table))
     return result

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-import io
 import math
 from typing import Any
 
 from .._arrays._build import itemsize as _itemsize
+from .._language._text import size_text, table_text
 from .._sharding._devices import Devices, device_target
-from ._plan import plan_tree
+from ._assign import assign_rules
 from ._rules import Rule, RulesLike
 
-__all__ = ["Report", "ReportRow", "explain", "report_row", "table_text"]
+__all__ = ["Report", "ReportRow", "explain", "report_row"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,19 +105,19 @@ def explain(
     (4198400, 20480)
     """
     count = n_devices if n_devices is not None else device_target(devices).count
-    planned, _, unused = plan_tree(tree, rules, n_devices=count)
+    assigned, _, unused = assign_rules(tree, rules, n_devices=count)
     rows = [
         report_row(
-            plan.path,
-            plan.shape,
-            plan.dtype,
-            None if plan.rule is None else plan.rule.pattern,
-            plan.expression,
-            plan.layout.shard_shape(plan.shape),
-            plan.note,
+            assignment.path,
+            assignment.shape,
+            assignment.dtype,
+            None if assignment.rule is None else assignment.rule.pattern,
+            assignment.expression,
+            assignment.layout.shard_shape(assignment.shape),
+            assignment.note,
         )
-        for _, plan in planned
-        if plan is not None
+        for _, assignment in assigned
+        if assignment is not None
     ]
     # einshard lays every array over all devices, one block each, so every device holds the same.
     per_device = sum(row.bytes_per_device for row in rows)
@@ -154,15 +154,6 @@ def report_row(
     )
 
 
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
 def _columns(report: Report) -> tuple[list[str], list[list[str]], list[str]]:
     header = ["path", "shape", "dtype", "rule", "expression", "shard shape", "per device"]
     body = []
@@ -178,13 +169,13 @@ def _columns(report: Report) -> tuple[list[str], list[list[str]], list[str]]:
                 rule,
                 row.expression,
                 str(row.shard_shape),
-                _size(row.bytes_per_device),
+                size_text(row.bytes_per_device),
             ]
         )
     footer = [
         f"{len(report.rows)} array{'' if len(report.rows) == 1 else 's'}, "
-        f"{_size(report.total_bytes)} on {report.n_devices} devices: "
-        f"{_size(report.max_bytes_per_device)} per device, "
+        f"{size_text(report.total_bytes)} on {report.n_devices} devices: "
+        f"{size_text(report.max_bytes_per_device)} per device, "
         f"replication overhead {report.replication_overhead:.2f}x",
     ]
     copies = _copies(report)
@@ -208,51 +199,11 @@ def _copies(report: Report, shown: int = 3) -> str | None:
     if n == 1 or beyond < 1:
         return None
     worst = sorted((path for path in extra if extra[path] >= 1), key=lambda path: -extra[path])
-    leaves = ", ".join(f"{path} ({_size(round(extra[path]))})" for path in worst[:shown])
+    leaves = ", ".join(f"{path} ({size_text(round(extra[path]))})" for path in worst[:shown])
     if len(worst) > shown:
         leaves += f" and {len(worst) - shown} more"
     return (
-        f"replication: each device holds {_size(round(beyond))} beyond an even 1/{n} share of the model "
-        f"({_size(round(report.total_bytes / n))}), from leaves not split over all {n} devices; "
+        f"replication: each device holds {size_text(round(beyond))} beyond an even 1/{n} share of the model "
+        f"({size_text(round(report.total_bytes / n))}), from leaves not split over all {n} devices; "
         f"most from {leaves}"
     )
-
-
-def table_text(header: list[str], body: list[list[str]], footer: list[str], empty: str | None = None) -> str:
-    """A report's table, drawn with ``rich`` when it is installed, else as plain text.
-
-    ``empty`` stands in for the table when ``body`` has no rows (``None``: the header alone).
-    """
-    try:
-        return _rich_table(header, body, footer, empty)
-    except ImportError:
-        return _plain_table(header, body, footer, empty)
-
-
-def _rich_table(header: list[str], body: list[list[str]], footer: list[str], empty: str | None) -> str:
-    import rich.box
-    import rich.console
-    import rich.table
-
-    table = rich.table.Table(*header, box=rich.box.SIMPLE_HEAD, show_edge=False)
-    for line in body:
-        table.add_row(*line)
-    buffer = io.StringIO()
-    console = rich.console.Console(file=buffer, width=200, color_system=None, force_terminal=False)
-    if body or empty is None:
-        console.print(table)
-    else:
-        console.print(empty, highlight=False)
-    for line in footer:
-        console.print(line, highlight=False, soft_wrap=True)
-    return "\n".join(line.rstrip() for line in buffer.getvalue().rstrip().splitlines())
-
-
-def _plain_table(header: list[str], body: list[list[str]], footer: list[str], empty: str | None) -> str:
-    widths = [max(len(cell) for cell in column) for column in zip(header, *body, strict=True)]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(header, widths, strict=True)).rstrip()]
-    lines.append("  ".join("-" * width for width in widths))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in body]
-    if not body and empty is not None:
-        lines = [empty]
-    return "\n".join([*lines, *footer])

@@ -1,33 +1,40 @@
 """Leaf paths: the ``/``-joined key path of every leaf of a tree, as rules see it.
 
-A path is the leaf's key path joined with ``/`` (``layers/0/mlp/w1/kernel``,
-see :func:`~einshard._trees._rules.path_string`). Two things make it cheaper or
-cleaner than ``jax.tree_util.tree_flatten_with_path``:
+The one place paths are made: a leaf's path is its key path joined with ``/``
+(``layers/0/mlp/w1/kernel``: dict keys, attribute names, sequence indices; :func:`path_string`).
+Rule tables, ``explain``, the optax derivations and the integrations all take their paths from
+here. Two things make it cheaper or cleaner than ``jax.tree_util.tree_flatten_with_path``:
 
 * for trees of plain dicts, lists, tuples and ``None`` the paths are read off
   the tree structure, once per distinct subtree, and cached per structure;
 * a framework's wrapper nodes whose ``value`` child is an implementation
   detail (Flax's ``nnx.Variable``) leave it out of the path. The core names no
   framework: an integration registers its wrapper types with
-  :func:`register_value_wrapper` when it is imported, and the integrations
-  that do (``einshard.integrations.PATH_CONVENTIONS``) are imported when their
-  framework is, the way einops finds its backends in ``sys.modules``.
+  :func:`register_value_wrapper` when it is imported; and ``einshard.integrations``
+  registers, with :func:`register_wrapper_finder`, a function that imports those
+  integrations whose framework is in use (the way einops finds its backends in
+  ``sys.modules``), so paths read the same whether or not the user imported the integration.
 """
 
 from __future__ import annotations
 
 import collections
-import importlib
-import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import jax
 
-from .._language._inputs import flatten_or_explain
-from ._rules import path_string
+from .._language._errors import EinshardError, short_repr
 
-__all__ = ["flatten_with_paths", "register_value_wrapper"]
+__all__ = [
+    "flatten_or_explain",
+    "flatten_with_paths",
+    "path_string",
+    "register_value_wrapper",
+    "register_wrapper_finder",
+]
+
+T = TypeVar("T")
 
 # Tree structure -> the path of each leaf, for the last few structures. Few: a structure's
 # hash ignores dict keys, so structures of one shape share a bucket and are compared in turn.
@@ -45,6 +52,19 @@ def register_value_wrapper(kind: type) -> None:
     if kind not in _VALUE_WRAPPERS:
         _VALUE_WRAPPERS.append(kind)
         _PATHS.clear()  # paths read before may have kept a `value`
+
+
+def register_wrapper_finder(find: Callable[[], None]) -> None:
+    """Has ``find()`` called before paths are read off a tree with nodes of other kinds.
+
+    ``find`` registers the wrappers of the frameworks in use (``einshard.integrations`` imports
+    the integrations whose framework is in ``sys.modules``); the core itself knows none.
+    """
+    if find not in _WRAPPER_FINDERS:
+        _WRAPPER_FINDERS.append(find)
+
+
+_WRAPPER_FINDERS: list[Callable[[], None]] = []
 
 
 def flatten_with_paths(tree: Any) -> tuple[list[Any], list[str], Any]:
@@ -108,7 +128,8 @@ def _paths_below(node: Any, inside: Callable[[Any], list[str] | None]) -> list[s
 
 def _leaf_paths(tree: Any) -> list[str]:
     """The path of every leaf, without the ``value`` child of registered wrappers."""
-    _import_path_conventions()
+    for find in _WRAPPER_FINDERS:
+        find()
     wrappers = tuple(_VALUE_WRAPPERS)
     if not wrappers:
         return [path_string(key_path) for key_path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
@@ -126,10 +147,106 @@ def _leaf_paths(tree: Any) -> list[str]:
     return paths
 
 
-def _import_path_conventions() -> None:
-    """Imports the integrations that register a path convention, for the frameworks in use."""
-    from ..integrations import PATH_CONVENTIONS  # a list of names: importing it imports no framework
+def path_string(path: Sequence[Any]) -> str:
+    """Joins a JAX key path with ``/``: dict keys, attribute names and indices.
 
-    for framework, integration in PATH_CONVENTIONS.items():
-        if framework in sys.modules and integration not in sys.modules:
-            importlib.import_module(integration)
+    >>> import jax
+    >>> [path_string(p) for p, _ in jax.tree_util.tree_flatten_with_path({'a': [1, {'b': 2}]})[0]]
+    ['a/0', 'a/1/b']
+    """
+    return "/".join([_KEY_STRING.get(type(key), _key_string)(key) for key in path])
+
+
+def _key_string(key: Any) -> str:
+    # Any other key type: DictKey.key, GetAttrKey.name, SequenceKey.idx, FlattenedIndexKey.key.
+    for attribute in ("key", "name", "idx"):
+        value = getattr(key, attribute, None)
+        if value is not None:
+            return str(value)
+    return str(key)
+
+
+_KEY_STRING: dict[type, Callable[[Any], str]] = {
+    # The common key types, read without trying attributes (paths are built for every leaf).
+    jax.tree_util.DictKey: lambda key: str(key.key),
+    jax.tree_util.GetAttrKey: lambda key: key.name,
+    jax.tree_util.SequenceKey: lambda key: str(key.idx),
+    jax.tree_util.FlattenedIndexKey: lambda key: str(key.key),
+}
+
+
+# --- flattening any tree, with JAX's failures on malformed ones explained ---
+
+
+def flatten_or_explain(flatten: Callable[[Any], T], tree: Any) -> T:
+    """``flatten(tree)``, with JAX's failures on a malformed tree turned into an :class:`EinshardError`.
+
+    JAX sorts a dict's keys to flatten it (keys of mixed types fail to sort), and its C++
+    flattening has a depth limit of its own.
+    """
+    try:
+        return flatten(tree)
+    except (ValueError, TypeError) as error:
+        if "sorting pytree dictionary keys" not in str(error):
+            raise
+        keys = _unsortable_keys(tree)
+        raise EinshardError(
+            "a dict in the tree has keys that cannot be sorted together (e.g. ints and strings)",
+            hint="JAX sorts a dict's keys to flatten it: give each dict keys of one type, e.g. all strings.",
+            context=[f"in a dict with the keys {short_repr(keys)}"] if keys is not None else [],
+        ) from None
+    except (RecursionError, SystemError) as error:
+        if isinstance(error, SystemError) and "exception set" not in str(error):
+            raise
+    # Deep trees meet the interpreter's recursion budget, part of which the caller's own stack
+    # has used: try once more on a fresh thread (a fresh budget, a large stack).
+    try:
+        return _on_fresh_thread(flatten, tree)
+    except (RecursionError, SystemError):
+        raise EinshardError(
+            "the tree is nested too deeply to flatten",
+            hint="JAX's tree functions (and so einshard's) take trees a few thousand levels deep "
+            "at most; flatten the structure, e.g. a dict from path strings to arrays.",
+        ) from None
+
+
+def _on_fresh_thread(function: Callable[[Any], T], argument: Any) -> T:
+    """``function(argument)`` on a new thread with a 256 MiB stack; its exception re-raised here."""
+    import threading
+
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, function(argument)))
+        except BaseException as error:  # handed to the caller's thread
+            outcome.append((False, error))
+
+    previous = threading.stack_size(256 * 2**20)
+    try:
+        thread = threading.Thread(target=run, name="einshard-deep-tree")
+        thread.start()
+    finally:
+        threading.stack_size(previous)
+    thread.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _unsortable_keys(tree: Any, limit: int = 10_000) -> list[Any] | None:
+    """The keys of the first dict (breadth first, bounded) whose keys do not sort, or ``None``."""
+    queue = [tree]
+    for node in queue:
+        if len(queue) > limit:
+            break
+        if isinstance(node, dict):
+            try:
+                sorted(node)
+            except TypeError:
+                return list(node)[:10]
+            queue.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            queue.extend(node)
+    return None

@@ -1,11 +1,17 @@
-"""Whole pytrees from a rule table: ``shard_pytree``, ``pytree_shardings``, ``init_sharded``.
+"""Whole pytrees: ``shard_pytree``, ``pytree_shardings``, ``init_sharded``, and ``shardings_of``.
 
 Each array leaf gets the expression of the first rule whose regex matches its
-path (:mod:`einshard._trees._plan`, pure); the device target is decided once per
-call, each kind of leaf (expression and rank) resolved to a sharding once
-(:mod:`einshard._sharding._resolve`), and the leaves placed by
+path (:mod:`einshard._trees._assign`, pure); the device target is decided once per
+call, each kind of leaf (expression and rank) turned into a sharding once
+(:mod:`einshard._sharding._expression_sharding`), and the leaves placed by
 :func:`~einshard._arrays._place.place_leaves`. The table's policies apply
 (``Rules(..., unmatched=...)``, or ``rules.replace(...)`` for one call).
+
+:func:`shardings_of` goes the other way: it reads the layout a placed tree has, to keep it
+through a compiled step. A plain ``jax.jit`` lets XLA choose the layout of every output: a
+replicated norm scale can come back split, and the next step then compiles again for the new
+layout. Its shardings, pinned as ``out_shardings`` (or as a constraint inside the step, e.g.
+Equinox's ``eqx.filter_shard``), keep the rules' layouts through every step.
 """
 
 from __future__ import annotations
@@ -15,17 +21,18 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.core import Tracer
 from jax.sharding import NamedSharding
 
 from .._arrays._build import build_sharded
 from .._arrays._place import place_leaves
-from .._language._errors import EinshardWarning, adding_context
+from .._language._errors import EinshardError, EinshardWarning, adding_context
 from .._sharding._devices import Devices, device_target
-from .._sharding._resolve import resolve_sharding
-from ._plan import LeafPlan, as_rules, leaf_context, plan_tree
+from .._sharding._expression_sharding import expression_sharding
+from ._assign import Assignment, as_rules, assign_rules, leaf_context
 from ._rules import RulesLike
 
-__all__ = ["init_sharded", "pytree_shardings", "shard_pytree", "tree_shardings"]
+__all__ = ["init_sharded", "leaf_shardings", "pytree_shardings", "shard_pytree", "shardings_of"]
 
 
 def shard_pytree(tree: Any, rules: RulesLike, *, devices: Devices | None = None) -> Any:
@@ -59,8 +66,8 @@ def shard_pytree(tree: Any, rules: RulesLike, *, devices: Devices | None = None)
     >>> placed['w1'].sharding.shard_shape((128, 256)), placed['step']
     ((128, 32), 3)
     """
-    planned, treedef, shardings = tree_shardings(tree, rules, devices)
-    return jax.tree_util.tree_unflatten(treedef, place_leaves([leaf for leaf, _ in planned], shardings))
+    assigned, treedef, shardings = leaf_shardings(tree, rules, devices)
+    return jax.tree_util.tree_unflatten(treedef, place_leaves([leaf for leaf, _ in assigned], shardings))
 
 
 def pytree_shardings(tree: Any, rules: RulesLike, *, devices: Devices | None = None) -> Any:
@@ -85,39 +92,40 @@ def pytree_shardings(tree: Any, rules: RulesLike, *, devices: Devices | None = N
     >>> einshard.pytree_shardings(abstract, {'w': 'x y -> x* y'})['w'].shard_shape((16, 8))
     (2, 8)
     """
-    _, treedef, shardings = tree_shardings(tree, rules, devices)
+    _, treedef, shardings = leaf_shardings(tree, rules, devices)
     return jax.tree_util.tree_unflatten(treedef, shardings)
 
 
-def tree_shardings(
+def leaf_shardings(
     tree: Any, rules: RulesLike, devices: Devices | None
-) -> tuple[list[tuple[Any, LeafPlan | None]], Any, list[NamedSharding | None]]:
-    """The plan of every leaf, the tree structure, and each leaf's sharding (``None`` if not an array).
+) -> tuple[list[tuple[Any, Assignment | None]], Any, list[NamedSharding | None]]:
+    """Every leaf with its assignment, the tree structure, and each leaf's sharding (``None``: not an array).
 
     The device target is decided once; each kind of leaf (expression, rank)
-    is resolved once. Warns about unused rules when the table is strict.
+    gets its sharding once. Warns about unused rules when the table is strict.
     """
     table = as_rules(rules)
     target = device_target(devices)
-    planned, treedef, unused = plan_tree(tree, table, n_devices=target.count)
+    assigned, treedef, unused = assign_rules(tree, table, n_devices=target.count)
     if table.strict and unused:
         listed = ", ".join(str(rule) for rule in unused)
         warnings.warn(f"rules that matched no leaf: {listed}", EinshardWarning, stacklevel=3)
     by_kind: dict[tuple[str, int], NamedSharding] = {}  # one lookup per kind of leaf
     shardings: list[NamedSharding | None] = []
     append, of_kind = shardings.append, by_kind.get
-    for _, plan in planned:
-        if plan is None:
+    for _, assignment in assigned:
+        if assignment is None:
             append(None)
             continue
-        key = (plan.expression, len(plan.shape))
+        key = (assignment.expression, len(assignment.shape))
         sharding = of_kind(key)
         if sharding is None:
-            with adding_context(leaf_context, plan.path, plan.shape, plan.rule, target.describe()):
-                _, sharding = resolve_sharding(plan.expression, len(plan.shape), target)
+            path, shape, rule = assignment.path, assignment.shape, assignment.rule
+            with adding_context(leaf_context, path, shape, rule, target.describe()):
+                _, sharding = expression_sharding(assignment.expression, len(shape), target)
             by_kind[key] = sharding
         append(sharding)
-    return planned, treedef, shardings
+    return assigned, treedef, shardings
 
 
 def init_sharded(init_fn: Callable[..., Any], rules: RulesLike, *args: Any, **kwargs: Any) -> Any:
@@ -149,3 +157,51 @@ def init_sharded(init_fn: Callable[..., Any], rules: RulesLike, *args: Any, **kw
     """
     table = as_rules(rules)
     return build_sharded(init_fn, lambda abstract: pytree_shardings(abstract, table), *args, **kwargs)
+
+
+def shardings_of(tree: Any) -> Any:
+    """The sharding of every array leaf of ``tree``; ``None`` for every other leaf.
+
+    Pass the result as ``out_shardings`` of ``jax.jit`` for the outputs that
+    are the next step's inputs, so each leaf keeps the layout its rule gave it
+    (and the second step does not compile again); ``None`` lets JAX choose,
+    which is what a loss or metrics need.
+
+    Args:
+        tree: A pytree of placed arrays (``jax.Array`` or ``ShapeDtypeStruct``
+            with a sharding), e.g. a train state from
+            :func:`einshard.integrations.flax.create_train_state`. Other
+            leaves (Python numbers, NumPy arrays, functions) give ``None``.
+
+    Returns:
+        A pytree of the same structure: a ``jax.sharding.Sharding`` per placed
+        array, ``None`` elsewhere.
+
+    Raises:
+        EinshardError: If called inside ``jit`` (traced values carry no
+            layout of their own): read the shardings outside, before the step.
+
+    >>> import jax, jax.numpy as jnp, einshard
+    >>> params = einshard.shard_pytree({'w': jnp.ones((8, 64)), 'b': jnp.ones(64)},
+    ...                                [('w', 'x y -> x y*'), ('b', '... -> * ...')])
+    >>> def grow(params):
+    ...     return {'w': params['w'] * 2, 'b': params['b'] + params['w'].sum(0)}
+    >>> step = jax.jit(grow, out_shardings=einshard.shardings_of(params))
+    >>> step(params)['b'].sharding.is_fully_replicated
+    True
+    """
+    return jax.tree_util.tree_map(_sharding_of, tree)
+
+
+def _sharding_of(leaf: Any) -> Any:
+    if isinstance(leaf, Tracer):
+        raise EinshardError(
+            "shardings_of was given a traced value: inside jit, values carry no layout of their own",
+            hint="Read the shardings outside the step, from the placed inputs: "
+            "step = jax.jit(train_step, out_shardings=(einshard.shardings_of(state), None)).",
+        )
+    if isinstance(leaf, jax.Array):
+        return leaf.sharding
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf.sharding
+    return None  # NumPy arrays, Python numbers, functions: no layout to keep

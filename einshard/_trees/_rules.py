@@ -1,7 +1,7 @@
-"""Rule tables: ordered ``(regex, expression)`` pairs, and leaf paths to match them against.
+"""Rule tables: ordered ``(regex, expression)`` pairs, matched against leaf paths.
 
-Pure Python (JAX only for its key-path types). A leaf's path is its key path joined with ``/``
-(``layers/0/attn/q_proj/kernel``); a rule matches when ``re.search(regex,
+Pure Python. A leaf's path is its key path joined with ``/`` (``layers/0/attn/q_proj/kernel``,
+made by :mod:`einshard._trees._paths`); a rule matches when ``re.search(regex,
 path)`` succeeds, and the first matching rule wins (the EasyLM / scalax
 convention, so their tables port directly).
 """
@@ -12,15 +12,13 @@ import dataclasses
 import functools
 import re
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Union
-
-import jax
 
 from .._language._errors import EinshardError, EinshardWarning
 from .._language._expression import parse
 
-__all__ = ["ByShape", "Indivisible", "Rule", "Rules", "RulesLike", "Unmatched", "path_string"]
+__all__ = ["ByShape", "Indivisible", "Rule", "Rules", "RulesLike", "Unmatched"]
 
 Unmatched = Literal["error", "replicate"]
 """What to do with an array leaf no rule matches."""
@@ -199,29 +197,19 @@ class Rules:
                 yield rule
 
 
-# A table searches rule by rule until this many paths missed its memo; then it builds its
-# one-scan regexes. Building them costs about as much as 100 rule-by-rule searches, and a
-# model's paths, seen digit-blind, are often fewer.
-_COMBINE_AFTER = 64
-
-
 class _Table:
     """A compiled table, shared by every :class:`Rules` built from the same pairs.
 
-    Holds the memo of which rule each path resolved to (it depends on the pairs only) and,
-    once enough paths have been searched, the scan: runs of rules combined into one regex
-    each, with the rules that cannot be combined searched alone, in table order.
+    Holds the memo of which rule each path resolved to (it depends on the pairs only).
     """
 
-    __slots__ = ("_misses", "_scan", "compiled", "digit_blind", "memo", "rules")
+    __slots__ = ("compiled", "digit_blind", "memo", "rules")
 
     def __init__(self, rules: tuple[Rule, ...], compiled: tuple[re.Pattern[str], ...]) -> None:
         self.rules = rules
         self.compiled = compiled
         self.digit_blind = _digit_blind(rules)
         self.memo: dict[str, int] = {}
-        self._misses = 0
-        self._scan: tuple[tuple[re.Pattern[str], int], ...] | None = None
 
     def first(self, path: str) -> int:
         """The index of the first rule whose regex matches ``path``, or -1; memoised."""
@@ -238,42 +226,18 @@ class _Table:
         return index
 
     def search(self, path: str) -> int:
-        """The first matching rule's index, or -1, without the memo."""
-        if self._misses < _COMBINE_AFTER:
-            self._misses += 1
-            return self.search_each(path)
-        return self.search_scan(path)
-
-    def search_each(self, path: str) -> int:
-        """The first matching rule's index, or -1, searching rule by rule."""
+        """The first matching rule's index, or -1, searching rule by rule, without the memo."""
         for i, regex in enumerate(self.compiled):
             if regex.search(path):
                 return i
         return -1
-
-    def search_scan(self, path: str) -> int:
-        """The first matching rule's index, or -1, by the scan (built on first use)."""
-        for regex, index in self.scan():
-            if index < 0:  # a combined run: the branch that matched names its rule
-                found = regex.match(path)
-                if found is not None:
-                    return int(found.lastgroup[1:])  # type: ignore[index]
-            elif regex.search(path):
-                return index
-        return -1
-
-    def scan(self) -> tuple[tuple[re.Pattern[str], int], ...]:
-        """The scan: ``(regex, -1)`` for a combined run of rules, ``(regex, index)`` for one rule."""
-        if self._scan is None:
-            self._scan = _scan(self.rules, self.compiled)
-        return self._scan
 
 
 def _refuse_path(path: object) -> None:
     if not isinstance(path, str):
         raise EinshardError(
             f"a leaf path is a string, not {type(path).__name__}",
-            hint="Pass a path like 'layers/0/mlp/w1/kernel' (einshard.path_string joins a JAX key path).",
+            hint="Pass a path like 'layers/0/mlp/w1/kernel': the leaf's keys joined with '/'.",
         )
 
 
@@ -377,89 +341,3 @@ def _compile_rule(rule: Rule) -> re.Pattern[str]:
     except EinshardError as error:
         raise error.add_context(f"in rule {rule.index} {rule}") from None
     return regex
-
-
-# Whether a regex means the same inside a larger pattern. Conservative, on the pattern's text:
-# every construct whose meaning depends on the rest of the pattern starts with '(?' (named
-# groups and references, conditionals, inline flags) or is a backslash and a digit (numbered
-# references); of the '(?' forms only non-capturing groups, lookarounds and comments are kept.
-# Anything else, even a harmless look-alike such as '[(?i]', is searched on its own.
-_CONTEXT_DEPENDENT = re.compile(r"\(\?(?![:=!#]|<[=!])|\\[0-9]")
-
-# Rules per combined regex: each adds one named group; this keeps a run's regex small.
-_RUN_LENGTH = 90
-
-
-def _combinable(pattern: str) -> bool:
-    return _CONTEXT_DEPENDENT.search(pattern) is None
-
-
-def _scan(
-    rules: Sequence[Rule], compiled: Sequence[re.Pattern[str]]
-) -> tuple[tuple[re.Pattern[str], int], ...]:
-    r"""The table as a scan: runs of combinable rules as one regex each, other rules alone.
-
-    A run becomes ``(?=[\s\S]*?(?:REGEX))(?P<gI>)|...`` tried at the start of the path: each
-    branch is a lookahead that succeeds exactly when ``re.search(REGEX, path)`` would, and
-    alternation tries them in table order. Rules searched alone keep their place in the order.
-    """
-    scan: list[tuple[re.Pattern[str], int]] = []
-    run: list[Rule] = []
-
-    def end_run() -> None:
-        combined = _combine(run) if len(run) > 1 else None
-        if combined is not None:
-            scan.append((combined, -1))
-        else:
-            scan.extend((compiled[rule.index], rule.index) for rule in run)
-        run.clear()
-
-    for rule in rules:
-        if _combinable(rule.pattern):
-            run.append(rule)
-            if len(run) == _RUN_LENGTH:
-                end_run()
-        else:
-            end_run()
-            scan.append((compiled[rule.index], rule.index))
-    end_run()
-    return tuple(scan)
-
-
-def _combine(rules: Sequence[Rule]) -> re.Pattern[str] | None:
-    """One regex for a run of combinable rules (see :func:`_scan`), or ``None``."""
-    branches = "|".join(f"(?=[\\s\\S]*?(?:{rule.pattern}))(?P<g{rule.index}>)" for rule in rules)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # each rule's own warnings were given when it compiled
-            return re.compile(f"(?:{branches})")
-    except re.error:  # not expected for combinable rules; they are then searched one by one
-        return None
-
-
-def path_string(path: Sequence[Any]) -> str:
-    """Joins a JAX key path with ``/``: dict keys, attribute names and indices.
-
-    >>> import jax
-    >>> [path_string(p) for p, _ in jax.tree_util.tree_flatten_with_path({'a': [1, {'b': 2}]})[0]]
-    ['a/0', 'a/1/b']
-    """
-    return "/".join([_KEY_STRING.get(type(key), _key_string)(key) for key in path])
-
-
-def _key_string(key: Any) -> str:
-    # Any other key type: DictKey.key, GetAttrKey.name, SequenceKey.idx, FlattenedIndexKey.key.
-    for attribute in ("key", "name", "idx"):
-        value = getattr(key, attribute, None)
-        if value is not None:
-            return str(value)
-    return str(key)
-
-
-_KEY_STRING: dict[type, Callable[[Any], str]] = {
-    # The common key types, read without trying attributes (paths are built for every leaf).
-    jax.tree_util.DictKey: lambda key: str(key.key),
-    jax.tree_util.GetAttrKey: lambda key: key.name,
-    jax.tree_util.SequenceKey: lambda key: str(key.idx),
-    jax.tree_util.FlattenedIndexKey: lambda key: str(key.key),
-}

@@ -70,21 +70,20 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar, cast
 
 import jax
-from jax.core import Tracer
 
 from .._arrays._arrays import einshard
+from .._arrays._leaves import is_array
 from .._language._errors import EinshardError
-from .._language._expression import parse
+from .._language._expression import REPLICATE, parse
 from .._sharding._devices import Devices
-from .._trees import _plan, _pytrees
-from .._trees._rules import Indivisible, Rules, RulesLike, Unmatched, path_string
+from .._trees import _pytrees
+from .._trees._paths import path_string
+from .._trees._rules import Indivisible, Rules, RulesLike, Unmatched
 
 __all__ = ["create_sharded", "field_expressions", "module_rules", "shard_module", "sharded"]
 
 T = TypeVar("T")
 C = TypeVar("C", bound=type)
-
-REPLICATE = "... -> * ..."
 
 _OWN = "__einshard_fields__"  # a decorated class's own expressions, in its __dict__
 _OUTPUT = "output"  # the key of the activation expression among them
@@ -280,7 +279,7 @@ def _place(module: Any) -> None:
         if name not in names:
             continue  # the output expression
         value = getattr(module, name)
-        if not _plan.is_array_leaf(value) and not isinstance(value, Tracer):
+        if not is_array(value):
             continue  # None (no bias), Python numbers, ...
         try:
             placed = einshard(value, expression)
@@ -373,7 +372,7 @@ def _decorated_leaves(node: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[s
         expressions = field_expressions(type(node))
         names = {field.name for field in dataclasses.fields(node)}
         for name, expression in expressions.items():
-            if name in names and _is_array(getattr(node, name, None)):
+            if name in names and is_array(getattr(node, name, None)):
                 yield path_string((*path, jax.tree_util.GetAttrKey(name))), expression
     children, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda child: child is not node)
     if len(children) == 1 and children[0][0] == ():
@@ -381,10 +380,6 @@ def _decorated_leaves(node: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[s
     for key_path, child in children:
         if _has_module(child):
             yield from _decorated_leaves(child, (*path, *key_path))
-
-
-def _is_array(value: Any) -> bool:
-    return _plan.is_array_leaf(value) or isinstance(value, Tracer)
 
 
 def _has_module(tree: Any) -> bool:

@@ -64,13 +64,13 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
-import numpy as np
 from flax.core import meta as flax_meta
 
 from .._arrays._build import build_sharded
+from .._arrays._leaves import is_concrete_array, partition
 from .._arrays._place import place_leaves
 from .._language._errors import EinshardError, adding_context
-from .._language._inputs import check_params_for_state
+from .._language._expression import REPLICATE
 from .._sharding._devices import Devices
 from .._trees import _pytrees
 from .._trees._paths import register_value_wrapper
@@ -92,7 +92,7 @@ T = TypeVar("T")
 register_value_wrapper(nnx.Variable)
 register_value_wrapper(flax_meta.AxisMetadata)
 
-_REPLICATE = [(r".*", "... -> * ...")]
+_REPLICATE = [(r".*", REPLICATE)]
 
 
 # --- NNX ----------------------------------------------------------------------
@@ -200,8 +200,8 @@ def shard_module(
 def _place_state(obj: Any, rules: RulesLike, devices: Devices | None) -> dict[int, Any]:
     """Places an NNX object's variables in place (RNG state replicated); placed value's id -> sharding."""
     rng_state, state = _split_state(obj)
-    placed = _place_part(obj, state, lambda tree: _pytrees.tree_shardings(tree, rules, devices)[2])
-    placed |= _place_part(obj, rng_state, lambda tree: _pytrees.tree_shardings(tree, _REPLICATE, devices)[2])
+    placed = _place_part(obj, state, lambda tree: _pytrees.leaf_shardings(tree, rules, devices)[2])
+    placed |= _place_part(obj, rng_state, lambda tree: _pytrees.leaf_shardings(tree, _REPLICATE, devices)[2])
     nnx.update(obj, state, rng_state)
     return placed
 
@@ -289,18 +289,15 @@ def _build(factory: Callable[..., T], place: Callable[[T], dict[int, Any]], *arg
     ``nnx.Rngs`` argument advances, and a result that holds an argument holds
     that very object.
     """
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_nnx_node)
-    nodes = [i for i, leaf in enumerate(leaves) if _is_nnx_node(leaf)]
-    arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
+    (nodes, arrays), combine = partition(
+        (args, kwargs), _is_nnx_node, is_concrete_array, is_leaf=_is_nnx_node
+    )
     out_shardings: list[Any] = []  # of the output's leaves, filled while tracing
 
     def build(node_state: Any, array_values: list[Any]) -> Any:
         with nnx.merge_context(_TAG, inner=True) as ctx:
             inner_nodes = ctx.merge(graphdef, node_state)
-        filled = list(leaves)
-        for i, value in [*zip(nodes, inner_nodes, strict=True), *zip(arrays, array_values, strict=True)]:
-            filled[i] = value
-        call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, filled)
+        call_args, call_kwargs = combine(inner_nodes, array_values)
         built = factory(*call_args, **call_kwargs)
         shardings_by_id = place(built)
         with nnx.split_context(_TAG) as ctx:
@@ -312,12 +309,12 @@ def _build(factory: Callable[..., T], place: Callable[[T], dict[int, Any]], *arg
 
     with nnx.update_context(_TAG):
         with nnx.split_context(_TAG) as ctx:
-            graphdef, node_state = ctx.split([leaves[i] for i in nodes])
+            graphdef, node_state = ctx.split(nodes)
         out_graphdef, out_state = build_sharded(
             build,
             lambda abstract: jax.tree_util.tree_structure(abstract).unflatten(out_shardings),
             node_state,
-            [leaves[i] for i in arrays],
+            arrays,
         )
         with nnx.merge_context(_TAG, inner=False) as ctx:
             built, _ = ctx.merge(out_graphdef, out_state)
@@ -408,7 +405,7 @@ def _place_like(optimizer: Any, params: Any) -> dict[int, Any]:
     from . import optax as optax_integration
 
     def shardings_of(state: Any) -> list[Any]:
-        check_params_for_state(state, params)
+        optax_integration.check_params_for_state(state, params)
         shardings = optax_integration.opt_state_shardings(state, params)
         return jax.tree_util.tree_structure(state).flatten_up_to(shardings)
 

@@ -60,15 +60,18 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSha
 
 from .._arrays._arrays import make_sharding
 from .._arrays._build import build_sharded, itemsize
+from .._arrays._leaves import is_array
 from .._arrays._place import place_leaves
-from .._language._errors import EinshardError, EinshardWarning
-from .._language._inputs import check_params_for_state
+from .._language._errors import EinshardError, EinshardWarning, short_repr
+from .._language._expression import REPLICATE
 from .._language._layout import carried_expression, compile_layout
+from .._language._text import size_text
 from .._sharding._devices import Devices, device_target
 from .._sharding._mesh import spec_entries, spec_expression, spec_split
-from .._trees._explain import Report, _size, report_row
-from .._trees._plan import REPLICATE, as_rules, is_array_leaf, plan_tree
-from .._trees._rules import RulesLike, path_string
+from .._trees._assign import as_rules, assign_rules
+from .._trees._explain import Report, report_row
+from .._trees._paths import flatten_or_explain, flatten_with_paths
+from .._trees._rules import RulesLike
 
 __all__ = ["explain_opt_state", "init_sharded", "opt_state_shardings", "shard_opt_state"]
 
@@ -309,21 +312,23 @@ def _describe(axes: Axes, rank: int, field: str | None) -> tuple[str, str]:
 
 def _derivations(
     opt_state: Any, params: Any, sources: Sequence[_Param], tx: Initable | None
-) -> tuple[list[tuple[KeyPath, Any, _Derivation | None]], Any]:
-    """Every leaf of the state with its derivation (``None``: not an array), and the state's structure."""
+) -> tuple[list[tuple[str, Any, _Derivation | None]], Any]:
+    """Every leaf of the state with its path and derivation (``None``: not an array), and the structure."""
     matcher = _Matcher(params, [source.split for source in sources])
     for path, node in _parameter_copies(tx, opt_state):
         matcher.visit(node, path)
     fields = _adafactor_fields(opt_state)
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
+    _, paths, _ = flatten_with_paths(opt_state)
     derived = []
-    for path, leaf in path_leaves:
-        path = tuple(path)
-        if not is_array_leaf(leaf) and not isinstance(leaf, Tracer):
+    for (key_path, leaf), path in zip(path_leaves, paths, strict=True):
+        key_path = tuple(key_path)
+        if not is_array(leaf):
             derived.append((path, leaf, None))
             continue
-        param, slot = matcher.found.get(path, (None, None))
-        derived.append((path, leaf, _derive(tuple(leaf.shape), param, slot, fields.get(path), sources)))
+        param, slot = matcher.found.get(key_path, (None, None))
+        derivation = _derive(tuple(leaf.shape), param, slot, fields.get(key_path), sources)
+        derived.append((path, leaf, derivation))
     return derived, treedef
 
 
@@ -365,6 +370,75 @@ def _adafactor_fields(opt_state: Any) -> dict[KeyPath, str]:
     return fields
 
 
+# --- the params a state belongs to ---
+
+
+def check_params_for_state(opt_state: Any, params: Any) -> None:
+    """Refuses ``params`` that cannot be the parameters ``opt_state`` belongs to.
+
+    They must be a tree of arrays (``jax.Array``, NumPy arrays or ``jax.ShapeDtypeStruct``;
+    ``None`` allowed), at least one; and when the state holds arrays of more than one element,
+    at least one of them must have the shape of a parameter (moments mirror their parameter)
+    or be made of some of a parameter's sizes (factored statistics, as Adafactor keeps), or a
+    part of the state must have the params' structure.
+    """
+    leaves = flatten_or_explain(jax.tree_util.tree_leaves, params)
+    not_arrays = [leaf for leaf in leaves if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype"))]
+    if not leaves or not_arrays:
+        what = f"{type(params).__name__}" if not leaves else f"a tree holding {short_repr(not_arrays[0])}"
+        raise EinshardError(
+            f"params must be the tree of arrays the optimizer state belongs to, not {what}",
+            hint="Pass the parameters, e.g. shard_opt_state(opt_state, params) with params placed "
+            "by shard_pytree (or abstract, with shardings).",
+        )
+    param_shapes = {tuple(leaf.shape) for leaf in leaves}
+    state_shapes = {
+        tuple(leaf.shape)
+        for leaf in jax.tree_util.tree_leaves(opt_state)
+        if hasattr(leaf, "shape") and math.prod(leaf.shape) > 1
+    }
+    if (
+        state_shapes
+        and not any(_sizes_within(state, param) for state in state_shapes for param in param_shapes)
+        and not _has_subtree_like(opt_state, params)
+    ):
+        raise EinshardError(
+            "the optimizer state does not belong to these params: none of its arrays has the "
+            "shape of a parameter, or sizes of one",
+            hint="Pass the params the state was made from (tx.init(params)).",
+            context=[
+                f"state shapes {short_repr(sorted(state_shapes))}, "
+                f"param shapes {short_repr(sorted(param_shapes))}"
+            ],
+        )
+
+
+def _sizes_within(state: tuple[int, ...], param: tuple[int, ...]) -> bool:
+    """Whether ``state``'s sizes are some of ``param``'s (each used at most once)."""
+    left = list(param)
+    for size in state:
+        if size not in left:
+            return False
+        left.remove(size)
+    return True
+
+
+def _has_subtree_like(tree: Any, like: Any) -> bool:
+    """Whether a node of ``tree`` has the tree structure of ``like``."""
+    structure = jax.tree_util.tree_structure(like)
+    kind = type(like)
+    found = []
+
+    def is_like(node: Any) -> bool:
+        if type(node) is kind and jax.tree_util.tree_structure(node) == structure:
+            found.append(node)
+            return True
+        return False
+
+    jax.tree_util.tree_leaves(tree, is_leaf=is_like)
+    return bool(found)
+
+
 # --- the params' layouts, and the state's shardings read off the derivations ---
 
 
@@ -387,11 +461,10 @@ class _Placed:
     """The placed parameters: what the derivation knows of each, and the state's shardings off it."""
 
     def __init__(self, params: Any) -> None:
-        path_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-        paths = [path_string(path) for path, _ in path_leaves]
+        leaves, paths, _ = flatten_with_paths(params)
         placed = [
-            _param_sharding(leaf, path) if is_array_leaf(leaf) else None
-            for (_, leaf), path in zip(path_leaves, paths, strict=True)
+            _param_sharding(leaf, path) if is_array(leaf) else None
+            for leaf, path in zip(leaves, paths, strict=True)
         ]
         named = [s for s in placed if isinstance(s, NamedSharding)]
         self.default = max(named, key=lambda s: s.num_devices, default=None) or next(
@@ -403,8 +476,8 @@ class _Placed:
         self.spread = self.default is not None and self.default.num_devices > 1
         self.shardings: list[Sharding | None] = []
         self.sources: list[_Param] = []
-        for (_, leaf), path, sharding in zip(path_leaves, paths, placed, strict=True):
-            shape = tuple(leaf.shape) if is_array_leaf(leaf) else None
+        for leaf, path, sharding in zip(leaves, paths, placed, strict=True):
+            shape = tuple(leaf.shape) if is_array(leaf) else None
             split, why = None, _WHY_NO_LAYOUT.get(type(sharding), f"has a {type(sharding).__name__}")
             if shape is not None and isinstance(sharding, NamedSharding):
                 split = spec_split(sharding, len(shape))
@@ -442,7 +515,7 @@ def _laid_out(
     placed = _Placed(params)
     derived, treedef = _derivations(opt_state, params, placed.sources, tx)
     laid = [
-        (path_string(path), leaf, d, None if d is None else placed.sharding(d, len(leaf.shape)))
+        (path, leaf, d, None if d is None else placed.sharding(d, len(leaf.shape)))
         for path, leaf, d in derived
     ]
     lost = [(path, leaf) for path, leaf, d, _ in laid if d is not None and d.lost]
@@ -450,7 +523,7 @@ def _laid_out(
     if placed.spread and total >= LARGE_REPLICATED_BYTES:
         examples = ", ".join(path for path, _ in lost[:3]) + (", ..." if len(lost) > 3 else "")
         warnings.warn(
-            f"{len(lost)} optimizer state leaves ({_size(total)}) follow no parameter's layout and are "
+            f"{len(lost)} optimizer state leaves ({size_text(total)}) follow no parameter's layout and are "
             f"replicated on every device: {examples}; explain_opt_state(...) says why",
             EinshardWarning,
             stacklevel=3,
@@ -566,7 +639,7 @@ def init_sharded(tx: Initable, params: Any) -> Any:
     >>> [shard.data.shape for shard in state.acc_grads['w'].addressable_shards][:2]
     [(4, 8), (4, 8)]
     """
-    arrays = [leaf for leaf in jax.tree_util.tree_leaves(params) if is_array_leaf(leaf)]
+    arrays = [leaf for leaf in jax.tree_util.tree_leaves(params) if is_array(leaf)]
     abstract_params = [isinstance(leaf, jax.ShapeDtypeStruct) for leaf in arrays]
     if any(abstract_params) and not all(abstract_params):
         raise EinshardError(
@@ -643,11 +716,11 @@ def explain_opt_state(
         sources = placed.sources
     else:
         count = n_devices if n_devices is not None else device_target(devices).count
-        plans = [plan for _, plan in plan_tree(params, as_rules(rules), n_devices=count)[0]]
-        paths = [path_string(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        assignments = [a for _, a in assign_rules(params, as_rules(rules), n_devices=count)[0]]
+        paths = flatten_with_paths(params)[1]
         sources = [
-            _Param(path, None, None) if plan is None else _Param(path, plan.shape, plan.layout.spec)
-            for path, plan in zip(paths, plans, strict=True)
+            _Param(path, None, None) if a is None else _Param(path, a.shape, a.layout.spec)
+            for path, a in zip(paths, assignments, strict=True)
         ]
     rows, holds = [], {}
     for path, leaf, derivation in _derivations(opt_state, params, sources, tx)[0]:
@@ -659,16 +732,14 @@ def explain_opt_state(
             expression, shard_shape = spec_expression(sharding, len(shape)), sharding.shard_shape(shape)
             holders = _holders(sharding)
         else:  # the parameter's expression, for the axes the leaf carries
-            plan = plans[derivation.param] if derivation.param is not None else None
+            followed = assignments[derivation.param] if derivation.param is not None else None
             expression = REPLICATE
-            if plan is not None and derivation.axes is not None and shape:
-                rule = None if plan.rule is None else plan.rule.pattern
-                expression = carried_expression(plan.layout, derivation.axes)
+            if followed is not None and derivation.axes is not None and shape:
+                rule = None if followed.rule is None else followed.rule.pattern
+                expression = carried_expression(followed.layout, derivation.axes)
             shard_shape = compile_layout(expression, len(shape), count).shard_shape(shape)
             holders = [0]  # einshard lays every array over all devices: every device holds the same
-        rows.append(
-            report_row(path_string(path), shape, leaf.dtype, rule, expression, shard_shape, derivation.note)
-        )
+        rows.append(report_row(path, shape, leaf.dtype, rule, expression, shard_shape, derivation.note))
         for device in holders:
             holds[device] = holds.get(device, 0) + rows[-1].bytes_per_device
     if rules is None:

@@ -49,11 +49,13 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
+from .._arrays._leaves import is_array
 from .._arrays._place import place_leaves
 from .._language._errors import EinshardError
 from .._sharding._devices import Devices
-from .._trees._pytrees import tree_shardings
-from .._trees._rules import Rules, RulesLike, path_string
+from .._trees._paths import path_string
+from .._trees._pytrees import leaf_shardings
+from .._trees._rules import Rules, RulesLike
 
 __all__ = ["abstract_checkpoint", "restore", "restore_target", "save"]
 
@@ -156,7 +158,7 @@ def _abstract_leaf(leaf: Any) -> Any:
         return np.dtype(leaf.dtype).type(0).item()
     if _is_metadata(leaf):
         return jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype)
-    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
+    if is_array(leaf):
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=getattr(leaf, "weak_type", False))
     return leaf
 
@@ -208,8 +210,8 @@ def restore_target(
     >>> target['w'].sharding.shard_shape((16, 8)), target['b'].sharding.shard_shape((8,))
     ((2, 8), (1,))
     """
-    planned, treedef, shardings = tree_shardings(_unsharded_tree(tree), rules, devices)
-    return jax.tree_util.tree_unflatten(treedef, place_leaves([leaf for leaf, _ in planned], shardings))
+    assigned, treedef, shardings = leaf_shardings(_unsharded_tree(tree), rules, devices)
+    return jax.tree_util.tree_unflatten(treedef, place_leaves([leaf for leaf, _ in assigned], shardings))
 
 
 def _is_rules(value: Any) -> bool:
@@ -217,7 +219,7 @@ def _is_rules(value: Any) -> bool:
     if isinstance(value, Rules):
         return True
     leaves = jax.tree_util.tree_leaves(value)
-    return not any(isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray)) for leaf in leaves)
+    return not any(is_array(leaf) for leaf in leaves)
 
 
 def _checked_target(target: Any) -> Any:

@@ -1,6 +1,6 @@
-"""Planning a tree by a rule table: which rule, which expression, which layout, for every leaf.
+"""Assigning every leaf of a tree its rule: which rule, which expression, which layout.
 
-Pure: it needs only a device count, so :func:`~einshard.explain` can plan for
+Pure: it needs only a device count, so :func:`~einshard.explain` can lay a tree out for
 devices the machine does not have. The table's policies (``unmatched``,
 ``indivisible``) decide the leaves no rule fits. A leaf's errors get its
 context here, once: the path, the shape, the rule and the device count.
@@ -10,22 +10,18 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import jax
-import numpy as np
-from jax.core import Tracer
-
+from .._arrays._leaves import ARRAY_TYPES, is_array
 from .._language._errors import EinshardError, adding_context
+from .._language._expression import REPLICATE
 from .._language._layout import Layout, compile_layout
 from ._paths import flatten_with_paths
 from ._rules import Rule, Rules, RulesLike
 
-__all__ = ["REPLICATE", "LeafPlan", "as_rules", "describe_leaf", "is_array_leaf", "leaf_context", "plan_tree"]
-
-REPLICATE = "... -> * ..."
+__all__ = ["Assignment", "as_rules", "assign_rules", "describe_leaf", "leaf_context"]
 
 
-class LeafPlan(NamedTuple):
-    """How one array leaf is laid out.
+class Assignment(NamedTuple):
+    """The rule one array leaf is assigned, and the layout it gives.
 
     Attributes:
         path: The leaf's path, e.g. ``'layers/0/mlp/w1/kernel'``.
@@ -34,7 +30,7 @@ class LeafPlan(NamedTuple):
         rule: The rule that decided it, or ``None`` (a scalar, or no rule
             matched and the policy replicates).
         expression: The expression applied.
-        layout: The resolved layout.
+        layout: The layout.
         note: Why the leaf did not simply follow its first matching rule, or ``None``.
     """
 
@@ -47,49 +43,31 @@ class LeafPlan(NamedTuple):
     note: str | None = None
 
 
-def is_array_leaf(leaf: Any) -> bool:
-    """Whether a leaf is an array to place: ``jax.Array``, NumPy array or scalar, ``ShapeDtypeStruct``.
-
-    Python scalars, strings, functions and other objects pass through untouched.
-    """
-    kind = type(leaf)
-    if kind in _ARRAY_TYPES:  # by identity first: isinstance against jax.Array's ABC is slow
-        return True
-    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
-        if not issubclass(kind, Tracer):  # whether a tracer is an array can depend on the tracer
-            _ARRAY_TYPES.add(kind)
-        return True
-    return False
-
-
-_ARRAY_TYPES: set[type] = {jax.ShapeDtypeStruct, np.ndarray}
-
-
 def as_rules(rules: RulesLike) -> Rules:
     """The rule table, built if given as pairs or a dict."""
     return rules if isinstance(rules, Rules) else Rules(rules)
 
 
-def plan_tree(
+def assign_rules(
     tree: Any, rules: RulesLike, *, n_devices: int
-) -> tuple[list[tuple[Any, LeafPlan | None]], Any, tuple[Rule, ...]]:
-    """Plans every leaf of ``tree`` by the table and its policies: pure, for any device count.
+) -> tuple[list[tuple[Any, Assignment | None]], Any, tuple[Rule, ...]]:
+    """Assigns every leaf of ``tree`` its rule, by the table and its policies: pure, for any device count.
 
     Returns:
-        ``(leaves, treedef, unused)``: each leaf with its plan (``None`` for
+        ``(leaves, treedef, unused)``: each leaf with its assignment (``None`` for
         leaves that pass through), the tree structure, and the rules that
         decided no leaf.
     """
     table = as_rules(rules)
     leaves, paths, treedef = flatten_with_paths(tree)
     used: set[int] = set()
-    planned: list[tuple[Any, LeafPlan | None]] = []
+    assigned: list[tuple[Any, Assignment | None]] = []
     # Leaves of one kind (same rule, same shape) share a layout: decide each kind once.
     fitting: dict[tuple[int, tuple[int, ...]], Layout] = {}
     # The loop runs once per leaf on every call: its lookups are bound once, out of it.
-    match, fitted, append, array_types = table.match, fitting.get, planned.append, _ARRAY_TYPES
+    match, fitted, append, array_types = table.match, fitting.get, assigned.append, ARRAY_TYPES
     for path, leaf in zip(paths, leaves, strict=True):
-        if type(leaf) not in array_types and not is_array_leaf(leaf):
+        if type(leaf) not in array_types and not is_array(leaf):
             append((leaf, None))
             continue
         shape = leaf.shape
@@ -98,18 +76,23 @@ def plan_tree(
         rule = match(path) if shape else None
         layout = None if rule is None else fitted((rule.index, shape))
         if layout is not None and rule is not None:
-            plan = LeafPlan(path, shape, leaf.dtype, rule, rule.expression, layout)  # type: ignore[arg-type]
+            assignment = Assignment(path, shape, leaf.dtype, rule, rule.expression, layout)  # type: ignore[arg-type]
             used.add(rule.index)
         else:
-            plan = _plan_leaf(path, leaf, table, n_devices)
-            # A ByShape rule decides by dtype too: its leaves are planned one by one.
-            if rule is not None and plan.rule is rule and plan.note is None and type(rule.expression) is str:
-                fitting[rule.index, shape] = plan.layout
-            if plan.rule is not None:
-                used.add(plan.rule.index)
-        append((leaf, plan))
+            assignment = _assign_leaf(path, leaf, table, n_devices)
+            # A ByShape rule decides by dtype too: its leaves are assigned one by one.
+            if (
+                rule is not None
+                and assignment.rule is rule
+                and assignment.note is None
+                and type(rule.expression) is str
+            ):
+                fitting[rule.index, shape] = assignment.layout
+            if assignment.rule is not None:
+                used.add(assignment.rule.index)
+        append((leaf, assignment))
     unused = tuple(rule for rule in table if rule.index not in used)
-    return planned, treedef, unused
+    return assigned, treedef, unused
 
 
 def describe_leaf(path: str, shape: tuple[int, ...]) -> str:
@@ -125,18 +108,18 @@ def leaf_context(
     error.add_context(f"while sharding {describe_leaf(path, shape)}{with_rule} {where}")
 
 
-def _plan_leaf(path: str, leaf: Any, rules: Rules, n_devices: int) -> LeafPlan:
+def _assign_leaf(path: str, leaf: Any, rules: Rules, n_devices: int) -> Assignment:
     shape = tuple(leaf.shape)
     dtype = leaf.dtype
     if not shape:  # scalars are replicated whatever the rules say
-        return LeafPlan(
+        return Assignment(
             path, shape, dtype, None, REPLICATE, compile_layout(REPLICATE, 0, n_devices), "scalar"
         )
     rule = rules.match(path)
     if rule is None:
         if rules.unmatched == "replicate":
             layout = compile_layout(REPLICATE, len(shape), n_devices)
-            return LeafPlan(path, shape, dtype, None, REPLICATE, layout, "no rule matched: replicated")
+            return Assignment(path, shape, dtype, None, REPLICATE, layout, "no rule matched: replicated")
         tried = ", ".join(repr(r.pattern) for r in rules) or "(the table is empty)"
         raise EinshardError(
             f"no rule matches {describe_leaf(path, shape)}",
@@ -159,14 +142,14 @@ def _plan_leaf(path: str, leaf: Any, rules: Rules, n_devices: int) -> LeafPlan:
             if indivisible == "replicate":
                 layout = compile_layout(REPLICATE, len(shape), n_devices)
                 note = f"rule {candidate.index} does not divide {shape}: replicated"
-                return LeafPlan(path, shape, dtype, None, REPLICATE, layout, note)
+                return Assignment(path, shape, dtype, None, REPLICATE, layout, note)
             skipped.append(candidate)
             continue
         note = reason
         if skipped:
             note = f"rule{'s' if len(skipped) > 1 else ''} {', '.join(str(r.index) for r in skipped)} "
             note += f"did not divide {shape}: rule {candidate.index} used" + (f"; {reason}" if reason else "")
-        return LeafPlan(path, shape, dtype, candidate, expression, layout, note)
+        return Assignment(path, shape, dtype, candidate, expression, layout, note)
     tried = ", ".join(str(r) for r in skipped)
     raise EinshardError(
         f"no matching rule divides {describe_leaf(path, shape)} on {n_devices} devices",

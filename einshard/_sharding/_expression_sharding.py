@@ -1,13 +1,13 @@
-"""The resolution step: (expression, rank, device target, shape) to (layout, sharding).
+"""An expression's sharding on a device target: (expression, rank, target, shape) to (layout, sharding).
 
 Every function that turns an expression into a sharding comes here: arrays
 (:func:`~einshard.make_sharding`, :func:`~einshard.einshard`), trees (once per
-kind of leaf), pictures and several processes
-(:func:`~einshard.from_process_local`). The device target is decided before,
-once per call, by :func:`~einshard._sharding._devices.device_target`. The arguments a
-user gives (the expression's type, the rank, the shape) are checked once, by
-the public function, before it asks (:func:`check_arguments`); adding context
-to an error is the public function's job too (:func:`sharding_context`).
+kind of leaf) and several processes (:func:`~einshard.from_process_local`).
+(Pictures need no sharding: they draw the pure :class:`~einshard.Layout`.) The device
+target is decided before, once per call, by
+:func:`~einshard._sharding._devices.device_target`. The arguments a user gives (the
+expression's type, the rank, the shape) are checked once, by the public function, before it
+asks; adding context to an error is the public function's job too.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from jax.sharding import AxisType, NamedSharding
 
 from .._language._errors import EinshardError
 from .._language._layout import Layout
-from ._devices import Devices, DeviceTarget, device_target
+from ._devices import DeviceTarget
 from ._mesh import ambient_spec, layout_sharding
 
-__all__ = ["check_arguments", "resolve_sharding", "sharding_context"]
+__all__ = ["expression_sharding"]
 
 
-def resolve_sharding(
+def expression_sharding(
     expression: str,
     n_dims: int | None,
     target: DeviceTarget,
@@ -44,7 +44,7 @@ def resolve_sharding(
     Raises:
         EinshardError: If the expression does not fit the rank, the shape or
             the devices. (A call's own arguments are checked before, by
-            :func:`check_arguments`.)
+            the public function.)
     """
     if target.mesh is not None:
         layout, spec = ambient_spec(expression, n_dims, _auto_axes(target.mesh))
@@ -79,33 +79,3 @@ def _auto_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
             "shard_map, or leave mesh axes to einshard with shard_map(..., axis_names={...}).",
         )
     return left
-
-
-def check_arguments(expression: object, n_dims: object = None) -> None:
-    """Checks an expression and a rank a user passed, before they reach the caches.
-
-    Raises:
-        EinshardError: If the expression is not a string, or the rank not a
-            non-negative integer.
-    """
-    if not isinstance(expression, str):
-        raise EinshardError(
-            f"an einshard expression must be a string, not {type(expression).__name__}",
-            hint="Write it like 'x y -> x y*'.",
-        )
-    if n_dims is not None and (not isinstance(n_dims, int) or isinstance(n_dims, bool) or n_dims < 0):
-        raise EinshardError(f"n_dims must be a non-negative integer, not {n_dims!r}")
-
-
-def sharding_context(error: EinshardError, shape: tuple[int, ...] | None, devices: Devices | None) -> None:
-    """Adds ``while sharding an array of shape (4, 8) on 8 CPU devices``: what the call was doing.
-
-    Called by the public functions that shard one array when an error leaves their work
-    (in a ``try``: that is their per-call path).
-    """
-    what = f"an array of shape {shape}" if shape is not None else "an array"
-    try:
-        where = device_target(devices).describe()
-    except EinshardError:
-        where = "on the given devices"
-    error.add_context(f"while sharding {what} {where}")
