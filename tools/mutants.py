@@ -246,7 +246,7 @@ MUTANTS = [
     # --- shardings_of ---
     Mutant(
         "shardings-of-none",
-        "einshard/_trees/_tree_shardings.py",
+        "einshard/_trees/_pytrees.py",
         "    if isinstance(leaf, jax.Array):\n        return leaf.sharding",
         "    if isinstance(leaf, jax.Array):\n        return None",
         ("tests/test_training_steps.py",),
