@@ -1,8 +1,8 @@
 """``plan``: compile a step under each candidate strategy and rank them by the step report.
 
 Every candidate is a :class:`~einshard.strategies.Strategy`; its table and batch expression
-give the step's arguments their shardings, and :mod:`einshard._cost._step` compiles the step and
-reads what it costs (in this process for this machine's device count, else in one child
+give the step's arguments their shardings, and :func:`einshard._cost._step.reports` compiles the
+step and reads what it costs (in this process for this machine's device count, else in one child
 process with simulated CPU devices for all candidates). Ranking needs no recompile:
 :meth:`Plan.at` ranks the same reports at other figures.
 """
@@ -18,7 +18,9 @@ from typing import Any
 from .._language._errors import EinshardError
 from .._trees._explain import _size
 from .._trees._rules import Rules
-from . import _step
+from ._call import StepCall
+from ._report import KINDS, StepReport, estimated, seconds_text
+from ._step import reports
 from ._strategies import DEFAULT_MIN_BYTES, Strategy, defaults
 
 __all__ = ["Plan", "PlanRow", "plan"]
@@ -42,7 +44,7 @@ class PlanRow:
     """
 
     strategy: Strategy
-    report: _step.StepReport | None
+    report: StepReport | None
     rejected: str | None
     index: int = 0
 
@@ -234,19 +236,15 @@ def plan(
     count = local if n_devices is None else n_devices
     if strategies is None:
         strategies = defaults(count, min_bytes=min_bytes)
-    fn = _step._resolve(step)
-    names, _ = _step._named(fn, (params, batch), {})
-    tables = [_with_batch(strategy, names[1]) for strategy in strategies]
-    if count == local:
-        answers = [_step._answer(fn, (params, batch), {}, table) for table in tables]
-    else:
-        answers = _step._in_child(step, (params, batch), {}, count, None, tables=tables)
+    call = StepCall.of(step, (params, batch), {})
+    tables = [_with_batch(strategy, call.names[1]) for strategy in strategies]
+    answers = reports(call, tables, None if count == local else count)
     rows = []
-    for index, (strategy, (status, value)) in enumerate(zip(strategies, answers, strict=True)):
-        if status == "ok":
-            rows.append(PlanRow(strategy, value, None, index))
+    for index, (strategy, answer) in enumerate(zip(strategies, answers, strict=True)):
+        if answer.report is not None:
+            rows.append(PlanRow(strategy, answer.report, None, index))
         else:
-            rows.append(PlanRow(strategy, None, _reason(value), index))
+            rows.append(PlanRow(strategy, None, _reason(answer.error), index))
     return _ranked(rows, count, memory_per_device, bandwidth, latency, flops_per_second)
 
 
@@ -279,11 +277,11 @@ def _ranked(
     latency: float,
     flops_per_second: float | None,
 ) -> Plan:
-    estimated = []
+    priced = []
     for row in rows:
         report = row.report
         if report is not None:
-            report = _step._estimated(report, bandwidth, latency, flops_per_second)
+            report = estimated(report, bandwidth, latency, flops_per_second)
         rejected = row.rejected
         if (
             rejected is None
@@ -293,7 +291,7 @@ def _ranked(
             and report.peak_bytes > memory_per_device
         ):
             rejected = f"{_MEMORY}: needs {_size(report.peak_bytes)} > {_size(memory_per_device)} per device"
-        estimated.append(PlanRow(row.strategy, report, rejected, row.index))
+        priced.append(PlanRow(row.strategy, report, rejected, row.index))
 
     def measure(row: PlanRow) -> float:
         # Without a bandwidth the communication has no time: the bytes sent rank instead.
@@ -303,8 +301,8 @@ def _ranked(
     def key(row: PlanRow) -> tuple:
         return (measure(row), row.traffic or 0, row.peak_bytes or 0, row.index)
 
-    usable = sorted((row for row in estimated if row.rejected is None), key=key)
-    rejected = sorted((row for row in estimated if row.rejected is not None), key=key)
+    usable = sorted((row for row in priced if row.rejected is None), key=key)
+    rejected = sorted((row for row in priced if row.rejected is not None), key=key)
     # Estimates within TIE of the fastest left are not told apart: the earlier candidate (the
     # simpler strategy, in the default order) goes first.
     ranked: list[PlanRow] = []
@@ -321,7 +319,7 @@ def _ranked(
 
 
 def _columns(plan: Plan) -> tuple[list[str], list[list[str]]]:
-    kinds = [k for k in _step.KINDS if any(row.bytes_by_kind.get(k) for row in plan.rows)]
+    kinds = [k for k in KINDS if any(row.bytes_by_kind.get(k) for row in plan.rows)]
     header = ["#", "strategy", "step time", "comm", "compute", "peak/device", "sent/device"]
     header += [_SHORT_KIND.get(kind, kind) for kind in kinds]
     header.append("verdict")
@@ -335,9 +333,9 @@ def _columns(plan: Plan) -> tuple[list[str], list[list[str]]]:
             [
                 str(rank) if row.rejected is None else "-",
                 row.name,
-                _step._seconds(row.seconds) if report is not None else "-",
-                _step._seconds(report.communication_seconds) if report is not None else "-",
-                _step._seconds(report.compute_seconds) if report is not None else "-",
+                seconds_text(row.seconds) if report is not None else "-",
+                seconds_text(report.communication_seconds) if report is not None else "-",
+                seconds_text(report.compute_seconds) if report is not None else "-",
                 _size(row.peak_bytes) if row.peak_bytes is not None else "-",
                 _size(row.traffic) if row.traffic is not None else "-",
                 *[_size(row.bytes_by_kind.get(kind, 0)) for kind in kinds],
@@ -365,7 +363,7 @@ def _chart(plan: Plan) -> list[str]:
         bar_comm = round(_BAR_WIDTH * communication / longest)
         bar_compute = round(_BAR_WIDTH * (communication + compute) / longest) - bar_comm
         bar = "█" * bar_comm + "░" * bar_compute
-        lines.append(f"{row.name.ljust(width)}  {bar.ljust(_BAR_WIDTH)}  {_step._seconds(row.seconds)}")
+        lines.append(f"{row.name.ljust(width)}  {bar.ljust(_BAR_WIDTH)}  {seconds_text(row.seconds)}")
     return ["estimated step time (█ communication, ░ compute):", *lines]
 
 
@@ -382,7 +380,7 @@ def _footer(plan: Plan) -> list[str]:
     rejected = [f"rejected {row.name}: {row.rejected}" for row in plan.rows if row.rejected is not None]
     figures = []
     if plan.bandwidth is not None:
-        figures.append(f"{plan.bandwidth / 1e9:g} GB/s per device, latency {_step._seconds(plan.latency)}")
+        figures.append(f"{plan.bandwidth / 1e9:g} GB/s per device, latency {seconds_text(plan.latency)}")
     if plan.flops_per_second is not None:
         figures.append(f"{plan.flops_per_second:.3g} FLOP/s per device")
     if plan.memory_per_device is not None:

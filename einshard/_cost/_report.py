@@ -1,0 +1,283 @@
+"""The step report: its rows, totals, estimates (ring formulas) and table."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .._trees._explain import _size, table_text
+
+__all__ = ["KINDS", "RING", "StepReport", "StepRow", "estimated", "report_of", "seconds_text"]
+
+# Ring algorithms: bytes each device sends per run, as a multiple of the buffer, and the number
+# of sequential steps (each paying the latency once), for a group of n devices.
+RING = {
+    "all-reduce": (lambda n: 2 * (n - 1) / n, lambda n: 2 * (n - 1)),
+    "all-gather": (lambda n: (n - 1) / n, lambda n: n - 1),
+    "reduce-scatter": (lambda n: (n - 1) / n, lambda n: n - 1),
+    "all-to-all": (lambda n: (n - 1) / n, lambda n: n - 1),
+    "collective-permute": (lambda n: 1.0, lambda n: 1),
+}
+KINDS = tuple(RING)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRow:
+    """One collective of a compiled step (one array of a combined collective).
+
+    Attributes:
+        kind: ``all-reduce``, ``all-gather``, ``reduce-scatter``, ``all-to-all`` or
+            ``collective-permute``.
+        dtype: The element type, as XLA names it (``f32``, ``bf16``, ...).
+        shape: The array's shape on each device: the result of an all-gather, the input of a
+            reduce-scatter, the array of the others.
+        bytes: The bytes of that array on each device, per run.
+        group_size: How many devices take part in each group.
+        axes: The mesh axes the groups run over (``None`` when they are not whole axes).
+        times: How many times it runs per step (a loop body: its trip count).
+        times_known: False when it is inside a loop whose trip count XLA does not know
+            (counted once).
+        traffic: The bytes each device sends per step, by the ring formula, over all runs.
+        seconds: The estimated time over all runs at the report's bandwidth and latency, or
+            ``None`` without a bandwidth.
+        phase: ``forward``, ``backward``, ``optimizer`` or ``""``, from JAX's op name.
+        op_name: JAX's name of the operation it serves.
+        source: ``file:line`` of the user code, or ``None``.
+        param: The path of the parameter it gathers or whose gradient it reduces, or ``None``.
+        instruction: The HLO instruction (rows of one combined collective share it).
+    """
+
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    bytes: int
+    group_size: int
+    axes: tuple[str, ...] | None
+    times: int
+    times_known: bool
+    traffic: int
+    seconds: float | None
+    phase: str
+    op_name: str
+    source: str | None
+    param: str | None
+    instruction: str
+
+    @property
+    def total_bytes(self) -> int:
+        """``bytes * times``: the array's bytes over all runs of the step."""
+        return self.bytes * self.times
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """What one compiled step costs on each device; ``str(report)`` is a table.
+
+    The totals are sums over :attr:`rows` (``total_bytes`` of each row, ``traffic``,
+    ``seconds``), so a row's share is its part of them.
+
+    Attributes:
+        rows: One :class:`StepRow` per collective (per array of a combined one), program order.
+        n_devices: The device count the step was compiled for.
+        mesh: The mesh the groups are read onto, as ``((axis, size), ...)``.
+        collectives: How many collective instructions run (a combined one counts once).
+        bytes: The bytes of all collectives' arrays per device per step (``sum(row.total_bytes)``).
+        bytes_by_kind: ``bytes``, by kind.
+        traffic: The bytes each device sends per step (ring formulas).
+        flops: Floating-point operations per device per step (XLA's cost analysis), or ``None``.
+        argument_bytes: Per device: the arguments' buffers.
+        output_bytes: The outputs' buffers.
+        alias_bytes: Output bytes that reuse (donated) argument buffers.
+        temp_bytes: Temporaries at the peak.
+        peak_bytes: ``argument + output - alias + temp``: memory per device at the peak.
+        bandwidth: Bytes per second per device the estimate assumes, or ``None``.
+        latency: Seconds per step of a ring algorithm the estimate assumes.
+        flops_per_second: Peak FLOP/s per device for the compute estimate, or ``None``.
+        communication_seconds: Estimated communication time per step (sum of the rows), or ``None``.
+        compute_seconds: ``flops / flops_per_second``, or ``None``.
+        compile_seconds: How long lowering and compiling took.
+        analysis_seconds: How long reading the program and attributing the rows took.
+    """
+
+    rows: tuple[StepRow, ...]
+    n_devices: int
+    mesh: tuple[tuple[str, int], ...]
+    collectives: int
+    bytes: int
+    bytes_by_kind: dict[str, int]
+    traffic: int
+    flops: float | None
+    argument_bytes: int | None
+    output_bytes: int | None
+    alias_bytes: int | None
+    temp_bytes: int | None
+    peak_bytes: int | None
+    bandwidth: float | None
+    latency: float
+    flops_per_second: float | None
+    communication_seconds: float | None
+    compute_seconds: float | None
+    compile_seconds: float
+    analysis_seconds: float
+
+    @property
+    def step_seconds(self) -> float | None:
+        """Communication plus compute, without overlap (an upper bound), when both are estimated."""
+        if self.communication_seconds is None or self.compute_seconds is None:
+            return None
+        return self.communication_seconds + self.compute_seconds
+
+    @property
+    def communication_bound(self) -> bool | None:
+        """Whether communication is estimated to take longer than compute."""
+        if self.communication_seconds is None or self.compute_seconds is None:
+            return None
+        return self.communication_seconds > self.compute_seconds
+
+    def at(
+        self,
+        *,
+        bandwidth: float | None = None,
+        latency: float | None = None,
+        flops_per_second: float | None = None,
+    ) -> StepReport:
+        """The same report, estimated at another bandwidth, latency or FLOP/s (no recompile)."""
+        return estimated(
+            self,
+            bandwidth if bandwidth is not None else self.bandwidth,
+            latency if latency is not None else self.latency,
+            flops_per_second if flops_per_second is not None else self.flops_per_second,
+        )
+
+    def __str__(self) -> str:
+        return table_text(*_columns(self), empty="no collectives")
+
+
+def report_of(
+    rows: list[StepRow],
+    n: int,
+    mesh: tuple[tuple[str, int], ...],
+    memory: dict[str, int | None],
+    flops: float | None,
+    compile_seconds: float,
+    analysis_seconds: float,
+) -> StepReport:
+    """The report of a compiled step: its rows and their totals (no estimate yet)."""
+    by_kind: dict[str, int] = {}
+    for row in rows:
+        by_kind[row.kind] = by_kind.get(row.kind, 0) + row.total_bytes
+    return StepReport(
+        rows=tuple(rows),
+        n_devices=n,
+        mesh=mesh,
+        collectives=len({row.instruction for row in rows}),
+        bytes=sum(row.total_bytes for row in rows),
+        bytes_by_kind=by_kind,
+        traffic=sum(row.traffic for row in rows),
+        flops=flops,
+        argument_bytes=memory["argument_bytes"],
+        output_bytes=memory["output_bytes"],
+        alias_bytes=memory["alias_bytes"],
+        temp_bytes=memory["temp_bytes"],
+        peak_bytes=memory["peak_bytes"],
+        bandwidth=None,
+        latency=0.0,
+        flops_per_second=None,
+        communication_seconds=None,
+        compute_seconds=None,
+        compile_seconds=compile_seconds,
+        analysis_seconds=analysis_seconds,
+    )
+
+
+def estimated(
+    report: StepReport, bandwidth: float | None, latency: float, flops_per_second: float | None
+) -> StepReport:
+    """The report with its rows' times and the totals estimated at these figures."""
+    rows = []
+    started: set[str] = set()
+    for row in report.rows:
+        seconds = None
+        if bandwidth is not None:
+            _, steps = RING[row.kind]
+            # The arrays of a combined collective travel together: its latency is paid once.
+            hops = steps(row.group_size) if row.group_size > 1 and row.instruction not in started else 0
+            started.add(row.instruction)
+            seconds = row.traffic / bandwidth + row.times * hops * latency
+        rows.append(dataclasses.replace(row, seconds=seconds))
+    communication = sum(r.seconds for r in rows if r.seconds is not None) if bandwidth is not None else None
+    compute = report.flops / flops_per_second if flops_per_second and report.flops is not None else None
+    return dataclasses.replace(
+        report,
+        rows=tuple(rows),
+        bandwidth=bandwidth,
+        latency=latency,
+        flops_per_second=flops_per_second,
+        communication_seconds=communication,
+        compute_seconds=compute,
+    )
+
+
+# --- the table --------------------------------------------------------------------------------------
+
+
+def seconds_text(value: float | None) -> str:
+    """``0.0123`` -> ``'12.3 ms'``; ``None`` -> ``'-'``."""
+    if value is None:
+        return "-"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9)):
+        if value >= scale or unit == "ns":
+            return f"{value / scale:.3g} {unit}"
+    raise AssertionError("unreachable")
+
+
+def _columns(report: StepReport) -> tuple[list[str], list[list[str]], list[str]]:
+    header = ["kind", "array", "per device", "group", "axes", "times", "phase", "parameter", "source"]
+    estimate = report.bandwidth is not None
+    if estimate:
+        header.insert(6, "time")
+    body = []
+    for row in report.rows:
+        source = row.source.rsplit("/", 1)[-1] if row.source else "-"
+        line = [
+            row.kind,
+            f"{row.dtype}{list(row.shape)}",
+            _size(row.bytes),
+            str(row.group_size),
+            ",".join(row.axes) if row.axes is not None else "?",
+            f"{row.times}" + ("" if row.times_known else "?"),
+            row.phase or "-",
+            row.param or "-",
+            source,
+        ]
+        if estimate:
+            line.insert(6, seconds_text(row.seconds))
+        body.append(line)
+    kinds = ", ".join(f"{kind} {_size(b)}" for kind, b in report.bytes_by_kind.items())
+    mesh = " × ".join(f"{name}={size}" for name, size in report.mesh)
+    footer = [
+        f"{report.collectives} collective{'' if report.collectives == 1 else 's'} "
+        f"on {report.n_devices} devices (mesh {mesh}): {_size(report.bytes)} per device per step"
+        + (f" ({kinds})" if kinds else ""),
+    ]
+    if report.peak_bytes is not None:
+        footer.append(
+            f"memory per device: {_size(report.peak_bytes)} at the peak "
+            f"(arguments {_size(report.argument_bytes or 0)}, outputs {_size(report.output_bytes or 0)}, "
+            f"aliased {_size(report.alias_bytes or 0)}, "
+            f"temporaries {_size(report.temp_bytes or 0)})"
+        )
+    if report.flops is not None:
+        footer.append(f"flops per device: {report.flops:.3g}")
+    if report.communication_seconds is not None and report.bandwidth is not None:
+        text = (
+            f"estimate at {report.bandwidth / 1e9:g} GB/s, latency {seconds_text(report.latency)}: "
+            f"communication {seconds_text(report.communication_seconds)}"
+        )
+        if report.compute_seconds is not None:
+            bound = "communication" if report.communication_bound else "compute"
+            text += (
+                f", compute {seconds_text(report.compute_seconds)} at {report.flops_per_second:.3g} FLOP/s: "
+                f"{bound}-bound"
+            )
+        footer.append(text)
+    return header, body, footer
