@@ -8,9 +8,10 @@ import time
 from .._language._errors import EinshardError
 from .._trees._rules import RulesLike
 from . import _hlo
-from ._attribution import attributed_rows
+from ._attribution import Flow, attributed_rows
 from ._call import StepCall
 from ._compile import compile_step
+from ._findings import find_waste
 from ._report import StepReport, report_of
 
 __all__ = ["Answer", "analyse", "answer"]
@@ -22,14 +23,27 @@ def analyse(call: StepCall, rules: RulesLike | None) -> StepReport:
         call = call.with_rules(rules)
     compiled = compile_step(call)
     start = time.perf_counter()
-    module = _hlo.parse_module(compiled.text())
+    text = compiled.text()
+    module = _hlo.parse_module(text)
     n = module.num_partitions
     mesh, positions = compiled.mesh(n)
-    rows = attributed_rows(module, mesh, positions, _parameter_paths(module, call))
+    flow = Flow(module)
+    parameter_paths = _parameter_paths(module, call)
+    rows, origins = attributed_rows(module, flow, mesh, positions, parameter_paths)
+    findings = find_waste(
+        rows,
+        origins,
+        flow,
+        n,
+        messages=compiled.messages(text),
+        layouts=call.layouts,
+        paths=call.paths,
+        parameter_paths=parameter_paths,
+    )
     memory = compiled.memory()
     flops = compiled.flops()
     analysis_seconds = time.perf_counter() - start
-    return report_of(rows, n, mesh, memory, flops, compiled.seconds, analysis_seconds)
+    return report_of(rows, n, mesh, memory, flops, compiled.seconds, analysis_seconds, findings)
 
 
 def _parameter_paths(module: _hlo.Module, call: StepCall) -> list[str | None]:

@@ -85,16 +85,15 @@ def _phase(op_name: str, has_grad: bool) -> str:
 
 
 class Flow:
-    """Data flow of the entry computation: where values come from, where they go."""
+    """Data flow of the program: where values come from, where they go (the entry's at once,
+    another computation's when asked)."""
 
     def __init__(self, module: _hlo.Module) -> None:
         self.module = module
         self.entry = {i.name: i for i in module.computations[module.entry]}
         self.all = module.instructions()
-        self.users: dict[str, list[_hlo.Instruction]] = {}
-        for instruction in self.entry.values():
-            for operand in instruction.operands:
-                self.users.setdefault(operand, []).append(instruction)
+        self._users: dict[str, dict[str, list[_hlo.Instruction]]] = {}
+        self.users = self.users_in(module.entry)
         self.parameters = {
             int(i.operands[0]): i
             for i in self.entry.values()
@@ -103,6 +102,35 @@ class Flow:
         self.simple: dict[str, bool] = {}
         for name, instructions in module.computations.items():
             self.simple[name] = not any(i.opcode in _MIXING for i in instructions)
+
+    def users_in(self, computation: str) -> dict[str, list[_hlo.Instruction]]:
+        """The users of each value of one computation."""
+        users = self._users.get(computation)
+        if users is None:
+            users = {}
+            for instruction in self.module.computations.get(computation, ()):
+                for operand in instruction.operands:
+                    users.setdefault(operand, []).append(instruction)
+            self._users[computation] = users
+        return users
+
+    def result(self, instruction: _hlo.Instruction, index: int) -> _hlo.Instruction | None:
+        """The value holding array ``index`` of a collective's result (past an async pair's
+        ``-done`` and a combined collective's ``get-tuple-element``), or ``None``."""
+        users = self.users_in(instruction.computation)
+        value = instruction
+        if value.opcode.endswith("-start"):
+            done = [u for u in users.get(value.name, ()) if u.opcode.endswith("-done")]
+            if not done:
+                return None
+            value = done[0]
+        if not value.type.startswith("("):
+            return value
+        wanted = str(index)
+        for user in users.get(value.name, ()):
+            if user.opcode == "get-tuple-element" and user.attribute("index") == wanted:
+                return user
+        return None
 
     def passes(self, instruction: _hlo.Instruction, allowed: set[str]) -> bool:
         if instruction.opcode == "fusion":
@@ -166,6 +194,42 @@ class Flow:
         preferred = [c for c in candidates if c[1] in forward_read] or candidates
         return min(preferred)[1] if preferred else None
 
+    def updated_parameters(self) -> set[int]:
+        """The entry parameters the step's outputs are elementwise updates of (trained state:
+        weights, optimizer moments), found through elementwise work from each output."""
+        root = next((i for i in self.entry.values() if i.root), None)
+        if root is None:
+            return set()
+        outputs = list(root.operands) if root.opcode == "tuple" else [root.name]
+        found: set[int] = set()
+        for output in outputs:
+            size = self._size(output)
+            if size <= 1:
+                continue
+            seen, frontier = {output}, [output]
+            for _ in range(10):
+                following = []
+                for name in frontier:
+                    instruction = self.entry.get(name)
+                    if instruction is None:
+                        continue
+                    if instruction.opcode == "parameter":
+                        # The same size, or a multiple: the update of this device's slice of it.
+                        number = instruction.operands[0] if instruction.operands else ""
+                        if number.isdigit() and self._size(name) % size == 0:
+                            found.add(int(number))
+                        continue
+                    if not self.passes(instruction, _ELEMENTWISE):
+                        continue
+                    for operand in instruction.operands:
+                        if operand not in seen:
+                            seen.add(operand)
+                            following.append(operand)
+                frontier = following
+                if not frontier:
+                    break
+        return found
+
     def forward_read(self, has_grad: bool) -> set[int]:
         """The parameters the forward or backward pass reads (through copies and gathers)."""
         out = set()
@@ -188,12 +252,14 @@ class Flow:
 
 def attributed_rows(
     module: _hlo.Module,
+    flow: Flow,
     mesh: tuple[tuple[str, int], ...],
     positions: list[int],
     paths: list[str | None] | None,
-) -> list[StepRow]:
-    flow = Flow(module)
+) -> tuple[list[StepRow], list[tuple[_hlo.Collective, int]]]:
+    """One row per array of every collective, and for each row its collective and array index."""
     found = _hlo.collectives(module)
+    origins: list[tuple[_hlo.Collective, int]] = []
     # A backward pass shows as op names 'transpose(jvp(...))'; the raw text is enough to tell.
     has_grad = any(
         "transpose(" in i.attributes and "transpose(" in module.source(i)[0]
@@ -231,9 +297,11 @@ def attributed_rows(
                 if parameter is not None and parameter < len(paths):
                     param = paths[parameter]
             phase, source = _phase(op_name, has_grad), f"{file}:{line}" if file is not None else None
-            if not phase:  # a resharding of an argument: it serves its first user
-                phase, source = _user_phase(flow, instruction, has_grad, source)
+            if not phase or source is None:  # a resharding of an argument: it serves its first user
+                user_phase, source = _user_phase(flow, instruction, has_grad, source)
+                phase = phase or user_phase
             fraction, _ = RING[collective.kind]
+            origins.append((collective, index))
             rows.append(
                 StepRow(
                     kind=collective.kind,
@@ -255,7 +323,7 @@ def attributed_rows(
                     instruction=instruction.name,
                 )
             )
-    return rows
+    return rows, origins
 
 
 def _user_phase(

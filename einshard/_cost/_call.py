@@ -86,6 +86,8 @@ class StepCall:
         names: The top-level arguments' names, positional then keyword (``params``, ``batch``).
         leaves: Every leaf of ``(args, kwargs)``, in ``jax.jit``'s flattening order.
         paths: Each leaf's path, ``name/key/...`` (``params/layers/0/kernel``).
+        layouts: Each leaf's plan under the rules that gave the arguments their shardings
+            (``None`` for a leaf that is not an array), or ``None`` without rules.
     """
 
     given: Callable[..., Any] | str
@@ -97,6 +99,7 @@ class StepCall:
     paths: tuple[str, ...]
     _keys: tuple[tuple[str, tuple], ...]  # (argument name, key path below it) of each leaf
     _treedef: Any
+    layouts: tuple[Any, ...] | None = None
 
     @classmethod
     def of(cls, fn: Callable[..., Any] | str, args: tuple, kwargs: dict) -> StepCall:
@@ -154,7 +157,7 @@ class StepCall:
         """The arguments as ``ShapeDtypeStruct`` leaves with the shardings the rules give them."""
         import jax
 
-        from .._trees._pytrees import pytree_shardings
+        from .._trees._pytrees import tree_shardings
 
         # The rules see one tree {name: argument}; varargs' names 'args/0' nest one level.
         values = [abstract(value) for value in (*self.args, *self.kwargs.values())]
@@ -165,7 +168,9 @@ class StepCall:
                 tree.setdefault(head, {})[tail] = value
             else:
                 tree[name] = value
-        shardings = pytree_shardings(tree, rules)
+        planned, treedef, flat = tree_shardings(tree, rules, None)
+        shardings = jax.tree_util.tree_unflatten(treedef, flat)
+        by_path = {plan.path: plan for _, plan in planned if plan is not None}
 
         def placed(value: Any, sharding: Any) -> Any:
             return jax.tree_util.tree_map(
@@ -183,4 +188,5 @@ class StepCall:
             out.append(placed(value, shardings[head][tail] if tail else shardings[name]))
         n = len(self.args)
         kwargs = dict(zip(self.kwargs, out[n:], strict=True))
-        return self.with_leaves(jax.tree_util.tree_leaves((tuple(out[:n]), kwargs)))
+        placed_call = self.with_leaves(jax.tree_util.tree_leaves((tuple(out[:n]), kwargs)))
+        return dataclasses.replace(placed_call, layouts=tuple(by_path.get(path) for path in self.paths))

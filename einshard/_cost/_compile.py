@@ -1,18 +1,31 @@
-"""Compiling the step, and what the compiled program says of itself: mesh, memory, flops.
+"""Compiling the step, and what the compiled program says of itself: mesh, memory, flops, and
+what the compiler printed while compiling it.
 
 Public JAX calls only: ``jax.jit(fn).lower(...).compile()``, ``.input_shardings``,
-``.memory_analysis()``, ``.cost_analysis()``.
+``.memory_analysis()``, ``.cost_analysis()``. XLA's C++ code prints its warnings to the
+process's standard error (file descriptor 2), not through Python: the compile is run with fd 2
+sent to a temporary file, which is then passed on unchanged and read.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
+import os
+import sys
+import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from ._call import StepCall
 
-__all__ = ["Compiled", "compile_step"]
+__all__ = ["Compiled", "compile_step", "compiler_messages"]
+
+# What XLA prints when its partitioner replicates an array to change its layout.
+REMAT_MARKER = "Involuntary full rematerialization"
 
 Mesh = tuple[tuple[str, int], ...]
 
@@ -23,9 +36,20 @@ class Compiled:
 
     program: Any
     seconds: float
+    printed: tuple[str, ...] = ()
+    """The rematerialization messages the compiler printed while compiling it."""
 
     def text(self) -> str:
+        """The compiled program's HLO text."""
         return self.program.as_text()
+
+    def messages(self, text: str) -> tuple[str, ...]:
+        """The rematerialization messages of this program (``text``: its HLO text).
+
+        A program JAX had compiled before comes from its cache without a compile, so without
+        messages: those seen for the same program text in this process are given instead.
+        """
+        return _remembered(text, self.printed)
 
     def mesh(self, n: int) -> tuple[Mesh, list[int]]:
         """The mesh the arguments live on (axis names and sizes) and each partition's flat position."""
@@ -90,6 +114,71 @@ def _device_assignment(sharding: Any, n: int) -> list[int] | None:
     return [d.id for d in devices]
 
 
+_CAPTURE = threading.Lock()  # fd 2 is one per process: one capture at a time
+
+
+@contextlib.contextmanager
+def compiler_messages() -> Iterator[list[str]]:
+    """Collects the lines written to file descriptor 2 in the block; they are passed on as well.
+
+    Python's own ``sys.stderr`` writes of the block land there too, and are passed on in order.
+    Where fd 2 cannot be duplicated (a closed stderr), nothing is collected.
+    """
+    lines: list[str] = []
+    with _CAPTURE:
+        _flush_stderr()
+        try:
+            saved = os.dup(2)
+        except OSError:
+            yield lines
+            return
+        try:
+            with tempfile.TemporaryFile() as sink:
+                os.dup2(sink.fileno(), 2)
+                try:
+                    yield lines
+                finally:
+                    _flush_stderr()
+                    os.dup2(saved, 2)
+                    sink.seek(0)
+                    data = sink.read()
+                    _write_all(2, data)
+                    lines += data.decode(errors="replace").splitlines()
+        finally:
+            os.close(saved)
+
+
+def _flush_stderr() -> None:
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            written = os.write(fd, view)
+        except OSError:
+            return  # the stream is gone: nothing to pass on to
+        view = view[written:]
+
+
+# The messages seen for each program text (the most recent programs only).
+_SEEN: collections.OrderedDict[int, tuple[str, ...]] = collections.OrderedDict()
+_SEEN_LIMIT = 256
+
+
+def _remembered(text: str, messages: tuple[str, ...]) -> tuple[str, ...]:
+    key = hash(text)
+    if messages:
+        _SEEN[key] = messages
+        _SEEN.move_to_end(key)
+        while len(_SEEN) > _SEEN_LIMIT:
+            _SEEN.popitem(last=False)
+        return messages
+    return _SEEN.get(key, ())
+
+
 def compile_step(call: StepCall) -> Compiled:
     """Lowers and compiles the step for its arguments' shardings.
 
@@ -97,16 +186,29 @@ def compile_step(call: StepCall) -> Compiled:
     own shardings and donation; any other function is compiled with ``jax.jit``, its leaves that
     are not arrays held static (as ``equinox.filter_jit`` does).
     """
+    start = time.perf_counter()
+    with compiler_messages() as lines:
+        compiled = _compiled(call)
+    seconds = time.perf_counter() - start
+    return Compiled(compiled, seconds, tuple(line for line in lines if REMAT_MARKER in line))
+
+
+def _compiled(call: StepCall) -> Any:
     import jax
 
-    start = time.perf_counter()
     fn = call.fn
     if callable(getattr(fn, "lower", None)):
-        compiled = fn.lower(*call.args, **call.kwargs).compile()
+        lowered = fn.lower(*call.args, **call.kwargs)
+        try:
+            # An option at its default value: a program JAX compiled before (the user's own
+            # call) is compiled again rather than taken from the cache, so XLA speaks again.
+            compiled = lowered.compile(compiler_options={"xla_embed_ir_in_executable": False})
+        except Exception:
+            compiled = lowered.compile()
         # jax.jit and nnx.jit give JAX's Compiled; equinox.filter_jit wraps it without as_text,
         # so such a step is compiled below, inside a jit of our own, like any function.
         if callable(getattr(compiled, "as_text", None)):
-            return Compiled(compiled, time.perf_counter() - start)
+            return compiled
 
     def flat(*arrays: Any) -> Any:
         call_args, call_kwargs = call.rebuilt(arrays)
@@ -119,5 +221,4 @@ def compile_step(call: StepCall) -> Compiled:
 
     flat.__name__ = getattr(fn, "__name__", "step")
     arrays = [call.leaves[i] for i in call.arrays]
-    compiled = jax.jit(flat, keep_unused=True).lower(*arrays).compile()
-    return Compiled(compiled, time.perf_counter() - start)
+    return jax.jit(flat, keep_unused=True).lower(*arrays).compile()

@@ -20,6 +20,7 @@ import functools
 import itertools
 import json
 import math
+import os
 import re
 from collections.abc import Iterable, Sequence
 
@@ -212,6 +213,7 @@ class Module:
     entry: str
     num_partitions: int
     frames: dict[int, tuple[str, int]]  # stack frame id -> (file, line)
+    callers: dict[int, int] = dataclasses.field(default_factory=dict)  # stack frame id -> its caller's
 
     def instructions(self) -> dict[str, Instruction]:
         return {i.name: i for instructions in self.computations.values() for i in instructions}
@@ -262,10 +264,28 @@ class Module:
             return op_name, file, int(line)
         frame = metadata.get("stack_frame_id")
         if frame is not None and frame.isdigit() and int(frame) in self.frames:
-            file, number = self.frames[int(frame)]
+            file, number = self.frame(int(frame))
             return op_name, file, number
         return op_name, None, None
 
+    def frame(self, frame: int) -> tuple[str, int]:
+        """``(file, line)`` of a stack frame: the first one outside einshard, walking to its callers
+        (an op an ``einshard(...)`` call made in the step belongs to the step's line)."""
+        file, number = self.frames[frame]
+        seen = {frame}
+        while (
+            file.startswith(_PACKAGE)
+            and self.callers.get(frame) in self.frames
+            and self.callers[frame] not in seen
+        ):
+            frame = self.callers[frame]
+            seen.add(frame)
+            file, number = self.frames[frame]
+        return file, number
+
+
+# einshard's own files: an op made inside einshard is attributed to the user code that called it.
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _COMPUTATION = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?.*\{\s*$")
@@ -320,6 +340,7 @@ def parse_module(text: str) -> Module:
     files: dict[int, str] = {}
     locations: dict[int, tuple[int, int]] = {}
     frame_locations: dict[int, int] = {}
+    callers: dict[int, int] = {}
     table = None
     for line in text.splitlines():
         stripped = line.strip()
@@ -340,6 +361,10 @@ def parse_module(text: str) -> Module:
                     location = re.search(r"file_location_id=(\d+)", value)
                     if location:
                         frame_locations[int(number)] = int(location.group(1))
+                    # XLA prints a frame's caller as parent_frame_id = its id + 1 (1: none).
+                    parent = re.search(r"parent_frame_id=(\d+)", value)
+                    if parent and int(parent.group(1)) > 1:
+                        callers[int(number)] = int(parent.group(1)) - 1
                 continue
             match = _COMPUTATION.match(line)
             if match and not stripped.startswith("HloModule"):
@@ -364,7 +389,7 @@ def parse_module(text: str) -> Module:
         if location in locations:
             file_id, number = locations[location]
             frames[frame] = (files.get(file_id, "?"), number)
-    return Module(computations, entry, int(partitions.group(1)) if partitions else 1, frames)
+    return Module(computations, entry, int(partitions.group(1)) if partitions else 1, frames, callers)
 
 
 # --- device groups ---------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from .._language._errors import EinshardError
 from .._trees._explain import _size
 from .._trees._rules import Rules
 from ._call import StepCall
-from ._report import KINDS, StepReport, estimated, seconds_text
+from ._report import KINDS, StepReport, accelerated, check_accelerator, estimated, seconds_text
 from ._step import reports
 from ._strategies import DEFAULT_MIN_BYTES, Strategy, defaults
 
@@ -97,6 +97,8 @@ class Plan:
         bandwidth: Bytes per second per device, or ``None``.
         latency: Seconds per ring step.
         flops_per_second: Peak FLOP/s per device, or ``None``.
+        accelerator: Whose compiler's rewrites the reports include (``'gpu'``), or ``None``: as
+            compiled (see :func:`~einshard.explain_step`).
     """
 
     rows: tuple[PlanRow, ...]
@@ -105,6 +107,7 @@ class Plan:
     bandwidth: float | None
     latency: float
     flops_per_second: float | None
+    accelerator: str | None = None
 
     @property
     def usable(self) -> tuple[PlanRow, ...]:
@@ -136,8 +139,11 @@ class Plan:
         bandwidth: float | None = None,
         latency: float | None = None,
         flops_per_second: float | None = None,
+        accelerator: str | None = None,
     ) -> Plan:
-        """The same candidates ranked at other figures (those not given are kept); no recompile."""
+        """The same candidates ranked at other figures or for another accelerator (those not
+        given are kept); no recompile."""
+        check_accelerator(accelerator)
         return _ranked(
             [dataclasses.replace(row, rejected=_unfit(row.rejected)) for row in self.rows],
             self.n_devices,
@@ -145,6 +151,7 @@ class Plan:
             bandwidth if bandwidth is not None else self.bandwidth,
             latency if latency is not None else self.latency,
             flops_per_second if flops_per_second is not None else self.flops_per_second,
+            accelerator if accelerator is not None else self.accelerator,
         )
 
     def __str__(self) -> str:
@@ -166,6 +173,7 @@ def plan(
     flops_per_second: float | None = None,
     candidates: Sequence[Strategy] | None = None,
     min_bytes: int = DEFAULT_MIN_BYTES,
+    accelerator: str | None = None,
 ) -> Plan:
     """Compiles ``step(params, batch)`` under each candidate strategy and ranks them.
 
@@ -194,13 +202,16 @@ def plan(
             a hybrid for every factorization of the device count (:func:`strategies.defaults
             <einshard.strategies.defaults>`).
         min_bytes: FSDP's and the hybrids' ``min_bytes`` in the default candidates.
+        accelerator: ``'gpu'``: cost each candidate as XLA's GPU compiler rewrites its program
+            (an FSDP gradient's all-reduce then slice as a reduce-scatter), for a plan made on
+            CPU devices for GPUs; ``None``: as compiled.
 
     Returns:
         A :class:`Plan`; ``plan.best`` is the winning :class:`~einshard.strategies.Strategy`.
 
     Raises:
         EinshardError: If a candidate is not a Strategy, or the step or its arguments cannot
-            cross into the child process.
+            cross into the child process, or ``accelerator`` is not ``'cpu'``, ``'gpu'`` or ``None``.
 
     >>> import jax, jax.numpy as jnp, einshard
     >>> def step(params, batch):
@@ -232,6 +243,7 @@ def plan(
             f"n_devices must be a positive integer, not {n_devices!r}",
             hint="Give the device count to plan for, e.g. n_devices=64.",
         )
+    check_accelerator(accelerator)
     local = device_target(None).count
     count = local if n_devices is None else n_devices
     if strategies is None:
@@ -245,7 +257,7 @@ def plan(
             rows.append(PlanRow(strategy, answer.report, None, index))
         else:
             rows.append(PlanRow(strategy, None, _reason(answer.error), index))
-    return _ranked(rows, count, memory_per_device, bandwidth, latency, flops_per_second)
+    return _ranked(rows, count, memory_per_device, bandwidth, latency, flops_per_second, accelerator)
 
 
 def _with_batch(strategy: Strategy, batch_name: str) -> Rules:
@@ -276,12 +288,13 @@ def _ranked(
     bandwidth: float | None,
     latency: float,
     flops_per_second: float | None,
+    accelerator: str | None,
 ) -> Plan:
     priced = []
     for row in rows:
         report = row.report
         if report is not None:
-            report = estimated(report, bandwidth, latency, flops_per_second)
+            report = estimated(accelerated(report, accelerator), bandwidth, latency, flops_per_second)
         rejected = row.rejected
         if (
             rejected is None
@@ -312,7 +325,9 @@ def _ranked(
         usable.remove(pick)
         ranked.append(pick)
     ranked += rejected
-    return Plan(tuple(ranked), n_devices, memory_per_device, bandwidth, latency, flops_per_second)
+    return Plan(
+        tuple(ranked), n_devices, memory_per_device, bandwidth, latency, flops_per_second, accelerator
+    )
 
 
 # --- printing -------------------------------------------------------------------------------------
@@ -322,7 +337,7 @@ def _columns(plan: Plan) -> tuple[list[str], list[list[str]]]:
     kinds = [k for k in KINDS if any(row.bytes_by_kind.get(k) for row in plan.rows)]
     header = ["#", "strategy", "step time", "comm", "compute", "peak/device", "sent/device"]
     header += [_SHORT_KIND.get(kind, kind) for kind in kinds]
-    header.append("verdict")
+    header += ["findings", "verdict"]
     body = []
     rank = 0
     for row in plan.rows:
@@ -339,12 +354,35 @@ def _columns(plan: Plan) -> tuple[list[str], list[list[str]]]:
                 _size(row.peak_bytes) if row.peak_bytes is not None else "-",
                 _size(row.traffic) if row.traffic is not None else "-",
                 *[_size(row.bytes_by_kind.get(kind, 0)) for kind in kinds],
+                _findings_cell(report),
                 ("best" if rank == 1 else "fits")
                 if row.rejected is None
                 else f"rejected ({_short_reason(row.rejected)})",  # the reason in full below
             ]
         )
     return header, body
+
+
+def _findings_cell(report: StepReport | None) -> str:
+    """How many findings, and the largest one's bytes: ``'2 (112.0 KiB)'`` (the footer names it)."""
+    if report is None:
+        return "-"
+    if not report.findings:
+        return "0"
+    return f"{len(report.findings)} ({_size(report.findings[0].cost)})"
+
+
+def _findings_lines(plan: Plan) -> list[str]:
+    """One line per candidate with findings: how many, and the largest."""
+    lines = []
+    for row in plan.rows:
+        if row.report is not None and row.report.findings:
+            count = len(row.report.findings)
+            lines.append(
+                f"{row.name}: {count} finding{'s' if count > 1 else ''}, the largest "
+                f"{row.report.findings[0].headline()}"
+            )
+    return lines
 
 
 def _chart(plan: Plan) -> list[str]:
@@ -387,14 +425,18 @@ def _footer(plan: Plan) -> list[str]:
         figures.append(f"{_size(plan.memory_per_device)} per device")
     if plan.bandwidth is None:
         figures.append("no bandwidth given: ranked by bytes sent")
+    if plan.accelerator is not None:
+        figures.append(f"programs as XLA's {plan.accelerator.upper()} compiler rewrites them")
     given = "; ".join(figures)
     return [
         *rejected,
+        *_findings_lines(plan),
         f"{len(plan.rows)} candidates on {plan.n_devices} devices ({given}); "
         f"times within {TIE:.0%} count as equal (the simpler strategy first).",
         "Estimates, not measurements: collectives of the compiled program by ring formulas at the "
         "given bandwidth, plus XLA's flop count at the given FLOP/s, without overlap; peak memory "
-        "from XLA's memory analysis of the program compiled for CPU devices.",
+        "from XLA's memory analysis of the program compiled for CPU devices. Findings: the waste each "
+        "candidate's step report names (print row.report for all of them).",
     ]
 
 

@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import Any
 
+from .._language._errors import EinshardError
 from .._trees._explain import _size, table_text
 
-__all__ = ["KINDS", "RING", "StepReport", "StepRow", "estimated", "report_of", "seconds_text"]
+__all__ = [
+    "ACCELERATORS",
+    "KINDS",
+    "RING",
+    "Finding",
+    "StepReport",
+    "StepRow",
+    "accelerated",
+    "estimated",
+    "report_of",
+    "seconds_text",
+]
 
 # Ring algorithms: bytes each device sends per run, as a multiple of the buffer, and the number
 # of sequential steps (each paying the latency once), for a group of n devices.
@@ -18,6 +32,8 @@ RING = {
     "collective-permute": (lambda n: 1.0, lambda n: 1),
 }
 KINDS = tuple(RING)
+ACCELERATORS = ("cpu", "gpu")
+"""What ``accelerator=`` takes: ``'gpu'`` costs the program as XLA's GPU compiler rewrites it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +85,60 @@ class StepRow:
 
 
 @dataclasses.dataclass(frozen=True)
+class Finding:
+    """Waste in a compiled step: what it costs beyond the better program, where, why, and the fix.
+
+    Attributes:
+        kind: ``'repeated'``, ``'unsummed'``, ``'sliced all-reduce'``, ``'copied'``,
+            ``'reshard'`` or ``'rematerialization'`` (see the "What does my table cost?" page).
+        bytes: The bytes each device sends per step beyond the better program (ring formulas).
+        memory_bytes: The bytes each device holds beyond the better program (``'copied'``).
+        params: The parameter paths concerned (where the data flow names them).
+        sources: The ``file:line`` of the code concerned.
+        cause: One sentence: what happens.
+        fix: One sentence: what to change.
+        rows: The positions in the report's rows of the collectives concerned.
+        removed_by: The accelerators whose XLA compiler removes this waste itself (``'gpu'``).
+        rewritten: What that compiler makes of the rows concerned: ``(row, 'reduce-scatter')``
+            for an all-reduce it turns into a reduce-scatter, ``(row, 'merged')`` for one it folds
+            into another.
+    """
+
+    kind: str
+    bytes: int
+    memory_bytes: int
+    params: tuple[str, ...]
+    sources: tuple[str, ...]
+    cause: str
+    fix: str
+    rows: tuple[int, ...]
+    removed_by: tuple[str, ...] = ()
+    rewritten: tuple[tuple[int, str], ...] = ()
+
+    @property
+    def cost(self) -> int:
+        """The larger of the bytes sent and the bytes held: what ranks findings."""
+        return max(self.bytes, self.memory_bytes)
+
+    def headline(self) -> str:
+        """``kind: +X sent per device per step (params) at sources``."""
+        parts = []
+        if self.bytes:
+            parts.append(f"+{_size(self.bytes)} sent per device per step")
+        if self.memory_bytes:
+            parts.append(f"+{_size(self.memory_bytes)} held per device")
+        where = ", ".join(self.params[:4]) + (" ..." if len(self.params) > 4 else "")
+        if self.sources:
+            at = ", ".join(_short(s) for s in self.sources[:3]) + (" ..." if len(self.sources) > 3 else "")
+            where = f"{where} at {at}" if where else f"at {at}"
+        return f"{self.kind}: {', '.join(parts) or 'no bytes'}" + (f" ({where})" if where else "")
+
+
+def _short(source: str) -> str:
+    return source.rsplit("/", 1)[-1]
+
+
+@dataclasses.dataclass(frozen=True)
 class StepReport:
     """What one compiled step costs on each device; ``str(report)`` is a table.
 
@@ -95,7 +165,12 @@ class StepReport:
         communication_seconds: Estimated communication time per step (sum of the rows), or ``None``.
         compute_seconds: ``flops / flops_per_second``, or ``None``.
         compile_seconds: How long lowering and compiling took.
-        analysis_seconds: How long reading the program and attributing the rows took.
+        analysis_seconds: How long reading the program, attributing the rows and finding the
+            waste took.
+        findings: The waste in the step (:class:`Finding`), the costliest first.
+        accelerator: ``None`` (the program as compiled), or the accelerator whose compiler's
+            rewrites of it the rows and totals include (``'gpu'``).
+        compiled: The rows and findings as compiled, before an accelerator's rewrites.
     """
 
     rows: tuple[StepRow, ...]
@@ -118,6 +193,16 @@ class StepReport:
     compute_seconds: float | None
     compile_seconds: float
     analysis_seconds: float
+    findings: tuple[Finding, ...] = ()
+    accelerator: str | None = None
+    compiled: tuple[tuple[StepRow, ...], tuple[Finding, ...]] = dataclasses.field(
+        default=((), ()), repr=False
+    )
+
+    @property
+    def waste_bytes(self) -> int:
+        """The bytes each device sends per step beyond the better program, over all findings."""
+        return sum(finding.bytes for finding in self.findings)
 
     @property
     def step_seconds(self) -> float | None:
@@ -139,10 +224,15 @@ class StepReport:
         bandwidth: float | None = None,
         latency: float | None = None,
         flops_per_second: float | None = None,
+        accelerator: str | None = None,
     ) -> StepReport:
-        """The same report, estimated at another bandwidth, latency or FLOP/s (no recompile)."""
+        """The same report, estimated at another bandwidth, latency or FLOP/s, or costed as
+        another accelerator's compiler makes the program (``'gpu'``, ``'cpu'``); no recompile."""
+        report = self
+        if accelerator is not None and accelerator != (self.accelerator or "cpu"):
+            report = accelerated(self, accelerator)
         return estimated(
-            self,
+            report,
             bandwidth if bandwidth is not None else self.bandwidth,
             latency if latency is not None else self.latency,
             flops_per_second if flops_per_second is not None else self.flops_per_second,
@@ -150,6 +240,10 @@ class StepReport:
 
     def __str__(self) -> str:
         return table_text(*_columns(self), empty="no collectives")
+
+    def findings_text(self) -> str:
+        """The findings, one paragraph each: kind, bytes, where, cause and fix."""
+        return "\n".join(_findings_lines(self))
 
 
 def report_of(
@@ -160,19 +254,14 @@ def report_of(
     flops: float | None,
     compile_seconds: float,
     analysis_seconds: float,
+    findings: list[Finding],
 ) -> StepReport:
-    """The report of a compiled step: its rows and their totals (no estimate yet)."""
-    by_kind: dict[str, int] = {}
-    for row in rows:
-        by_kind[row.kind] = by_kind.get(row.kind, 0) + row.total_bytes
+    """The report of a compiled step: its rows, their totals and its findings (no estimate yet)."""
     return StepReport(
         rows=tuple(rows),
         n_devices=n,
         mesh=mesh,
-        collectives=len({row.instruction for row in rows}),
-        bytes=sum(row.total_bytes for row in rows),
-        bytes_by_kind=by_kind,
-        traffic=sum(row.traffic for row in rows),
+        **_totals(rows),
         flops=flops,
         argument_bytes=memory["argument_bytes"],
         output_bytes=memory["output_bytes"],
@@ -186,6 +275,82 @@ def report_of(
         compute_seconds=None,
         compile_seconds=compile_seconds,
         analysis_seconds=analysis_seconds,
+        findings=tuple(findings),
+        compiled=(tuple(rows), tuple(findings)),
+    )
+
+
+def _totals(rows: Sequence[StepRow]) -> dict[str, Any]:
+    by_kind: dict[str, int] = {}
+    for row in rows:
+        by_kind[row.kind] = by_kind.get(row.kind, 0) + row.total_bytes
+    return {
+        "collectives": len({row.instruction for row in rows}),
+        "bytes": sum(row.total_bytes for row in rows),
+        "bytes_by_kind": by_kind,
+        "traffic": sum(row.traffic for row in rows),
+    }
+
+
+def check_accelerator(accelerator: Any) -> None:
+    """Raises an ``EinshardError`` for an accelerator the report cannot cost."""
+    if accelerator is not None and accelerator not in ACCELERATORS:
+        raise EinshardError(
+            f"accelerator must be one of {', '.join(map(repr, ACCELERATORS))} or None, not {accelerator!r}",
+            hint="'gpu' costs the program as XLA's GPU compiler rewrites it (all-reduce then slice as "
+            "a reduce-scatter, partial sums added before one all-reduce); 'cpu' or None: as compiled. "
+            "TPU's compiler is not public: its rewrites are not assumed.",
+        )
+
+
+def accelerated(report: StepReport, accelerator: str | None) -> StepReport:
+    """The report with its rows as ``accelerator``'s XLA compiler makes them (no estimate yet).
+
+    ``'gpu'``: an all-reduce whose result is only sliced is a reduce-scatter (XLA's
+    ``ReduceScatterCreator``), all-reduces added right after one another are one all-reduce of
+    their sum (``AllReduceReassociate``); the findings those rewrites remove are dropped.
+    ``'cpu'`` or ``None``: the rows as compiled.
+    """
+    check_accelerator(accelerator)
+    rows, findings = report.compiled
+    name = None if accelerator in (None, "cpu") else accelerator
+    if name is not None:
+        changes = {
+            row: change
+            for finding in findings
+            if name in finding.removed_by
+            for row, change in finding.rewritten
+        }
+        scatter, _ = RING["reduce-scatter"]
+        kept: list[StepRow] = []
+        moved: dict[int, int] = {}
+        for position, row in enumerate(rows):
+            change = changes.get(position)
+            if change == "merged":
+                continue
+            if change == "reduce-scatter":
+                traffic = round(scatter(row.group_size) * row.bytes) * row.times if row.group_size > 1 else 0
+                row = dataclasses.replace(row, kind="reduce-scatter", traffic=traffic)
+            moved[position] = len(kept)
+            kept.append(row)
+        findings = tuple(
+            dataclasses.replace(
+                finding,
+                rows=tuple(moved[p] for p in finding.rows if p in moved),
+                rewritten=tuple((moved[p], c) for p, c in finding.rewritten if p in moved),
+            )
+            for finding in findings
+            if name not in finding.removed_by
+        )
+        rows = tuple(kept)
+    return dataclasses.replace(
+        report,
+        rows=rows,
+        **_totals(rows),
+        findings=findings,
+        accelerator=name,
+        bandwidth=None,
+        communication_seconds=None,
     )
 
 
@@ -254,10 +419,12 @@ def _columns(report: StepReport) -> tuple[list[str], list[list[str]], list[str]]
         body.append(line)
     kinds = ", ".join(f"{kind} {_size(b)}" for kind, b in report.bytes_by_kind.items())
     mesh = " × ".join(f"{name}={size}" for name, size in report.mesh)
+    rewritten = (
+        f", as XLA's {report.accelerator.upper()} compiler makes the program" if report.accelerator else ""
+    )
     footer = [
-        f"{report.collectives} collective{'' if report.collectives == 1 else 's'} "
-        f"on {report.n_devices} devices (mesh {mesh}): {_size(report.bytes)} per device per step"
-        + (f" ({kinds})" if kinds else ""),
+        f"{collectives_text(report.rows)} on {report.n_devices} devices (mesh {mesh}){rewritten}: "
+        f"{_size(report.bytes)} per device per step" + (f" ({kinds})" if kinds else ""),
     ]
     if report.peak_bytes is not None:
         footer.append(
@@ -280,4 +447,40 @@ def _columns(report: StepReport) -> tuple[list[str], list[list[str]], list[str]]
                 f"{bound}-bound"
             )
         footer.append(text)
+    footer += _findings_lines(report)
     return header, body, footer
+
+
+def collectives_text(rows: Sequence[StepRow]) -> str:
+    """``'1 combined all-reduce of 25 arrays, 2 all-gathers'``: instructions and arrays, by kind."""
+    parts = []
+    for kind in KINDS:
+        instructions = {row.instruction for row in rows if row.kind == kind}
+        arrays = sum(1 for row in rows if row.kind == kind)
+        if not arrays:
+            continue
+        count = len(instructions)
+        if count == arrays:
+            parts.append(f"{count} {kind}{'s' if count > 1 else ''}")
+        elif count == 1:
+            parts.append(f"1 combined {kind} of {arrays} arrays")
+        else:
+            parts.append(f"{count} {kind}s of {arrays} arrays")
+    return ", ".join(parts) or "no collectives"
+
+
+def _findings_lines(report: StepReport) -> list[str]:
+    if not report.findings:
+        return ["no waste found"]
+    sent = report.waste_bytes
+    held = sum(finding.memory_bytes for finding in report.findings)
+    costs = [f"{_size(sent)} more sent per device per step" if sent else ""]
+    costs.append(f"{_size(held)} more held per device" if held else "")
+    count = len(report.findings)
+    lines = [
+        f"waste found ({count} finding{'s' if count > 1 else ''}): "
+        f"{', '.join(c for c in costs if c)} than the better program"
+    ]
+    for number, finding in enumerate(report.findings, 1):
+        lines += [f"{number}. {finding.headline()}", f"   cause: {finding.cause}", f"   fix: {finding.fix}"]
+    return lines

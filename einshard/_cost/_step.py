@@ -10,8 +10,10 @@ The cost folder, in the order its modules import each other:
 * ``_hlo``: reads the compiled program's text (pure: no JAX);
 * ``_call``: the step and its arguments, flattened and named once (:class:`StepCall`);
 * ``_compile``: compiles the step; the compiled program's mesh, memory and flops;
-* ``_report``: :class:`StepRow`, :class:`StepReport`, the ring formulas, estimates, the table;
+* ``_report``: :class:`StepRow`, :class:`Finding`, :class:`StepReport`, the ring formulas,
+  estimates, an accelerator's rewrites, the table;
 * ``_attribution``: each collective as rows, with its mesh axes, phase and parameter;
+* ``_findings``: the waste in them (:class:`Finding`), from the data flow and the compiler's messages;
 * ``_analysis``: one report (compile, read, attribute, total), or an :class:`Answer` per table;
 * ``_child``: the same in a child process with another device count;
 * ``_step`` (here): ``explain_step``, and :func:`reports`, what the planner calls;
@@ -30,9 +32,10 @@ from ._call import StepCall
 from ._child import child_error, in_child
 from ._report import StepReport as StepReport
 from ._report import StepRow as StepRow
-from ._report import estimated
+from ._report import Finding as Finding
+from ._report import accelerated, check_accelerator, estimated
 
-__all__ = ["StepReport", "StepRow", "explain_step", "reports"]
+__all__ = ["Finding", "StepReport", "StepRow", "explain_step", "reports"]
 
 
 def explain_step(
@@ -43,6 +46,7 @@ def explain_step(
     bandwidth: float | None = None,
     latency: float = 0.0,
     flops_per_second: float | None = None,
+    accelerator: str | None = None,
     **kwargs: Any,
 ) -> StepReport:
     """Compiles ``fn(*args, **kwargs)`` for its arguments' shardings and reports what it costs.
@@ -67,6 +71,10 @@ def explain_step(
         bandwidth: Bytes per second each device sends, for the communication estimate.
         latency: Seconds per step of a ring algorithm.
         flops_per_second: Peak FLOP/s per device, for the compute estimate.
+        accelerator: ``'gpu'`` costs the program as XLA's GPU compiler rewrites it (an
+            all-reduce whose result is only sliced as a reduce-scatter, all-reduces added right
+            after as one), for a step compiled on CPU devices and run on GPUs; ``None`` or
+            ``'cpu'``: as compiled.
         **kwargs: Keyword arguments of ``fn``.
 
     Returns:
@@ -74,7 +82,8 @@ def explain_step(
 
     Raises:
         EinshardError: When ``fn`` or the arguments cannot cross into the child process, or
-            ``n_devices`` is not a positive integer, or as ``rules`` would.
+            ``n_devices`` is not a positive integer, or ``accelerator`` is not one of
+            ``'cpu'``, ``'gpu'``, ``None``, or as ``rules`` would.
 
     >>> import jax, jax.numpy as jnp, einshard
     >>> w = einshard.einshard(jnp.ones((64, 32)), 'x y -> x* y')
@@ -82,13 +91,17 @@ def explain_step(
     >>> [(row.kind, row.bytes, row.group_size) for row in report.rows]
     [('all-reduce', 128, 8)]
     """
+    check_accelerator(accelerator)
     if n_devices is not None:
         _check_devices(n_devices)
         (result,) = in_child(fn, args, kwargs, n_devices, [rules])
         if result.report is None:
             raise child_error(result.error or "no report", n_devices)
-        return result.report.at(bandwidth=bandwidth, latency=latency, flops_per_second=flops_per_second)
-    report = analyse(StepCall.of(fn, args, kwargs), rules)
+        report = result.report
+    else:
+        report = analyse(StepCall.of(fn, args, kwargs), rules)
+    if accelerator not in (None, "cpu"):
+        report = accelerated(report, accelerator)
     return estimated(report, bandwidth, latency, flops_per_second)
 
 
