@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import time
+from collections.abc import Iterator
 
 from .._language._errors import EinshardError
 from .._trees._rules import RulesLike
 from . import _hlo
 from ._attribution import Flow, attributed_rows
 from ._call import StepCall
-from ._compile import compile_step
+from ._compile import Compiled, compile_step
 from ._findings import find_waste
 from ._report import StepReport, report_of
 
@@ -22,6 +25,24 @@ def analyse(call: StepCall, rules: RulesLike | None) -> StepReport:
     if rules is not None:
         call = call.with_rules(rules)
     compiled = compile_step(call)
+    with _without_gc():
+        return _read(call, compiled)
+
+
+@contextlib.contextmanager
+def _without_gc() -> Iterator[None]:
+    # Reading makes many small objects and no cycles; with JAX's heap in the process, each full
+    # collection the reading would trigger costs more than the reading itself.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _read(call: StepCall, compiled: Compiled) -> StepReport:
     start = time.perf_counter()
     text = compiled.text()
     module = _hlo.parse_module(text)

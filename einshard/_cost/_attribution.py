@@ -7,7 +7,9 @@ parameter an all-gather gathers, or the one a reduced gradient updates.
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 from collections.abc import Sequence
 
 from . import _hlo
@@ -17,9 +19,16 @@ __all__ = ["Flow", "attributed_rows", "mesh_axes"]
 
 
 def mesh_axes(
-    groups: Sequence[Sequence[int]], mesh: tuple[tuple[str, int], ...], positions: list[int]
+    groups: Sequence[Sequence[int]], mesh: tuple[tuple[str, int], ...], positions: Sequence[int]
 ) -> tuple[str, ...] | None:
     """The mesh axes a collective's groups run over, or ``None`` when they are not whole axes."""
+    return _mesh_axes(tuple(map(tuple, groups)), mesh, tuple(positions))
+
+
+@functools.lru_cache(maxsize=1024)
+def _mesh_axes(
+    groups: tuple[tuple[int, ...], ...], mesh: tuple[tuple[str, int], ...], positions: tuple[int, ...]
+) -> tuple[str, ...] | None:
     sizes = [size for _, size in mesh]
 
     def coords(partition: int) -> tuple[int, ...]:
@@ -84,6 +93,29 @@ def _phase(op_name: str, has_grad: bool) -> str:
     return "optimizer" if "/" in op_name else ""
 
 
+_MIXING_LINE = re.compile(r"\s(?:" + "|".join(sorted(_MIXING, key=len, reverse=True)) + r")\(")
+_TRANSPOSED = re.compile(r'op_name="[^"]*transpose\(')
+
+
+class _Instructions:
+    """The program's instructions by name, each computation parsed when one of its is asked for."""
+
+    def __init__(self, module: _hlo.Module) -> None:
+        self.module = module
+        self._found: dict[str, _hlo.Instruction | None] = {}
+
+    def get(self, name: str) -> _hlo.Instruction | None:
+        if name not in self._found:
+            self._found[name] = self.module.instruction(name)
+        return self._found[name]
+
+    def __getitem__(self, name: str) -> _hlo.Instruction:
+        instruction = self.get(name)
+        if instruction is None:
+            raise KeyError(name)
+        return instruction
+
+
 class Flow:
     """Data flow of the program: where values come from, where they go (the entry's at once,
     another computation's when asked)."""
@@ -91,7 +123,7 @@ class Flow:
     def __init__(self, module: _hlo.Module) -> None:
         self.module = module
         self.entry = {i.name: i for i in module.computations[module.entry]}
-        self.all = module.instructions()
+        self.all = _Instructions(module)
         self._users: dict[str, dict[str, list[_hlo.Instruction]]] = {}
         self.users = self.users_in(module.entry)
         self.parameters = {
@@ -99,9 +131,16 @@ class Flow:
             for i in self.entry.values()
             if i.opcode == "parameter" and i.operands and i.operands[0].isdigit()
         }
-        self.simple: dict[str, bool] = {}
-        for name, instructions in module.computations.items():
-            self.simple[name] = not any(i.opcode in _MIXING for i in instructions)
+        self._simple: dict[str, bool] = {}
+
+    def simple(self, computation: str) -> bool:
+        """Whether a computation only moves and combines values elementwise (no matmul, no loop)."""
+        simple = self._simple.get(computation)
+        if simple is None:
+            lines = self.module.computations.lines.get(computation)  # read as text: not parsed
+            simple = lines is not None and not any(map(_MIXING_LINE.search, lines))
+            self._simple[computation] = simple
+        return simple
 
     def users_in(self, computation: str) -> dict[str, list[_hlo.Instruction]]:
         """The users of each value of one computation."""
@@ -134,7 +173,7 @@ class Flow:
 
     def passes(self, instruction: _hlo.Instruction, allowed: set[str]) -> bool:
         if instruction.opcode == "fusion":
-            return all(self.simple.get(callee, False) for _, callee in instruction.called)
+            return all(self.simple(callee) for _, callee in instruction.called)
         return instruction.opcode in allowed
 
     def parameter(self, name: str, depth: int = 8) -> int | None:
@@ -261,11 +300,7 @@ def attributed_rows(
     found = _hlo.collectives(module)
     origins: list[tuple[_hlo.Collective, int]] = []
     # A backward pass shows as op names 'transpose(jvp(...))'; the raw text is enough to tell.
-    has_grad = any(
-        "transpose(" in i.attributes and "transpose(" in module.source(i)[0]
-        for instructions in module.computations.values()
-        for i in instructions
-    )
+    has_grad = module.mentions(_TRANSPOSED)
     forward_read = flow.forward_read(has_grad) if has_grad and paths is not None else set()
     rows = []
     for collective in found:

@@ -497,12 +497,15 @@ def _reshard_rows(context: _Context, excluded: set[int]) -> list[tuple[int, str,
     """``(row, from, to)`` for every reshard the partitioner inserted (expressions, or '')."""
     rows = context.rows
     out = []
+    moved: dict[str, tuple[str, str]] = {}  # by instruction: the arrays of one all-to-all move together
     for position, row in enumerate(rows):
         if position in excluded or _is_user_collective(row):
             continue
         value = context.values[position]
         if row.kind in ("all-to-all", "collective-permute"):
-            out.append((position, *_moved(context, position)))
+            if row.instruction not in moved:
+                moved[row.instruction] = _moved(context, position)
+            out.append((position, *moved[row.instruction]))
         elif row.kind == "all-gather" and value is not None:
             fraction = context.uses.slice_fraction(value)
             if fraction is not None and fraction < 1:
