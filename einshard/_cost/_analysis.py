@@ -60,6 +60,7 @@ def _read(call: StepCall, compiled: Compiled) -> StepReport:
         layouts=call.layouts,
         paths=call.paths,
         parameter_paths=parameter_paths,
+        sizes=call.array_bytes,
     )
     memory = compiled.memory()
     flops = compiled.flops()

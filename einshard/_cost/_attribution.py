@@ -109,12 +109,6 @@ class _Instructions:
             self._found[name] = self.module.instruction(name)
         return self._found[name]
 
-    def __getitem__(self, name: str) -> _hlo.Instruction:
-        instruction = self.get(name)
-        if instruction is None:
-            raise KeyError(name)
-        return instruction
-
 
 class Flow:
     """Data flow of the program: where values come from, where they go (the entry's at once,
@@ -306,7 +300,8 @@ def attributed_rows(
     for collective in found:
         instruction = collective.instruction
         op_name, file, line = module.source(instruction)
-        group_size = len(collective.groups[0]) if collective.groups else 1
+        # The largest group: a permute's cycles can include devices that keep their own shard.
+        group_size = max((len(group) for group in collective.groups), default=1)
         axes = mesh_axes(collective.groups, mesh, positions)
         inputs = [s for s in (_operand_shape(flow, o) for o in instruction.operands) if s is not None]
         outputs = list(instruction.shapes)

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -130,6 +131,16 @@ class StepCall:
     def array_paths(self) -> list[str]:
         """The paths of the array leaves, in the program's parameter order."""
         return [self.paths[i] for i in self.arrays]
+
+    @property
+    def array_bytes(self) -> dict[str, int]:
+        """Each array leaf's bytes (the whole array), by path."""
+        import numpy as np
+
+        return {
+            self.paths[i]: math.prod(self.leaves[i].shape) * np.dtype(self.leaves[i].dtype).itemsize
+            for i in self.arrays
+        }
 
     def array_jax_names(self) -> list[str]:
         """The names JAX gives the array leaves in the program's metadata: ``params['w1']``."""

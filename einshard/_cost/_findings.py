@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -113,28 +113,48 @@ class _Uses:
                 entry = by_user.setdefault(user.name, (user, []))
                 if position not in entry[1]:
                     entry[1].append(position)
+        # A value its users put to other use than the sum must be reduced anyway: not a candidate.
+        sums: dict[str, tuple[set[int], list[list[int]]]] = {}
+        for user, positions in by_user.values():
+            if len(positions) >= 2:
+                sums[user.name] = self._sums(user, [values[p] for p in positions], positions)
+        only_summed = {
+            position
+            for position, value in enumerate(values)
+            if all(
+                position in sums.get(user.name, (set(), []))[0]
+                for user in self.flow.users_in(value.computation).get(value.name, ())
+            )
+        }
         out: list[tuple[list[int], list[list[int]]]] = []
         taken: set[int] = set()
         for user, positions in by_user.values():
-            positions = [p for p in positions if p not in taken]
-            if len(positions) < 2:
+            if user.name not in sums:
                 continue
-            leaves = {values[p].name: p for p in positions}
-            if user.opcode == "fusion" and user.called:
-                callee = user.called[0][1]
-                inside = {}
-                for index, operand in enumerate(user.operands):
-                    if operand in leaves:
-                        parameter = _parameter(self.module, callee, index)
-                        if parameter is not None:
-                            inside[parameter.name] = leaves[operand]
-                groups, pure = _add_tree(self.module.computations.get(callee, ()), inside)
-            else:
-                groups, pure = _add_tree([user], leaves)
-            if len(groups) >= 2:
-                taken.update(groups)
-                out.append((sorted(groups), pure))
+            group, pure = sums[user.name]
+            group = {p for p in group if p in only_summed and p not in taken}
+            pure = [[p for p in g if p in group] for g in pure]
+            pure = [g for g in pure if len(g) >= 2]
+            if len(group) >= 2:
+                taken.update(group)
+                out.append((sorted(group), pure))
         return out
+
+    def _sums(
+        self, user: _hlo.Instruction, values: Sequence[_hlo.Instruction], positions: Sequence[int]
+    ) -> tuple[set[int], list[list[int]]]:
+        """Which of ``values`` (by ``positions``) one user adds together, and its sums of them alone."""
+        leaves = {value.name: position for value, position in zip(values, positions, strict=True)}
+        if user.opcode == "fusion" and user.called:
+            callee = user.called[0][1]
+            inside = {}
+            for index, operand in enumerate(user.operands):
+                if operand in leaves:
+                    parameter = _parameter(self.module, callee, index)
+                    if parameter is not None:
+                        inside[parameter.name] = leaves[operand]
+            return _add_tree(self.module.computations.get(callee, ()), inside)
+        return _add_tree([user], leaves)
 
 
 def _elements(instruction: _hlo.Instruction) -> int:
@@ -239,6 +259,7 @@ class _Context:
     paths: Sequence[str]  # every argument leaf's path, aligned with ``layouts``
     parameter_paths: Sequence[str | None]  # the program's parameters' paths, by position
     operands: list[str | None]  # each row's input value
+    sizes: dict[str, int]  # each argument leaf's bytes, whole, by path
 
     def producers(self, position: int) -> tuple[str, ...]:
         """The parameters the op that made a row's input reads (a matmul's weight)."""
@@ -270,14 +291,16 @@ def find_waste(
     layouts: Sequence[Any] | None = None,
     paths: Sequence[str] = (),
     parameter_paths: Sequence[str | None] = (),
+    sizes: Mapping[str, int] | None = None,
 ) -> list[Finding]:
     """Every finding of a compiled step, the costliest first."""
     values = [flow.result(collective.instruction, index) for collective, index in origins]
     operands = [
         c.instruction.operands[index] if index < len(c.instruction.operands) else None for c, index in origins
     ]
+    uses = _Uses(flow)
     context = _Context(
-        rows, values, _Uses(flow), n_devices, messages, layouts, paths, parameter_paths, operands
+        rows, values, uses, n_devices, messages, layouts, paths, parameter_paths, operands, dict(sizes or {})
     )
     extra: set[int] = set()  # rows whose whole traffic a finding counts already
     found: list[Finding] = []
@@ -288,6 +311,7 @@ def find_waste(
     found += remats
     found += _reshards(context, extra | claimed)
     found += _copied(context)
+    found = [finding for finding in found if finding.cost > 0]
     found.sort(key=lambda f: (-f.cost, FINDING_KINDS.index(f.kind)))
     return found
 
@@ -314,6 +338,12 @@ def _merged(rows: list[StepRow], groups: list[tuple[list[int], list[list[int]]]]
 
 
 def _repeated(context: _Context, extra: set[int]) -> list[Finding]:
+    """A parameter's gradient reduced by several collectives whose results are added (its
+    contributions reduced one by one), or its value gathered whole more than once.
+
+    Reductions of disjoint parts (a stacked layer weight, one slice per layer) are not repeated:
+    they are put together, not added; gathers are repeated when they move more than the whole.
+    """
     rows = context.rows
     by_param: dict[tuple[str, str, int], list[int]] = {}
     for position, row in enumerate(rows):
@@ -322,32 +352,48 @@ def _repeated(context: _Context, extra: set[int]) -> list[Finding]:
         family = "gather" if row.kind == "all-gather" else "reduce"
         by_param.setdefault((row.param, family, row.group_size), []).append(position)
     out = []
-    for (param, family, _), positions in by_param.items():
-        if len(positions) < 2:
+    for (param, family, _), candidates in by_param.items():
+        if len(candidates) < 2:
             continue
-        keep = max(positions, key=lambda p: rows[p].traffic)
-        others = [p for p in positions if p != keep]
-        extra.update(others)
         removed: tuple[str, ...] = ()
+        rewritten: tuple[tuple[int, str], ...] = ()
         if family == "reduce":
-            values = [context.values[p] for p in positions]
-            if all(v is not None for v in values):
-                groups = context.uses.summed(values)  # type: ignore[arg-type]
-                merged = {positions[i] for _, pure in groups for g in pure for i in g}
-                if merged >= set(positions) and len(groups) == 1 and len(groups[0][1]) == 1:
-                    removed = ("gpu",)
-        count, array = len(positions), _array(rows[keep])
-        each = _size(rows[keep].bytes)
+            values = [context.values[p] for p in candidates]
+            if any(v is None for v in values):
+                continue
+            groups = context.uses.summed(values)  # type: ignore[arg-type]
+            if not groups:
+                continue
+            summed, pure = max(groups, key=lambda g: len(g[0]))
+            positions = [candidates[i] for i in summed]
+            keep = max(positions, key=lambda p: rows[p].traffic)
+            others = [p for p in positions if p != keep]
+            wasted = _traffic(rows, others)
+            if len(pure) == 1 and len(pure[0]) == len(summed):  # one sum of these alone: GPU adds first
+                removed = ("gpu",)
+                rewritten = tuple((p, "merged") for p in others)
+        else:
+            positions = candidates
+            moved = sum(rows[p].total_bytes for p in positions)
+            whole = context.sizes.get(param, 0)
+            if not whole or moved <= whole:
+                continue
+            traffic = _traffic(rows, positions)
+            wasted = traffic - round(traffic * whole / moved)
+            others = [p for p in positions if p != max(positions, key=lambda q: rows[q].traffic)]
+        extra.update(others)
+        count, row = len(positions), rows[positions[0]]
+        array, each = _array(row), _size(row.bytes)
         if family == "reduce":
             cause = (
-                f"The gradient of {param} is reduced {count} times per step ({count} {rows[keep].kind}s of "
-                f"{array}, {each} each): its contributions (the parameter is used in {count} places, "
-                "as tied embeddings are) are each reduced, then added."
+                f"The gradient of {param} is reduced {count} times per step ({count} {row.kind}s of "
+                f"{array}, {each} each, then added): the parameter is used in {count} places (as tied "
+                "embeddings are) and each contribution is reduced on its own."
             )
             fix = (
                 "Add the contributions before reducing them (compute that gradient in jax.shard_map "
-                "and psum the total once); XLA's GPU compiler does it itself when the reductions "
-                "feed one add (accelerator='gpu' estimates that)."
+                "and psum the total once); XLA's GPU compiler does it itself here (accelerator='gpu' "
+                "estimates that)."
                 if removed
                 else "Add the contributions before reducing them: compute that gradient in "
                 "jax.shard_map and psum the total once."
@@ -364,7 +410,7 @@ def _repeated(context: _Context, extra: set[int]) -> list[Finding]:
         out.append(
             Finding(
                 REPEATED,
-                _traffic(rows, others),
+                wasted,
                 0,
                 (param,),
                 _sources(rows, positions),
@@ -372,7 +418,7 @@ def _repeated(context: _Context, extra: set[int]) -> list[Finding]:
                 fix,
                 tuple(positions),
                 removed,
-                tuple((p, "merged") for p in others) if removed else (),
+                rewritten,
             )
         )
     return out
@@ -596,7 +642,8 @@ def _gathered(context: _Context, position: int, fraction: Fraction) -> tuple[str
     n = row.group_size
     if value is None or n != context.n_devices:
         return "", ""
-    dimension = context.uses.flow.all[row.instruction].attribute("dimensions") or "{0}"
+    gather = context.uses.flow.all.get(row.instruction)
+    dimension = (gather.attribute("dimensions") if gather is not None else None) or "{0}"
     axis = int(dimension.strip("{}").split(",")[0] or 0)
     sliced = _slice_shape(context.uses, value)
     if sliced is None or len(sliced) != len(row.shape):

@@ -296,7 +296,7 @@ def check_accelerator(accelerator: Any) -> None:
     """Raises an ``EinshardError`` for an accelerator the report cannot cost."""
     if accelerator is not None and accelerator not in ACCELERATORS:
         raise EinshardError(
-            f"accelerator must be one of {', '.join(map(repr, ACCELERATORS))} or None, not {accelerator!r}",
+            f"accelerator must be one of 'cpu', 'gpu' or None, not {accelerator!r}",
             hint="'gpu' costs the program as XLA's GPU compiler rewrites it (all-reduce then slice as "
             "a reduce-scatter, partial sums added before one all-reduce); 'cpu' or None: as compiled. "
             "TPU's compiler is not public: its rewrites are not assumed.",
