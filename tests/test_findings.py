@@ -257,7 +257,7 @@ def test_a_weight_its_rule_cannot_split_is_named_with_the_reason():
     finding = only(report, "copied")
     size = HIDDEN * odd * F32
     assert finding.params == ("params/proj",) and finding.memory_bytes == size - size // N
-    assert "its rule does not split it" in finding.cause
+    assert "its rule does not split it (e.g. params/proj: " in finding.cause
 
 
 # --- a reshard between two layouts, and the compiler's involuntary full rematerialization --------

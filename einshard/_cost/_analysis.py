@@ -61,6 +61,7 @@ def _read(call: StepCall, compiled: Compiled) -> StepReport:
         paths=call.paths,
         parameter_paths=parameter_paths,
         sizes=call.array_bytes,
+        table=call.table,
     )
     memory = compiled.memory()
     flops = compiled.flops()

@@ -89,6 +89,7 @@ class StepCall:
         paths: Each leaf's path, ``name/key/...`` (``params/layers/0/kernel``).
         layouts: Each leaf's plan under the rules that gave the arguments their shardings
             (``None`` for a leaf that is not an array), or ``None`` without rules.
+        table: Those rules, or ``None``.
     """
 
     given: Callable[..., Any] | str
@@ -101,6 +102,7 @@ class StepCall:
     _keys: tuple[tuple[str, tuple], ...]  # (argument name, key path below it) of each leaf
     _treedef: Any
     layouts: tuple[Any, ...] | None = None
+    table: Any = None
 
     @classmethod
     def of(cls, fn: Callable[..., Any] | str, args: tuple, kwargs: dict) -> StepCall:
@@ -169,6 +171,7 @@ class StepCall:
         import jax
 
         from .._trees._pytrees import tree_shardings
+        from .._trees._plan import as_rules
 
         # The rules see one tree {name: argument}; varargs' names 'args/0' nest one level.
         values = [abstract(value) for value in (*self.args, *self.kwargs.values())]
@@ -200,4 +203,5 @@ class StepCall:
         n = len(self.args)
         kwargs = dict(zip(self.kwargs, out[n:], strict=True))
         placed_call = self.with_leaves(jax.tree_util.tree_leaves((tuple(out[:n]), kwargs)))
-        return dataclasses.replace(placed_call, layouts=tuple(by_path.get(path) for path in self.paths))
+        layouts = tuple(by_path.get(path) for path in self.paths)
+        return dataclasses.replace(placed_call, layouts=layouts, table=as_rules(rules))

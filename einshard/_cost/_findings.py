@@ -260,6 +260,7 @@ class _Context:
     parameter_paths: Sequence[str | None]  # the program's parameters' paths, by position
     operands: list[str | None]  # each row's input value
     sizes: dict[str, int]  # each argument leaf's bytes, whole, by path
+    table: Any = None  # the rule table that gave the arguments their shardings, or None
 
     def producers(self, position: int) -> tuple[str, ...]:
         """The parameters the op that made a row's input reads (a matmul's weight)."""
@@ -292,6 +293,7 @@ def find_waste(
     paths: Sequence[str] = (),
     parameter_paths: Sequence[str | None] = (),
     sizes: Mapping[str, int] | None = None,
+    table: Any = None,
 ) -> list[Finding]:
     """Every finding of a compiled step, the costliest first."""
     values = [flow.result(collective.instruction, index) for collective, index in origins]
@@ -300,7 +302,17 @@ def find_waste(
     ]
     uses = _Uses(flow)
     context = _Context(
-        rows, values, uses, n_devices, messages, layouts, paths, parameter_paths, operands, dict(sizes or {})
+        rows,
+        values,
+        uses,
+        n_devices,
+        messages,
+        layouts,
+        paths,
+        parameter_paths,
+        operands,
+        dict(sizes or {}),
+        table,
     )
     extra: set[int] = set()  # rows whose whole traffic a finding counts already
     found: list[Finding] = []
@@ -352,6 +364,7 @@ def _repeated(context: _Context, extra: set[int]) -> list[Finding]:
         family = "gather" if row.kind == "all-gather" else "reduce"
         by_param.setdefault((row.param, family, row.group_size), []).append(position)
     out = []
+    gathered: dict[tuple[str, ...], list[tuple[str, list[int], int]]] = {}
     for (param, family, _), candidates in by_param.items():
         if len(candidates) < 2:
             continue
@@ -379,34 +392,27 @@ def _repeated(context: _Context, extra: set[int]) -> list[Finding]:
             if not whole or moved <= whole:
                 continue
             traffic = _traffic(rows, positions)
-            wasted = traffic - round(traffic * whole / moved)
-            others = [p for p in positions if p != max(positions, key=lambda q: rows[q].traffic)]
+            gathered.setdefault(_sources(rows, positions), []).append(
+                (param, positions, traffic - round(traffic * whole / moved))
+            )
+            continue
+        others = [p for p in positions if p != max(positions, key=lambda q: rows[q].traffic)]
         extra.update(others)
         count, row = len(positions), rows[positions[0]]
         array, each = _array(row), _size(row.bytes)
-        if family == "reduce":
-            cause = (
-                f"The gradient of {param} is reduced {count} times per step ({count} {row.kind}s of "
-                f"{array}, {each} each, then added): the parameter is used in {count} places (as tied "
-                "embeddings are) and each contribution is reduced on its own."
-            )
-            fix = (
-                "Add the contributions before reducing them (compute that gradient in jax.shard_map "
-                "and psum the total once); XLA's GPU compiler does it itself here (accelerator='gpu' "
-                "estimates that)."
-                if removed
-                else "Add the contributions before reducing them: compute that gradient in "
-                "jax.shard_map and psum the total once."
-            )
-        else:
-            cause = (
-                f"{param} is gathered {count} times per step ({count} all-gathers of {array}, "
-                f"{each} each), usually once in the forward pass and again in the backward pass."
-            )
-            fix = (
-                "Keep the gathered weight for the backward pass (a jax.checkpoint policy that saves "
-                "it), if the memory allows; otherwise this is the price of not holding it."
-            )
+        cause = (
+            f"The gradient of {param} is reduced {count} times per step ({count} {row.kind}s of "
+            f"{array}, {each} each, then added): the parameter is used in {count} places (as tied "
+            "embeddings are) and each contribution is reduced on its own."
+        )
+        fix = (
+            "Add the contributions before reducing them (compute that gradient in jax.shard_map "
+            "and psum the total once); XLA's GPU compiler does it itself here (accelerator='gpu' "
+            "estimates that)."
+            if removed
+            else "Add the contributions before reducing them: compute that gradient in "
+            "jax.shard_map and psum the total once."
+        )
         out.append(
             Finding(
                 REPEATED,
@@ -421,6 +427,23 @@ def _repeated(context: _Context, extra: set[int]) -> list[Finding]:
                 rewritten,
             )
         )
+    # Gathered again: one finding per place in the code (a norm scale in every layer: one line).
+    for sources, items in gathered.items():
+        params = tuple(param for param, _, _ in items)
+        positions = [p for _, group, _ in items for p in group]
+        row = rows[positions[0]]
+        what = params[0] if len(params) == 1 else f"{len(params)} parameters ({params[0]}, ...)"
+        cause = (
+            f"{what} {'is' if len(params) == 1 else 'are'} gathered more than once per step "
+            f"({len(positions)} all-gathers of {_array(row)} and the like), usually once in the forward "
+            "pass and again in the backward pass."
+        )
+        fix = (
+            "Keep the gathered weights for the backward pass (a jax.checkpoint policy that saves "
+            "them), if the memory allows; otherwise this is the price of not holding them."
+        )
+        wasted = sum(w for _, _, w in items)
+        out.append(Finding(REPEATED, wasted, 0, params, sources, cause, fix, tuple(positions)))
     return out
 
 
@@ -844,34 +867,75 @@ def _estimated_remat(operation: str, before: list[int] | None) -> int:
 
 
 def _copied(context: _Context) -> list[Finding]:
+    """Large parameters held whole on every device by a table meant to split parameters.
+
+    A table is meant to split parameters when it splits some, or when it has splitting rules
+    that match no leaf at all (written for layer names this model does not have). A parameter is
+    a leaf the step updates (not its batch); large: a matrix at least the size of the smallest
+    split parameter. One finding per reason (no rule, a rule that cannot split, the catch-all).
+    """
     if not context.layouts:
         return []
-    # Parameters: the leaves the step updates (weights, optimizer state), not its batch.
     flow = context.uses.flow
     trained = {
         context.parameter_paths[k] for k in flow.updated_parameters() if k < len(context.parameter_paths)
     }
     layouts = [plan for plan in context.layouts if plan is not None and plan.path in trained]
     split = [plan for plan in layouts if math.prod(plan.layout.shards) > 1]
-    if not split:
+    used = {plan.rule for plan in context.layouts if plan is not None}
+    idle = (
+        [rule for rule in context.table.rules if rule not in used and _splits(rule)] if context.table else []
+    )
+    if not split and not idle:
         return []
-    smallest = min(_plan_bytes(plan) for plan in split)
-    ways = max(math.prod(plan.layout.shards) for plan in split)
-    out = []
+    smallest = min((_plan_bytes(plan) for plan in split), default=0)
+    ways = max((math.prod(plan.layout.shards) for plan in split), default=context.n_devices)
+    by_reason: dict[str, list[Any]] = {}
+    words: dict[str, str] = {}
     for plan in layouts:
-        if len(plan.shape) < 2 or math.prod(plan.layout.shards) > 1:
-            continue
-        size = _plan_bytes(plan)
-        if size < smallest:
+        if len(plan.shape) < 2 or math.prod(plan.layout.shards) > 1 or _plan_bytes(plan) < smallest:
             continue
         why = _why_copied(plan, context.paths)
-        if why is None:
-            continue
-        held = size - size // ways
-        cause = f"{plan.path} ({_size(size)}) is held whole on every device: {why}, while the table splits other parameters {ways} ways."
-        fix = f"Add a rule for it in front, e.g. {_suggested_rule(plan, ways, context.n_devices)}."
-        out.append(Finding(COPIED, 0, held, (plan.path,), (), cause, fix, ()))
+        if why is not None:
+            by_reason.setdefault(why[0], []).append(plan)
+            words.setdefault(why[0], why[1])
+    out = []
+    for reason, plans in by_reason.items():
+        why = words[reason]
+        if len(plans) == 1:  # the words speak of several
+            why = why.replace("them", "it").replace("their rules do", "its rule does")
+        plans.sort(key=lambda plan: -_plan_bytes(plan))
+        total = sum(_plan_bytes(plan) for plan in plans)
+        held = sum(_plan_bytes(plan) - _plan_bytes(plan) // ways for plan in plans)
+        what = (
+            f"{plans[0].path} ({_size(total)}) is"
+            if len(plans) == 1
+            else f"{len(plans)} parameters ({_size(total)}, the largest {plans[0].path}) are"
+        )
+        splits = f"splits other parameters {ways} ways" if split else "splits none"
+        unused = (
+            f"; its splitting rules {', '.join(str(rule) for rule in idle[:3])}{' ...' if len(idle) > 3 else ''} "
+            "match no parameter"
+            if idle
+            else ""
+        )
+        cause = f"{what} held whole on every device: {why}, while the table {splits}{unused}."
+        examples = ", ".join(_suggested_rule(plan, ways, context.n_devices) for plan in plans[:2])
+        fix = f"Add a rule for {'it' if len(plans) == 1 else 'them'} in front, e.g. {examples}."
+        out.append(Finding(COPIED, 0, held, tuple(plan.path for plan in plans), (), cause, fix, ()))
     return out
+
+
+def _splits(rule: Any) -> bool:
+    """Whether a rule's expression splits an axis (a shape-dependent rule may)."""
+    from .._language._expression import parse
+
+    if not isinstance(rule.expression, str):
+        return True
+    return any(
+        element.name is not None and (element.star or (element.count or 1) > 1)
+        for element in parse(rule.expression).right
+    )
 
 
 def _plan_bytes(plan: Any) -> int:
@@ -880,17 +944,21 @@ def _plan_bytes(plan: Any) -> int:
     return math.prod(plan.shape) * np.dtype(plan.dtype).itemsize
 
 
-def _why_copied(plan: Any, paths: Sequence[str]) -> str | None:
-    """Why the table copies a leaf it was not told to copy, or ``None`` when a rule says so."""
+def _why_copied(plan: Any, paths: Sequence[str]) -> tuple[str, str] | None:
+    """Why the table copies a leaf it was not told to copy (a kind, and words), or ``None`` when
+    a rule says so."""
     rule = plan.rule
+    smaller = getattr(getattr(rule, "expression", None), "min_bytes", 0)
+    if isinstance(smaller, int) and _plan_bytes(plan) < smaller:
+        return None  # a shape rule that copies what is below its size on purpose (FSDP's min_bytes)
     if plan.note:
-        return f"its rule does not split it ({plan.note})"
+        return "note", f"their rules do not split them (e.g. {plan.path}: {plan.note})"
     if rule is None:
-        return "no rule matches it (the table's policy replicates such leaves)"
+        return "unmatched", "no rule matches them (the table's policy replicates such leaves)"
     # A rule that matches every leaf (the table's catch-all) was not written for this one.
     pattern = re.compile(rule.pattern)
     if paths and all(pattern.search(p) for p in paths):
-        return f"only the catch-all rule {rule} matches it"
+        return "catch-all", f"only the catch-all rule {rule} matches them"
     return None
 
 

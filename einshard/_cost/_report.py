@@ -466,7 +466,7 @@ def collectives_text(rows: Sequence[StepRow]) -> str:
             parts.append(f"1 combined {kind} of {arrays} arrays")
         else:
             parts.append(f"{count} {kind}s of {arrays} arrays")
-    return ", ".join(parts) or "no collectives"
+    return ", ".join(parts) or "0 collectives"
 
 
 def _findings_lines(report: StepReport) -> list[str]:
