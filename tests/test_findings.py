@@ -236,7 +236,7 @@ def test_a_weight_no_split_rule_matches_is_named_with_the_memory_it_costs():
     assert finding.params == ("params/proj",)
     assert finding.memory_bytes == proj - proj // N and finding.bytes == 0
     assert "catch-all" in finding.cause and f"'a b -> a{N} b'" in finding.fix
-    complete = missing[:1] + [(r"proj$", "f d -> f* d")] + missing[1:]
+    complete = [*missing[:1], (r"proj$", "f d -> f* d"), *missing[1:]]
     assert "copied" not in kinds(einshard.explain_step(sgd(mlp_loss_named), params, x, rules=complete))
     # Data parallel copies every weight by design: nothing to name.
     everywhere = [(r".*", "... -> * ...")]
@@ -337,7 +337,7 @@ def _line_of(text: str) -> int:
 def test_the_headline_counts_combined_collectives_and_their_arrays():
     params = {"embed": f32(VOCAB, DIM), "w": f32(DIM, DIM), "head": f32(DIM, VOCAB)}
     report = einshard.explain_step(sgd(untied_loss), params, TOKENS, rules=DATA_PARALLEL)
-    (instruction,) = {row.instruction for row in report.rows}  # XLA's CPU compiler combines them
+    assert len({row.instruction for row in report.rows}) == 1  # XLA's CPU compiler combines them
     assert report.collectives == 1 and len(report.rows) == 3
     assert str(report).count("1 combined all-reduce of 3 arrays on") == 1
 

@@ -111,8 +111,10 @@ class _Instructions:
 
 
 class Flow:
-    """Data flow of the program: where values come from, where they go (the entry's at once,
-    another computation's when asked)."""
+    """Data flow of the program: where values come from, where they go.
+
+    The entry computation's at once, another computation's when asked.
+    """
 
     def __init__(self, module: _hlo.Module) -> None:
         self.module = module
@@ -148,8 +150,10 @@ class Flow:
         return users
 
     def result(self, instruction: _hlo.Instruction, index: int) -> _hlo.Instruction | None:
-        """The value holding array ``index`` of a collective's result (past an async pair's
-        ``-done`` and a combined collective's ``get-tuple-element``), or ``None``."""
+        """The value holding array ``index`` of a collective's result, or ``None``.
+
+        That is past an async pair's ``-done`` and a combined collective's ``get-tuple-element``.
+        """
         users = self.users_in(instruction.computation)
         value = instruction
         if value.opcode.endswith("-start"):
@@ -228,8 +232,11 @@ class Flow:
         return min(preferred)[1] if preferred else None
 
     def updated_parameters(self) -> set[int]:
-        """The entry parameters the step's outputs are elementwise updates of (trained state:
-        weights, optimizer moments), found through elementwise work from each output."""
+        """The entry parameters the step's outputs are elementwise updates of.
+
+        Trained state (weights, optimizer moments), found through elementwise work from each
+        output; the batch is read by matmuls only, so it is not among them.
+        """
         root = next((i for i in self.entry.values() if i.root), None)
         if root is None:
             return set()

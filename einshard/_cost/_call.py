@@ -170,8 +170,8 @@ class StepCall:
         """The arguments as ``ShapeDtypeStruct`` leaves with the shardings the rules give them."""
         import jax
 
-        from .._trees._pytrees import tree_shardings
         from .._trees._plan import as_rules
+        from .._trees._pytrees import tree_shardings
 
         # The rules see one tree {name: argument}; varargs' names 'args/0' nest one level.
         values = [abstract(value) for value in (*self.args, *self.kwargs.values())]

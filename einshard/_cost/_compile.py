@@ -1,5 +1,6 @@
-"""Compiling the step, and what the compiled program says of itself: mesh, memory, flops, and
-what the compiler printed while compiling it.
+"""Compiling the step; what the compiled program and the compiler say of it.
+
+The mesh, memory and flops, and what the compiler printed while compiling it.
 
 Public JAX calls only: ``jax.jit(fn).lower(...).compile()``, ``.input_shardings``,
 ``.memory_analysis()``, ``.cost_analysis()``. XLA's C++ code prints its warnings to the

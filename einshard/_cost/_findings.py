@@ -30,7 +30,7 @@ from . import _hlo
 from ._attribution import Flow
 from ._report import RING, Finding, StepRow
 
-__all__ = ["FINDING_KINDS", "find_waste", "expression_of", "split_counts"]
+__all__ = ["FINDING_KINDS", "expression_of", "find_waste", "split_counts"]
 
 REPEATED = "repeated"
 UNSUMMED = "unsummed"
@@ -105,8 +105,10 @@ class _Uses:
         return largest
 
     def summed(self, values: Sequence[_hlo.Instruction]) -> list[tuple[list[int], list[list[int]]]]:
-        """Groups of ``values`` (positions) added together right after, each with its groups that a
-        chain of adds of these values alone sums (what XLA's GPU compiler reassociates)."""
+        """Groups of ``values`` (positions) added together right after, with their pure sums.
+
+        A pure sum is a chain of adds of these values alone: what XLA's GPU compiler reassociates.
+        """
         by_user: dict[str, tuple[_hlo.Instruction, list[int]]] = {}
         for position, value in enumerate(values):
             for user in self.flow.users_in(value.computation).get(value.name, ()):
@@ -128,7 +130,7 @@ class _Uses:
         }
         out: list[tuple[list[int], list[list[int]]]] = []
         taken: set[int] = set()
-        for user, positions in by_user.values():
+        for user, _ in by_user.values():
             if user.name not in sums:
                 continue
             group, pure = sums[user.name]
@@ -333,11 +335,11 @@ def _traffic(rows: list[StepRow], positions: Sequence[int]) -> int:
 
 
 def _sources(rows: list[StepRow], positions: Sequence[int]) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(rows[p].source for p in positions if rows[p].source))
+    return tuple(dict.fromkeys(source for p in positions if (source := rows[p].source) is not None))
 
 
 def _params(rows: list[StepRow], positions: Sequence[int]) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(rows[p].param for p in positions if rows[p].param))
+    return tuple(dict.fromkeys(param for p in positions if (param := rows[p].param) is not None))
 
 
 def _array(row: StepRow) -> str:
@@ -350,9 +352,10 @@ def _merged(rows: list[StepRow], groups: list[tuple[list[int], list[list[int]]]]
 
 
 def _repeated(context: _Context, extra: set[int]) -> list[Finding]:
-    """A parameter's gradient reduced by several collectives whose results are added (its
-    contributions reduced one by one), or its value gathered whole more than once.
+    """A parameter's gradient reduced piece by piece, or its value gathered more than once.
 
+    Piece by piece: several collectives whose results are added (its contributions reduced one
+    by one).
     Reductions of disjoint parts (a stacked layer weight, one slice per layer) are not repeated:
     they are put together, not added; gathers are repeated when they move more than the whole.
     """
@@ -480,8 +483,9 @@ def _unsummed(context: _Context, extra: set[int]) -> list[Finding]:
         weights = tuple(dict.fromkeys(w for p in members for w in context.producers(p)))
         made = f", made by the matmuls with {', '.join(weights[:k])}" if weights else ""
         cause = (
-            f"{k} partial sums of {_array(row)} ({_size(row.bytes)} each, {times}{row.phase or 'in the step'}{made}) "
-            f"are all-reduced one by one and added right after: {k} reductions where one of their sum would do."
+            f"{k} partial sums of {_array(row)} ({_size(row.bytes)} each, {times}"
+            f"{row.phase or 'in the step'}{made}) are all-reduced one by one and added right after: "
+            f"{k} reductions where one of their sum would do."
         )
         fix = (
             "Add them before reducing: fuse the layers that read the same input into one matmul "
@@ -529,8 +533,9 @@ def _sliced(context: _Context, extra: set[int]) -> list[Finding]:
     n = rows[positions[0]].group_size
     cause = (
         f"{_capital(what)} {'is' if len(positions) == 1 else 'are'} all-reduced whole "
-        f"({len(positions)} all-reduce{'s' if len(positions) > 1 else ''}, {_size(sum(rows[p].total_bytes for p in positions))} "
-        f"per device), and each device then keeps only its 1/{n} slice: a reduce-scatter sends half the bytes."
+        f"({len(positions)} all-reduce{'s' if len(positions) > 1 else ''}, "
+        f"{_size(sum(rows[p].total_bytes for p in positions))} per device), and each device then keeps "
+        f"only its 1/{n} slice: a reduce-scatter sends half the bytes."
     )
     fix = (
         "XLA's GPU compiler makes this a reduce-scatter itself (ReduceScatterCreator), its CPU compiler "
@@ -583,8 +588,11 @@ def _reshard_rows(context: _Context, excluded: set[int]) -> list[tuple[int, str,
 
 
 def _moved(context: _Context, position: int) -> tuple[str, str]:
-    """The layouts an all-to-all moves an array between, as expressions where the program shows
-    them (the array split over all devices before and after), else its per-device shapes."""
+    """The layouts an all-to-all moves an array between.
+
+    As expressions where the program shows them (split over all devices before and after),
+    else as its per-device shapes.
+    """
     row = context.rows[position]
     value = context.values[position]
     if row.kind != "all-to-all" or value is None:
@@ -731,12 +739,13 @@ def _reshards(context: _Context, excluded: set[int]) -> list[Finding]:
         else:
             between = "from one layout to another"
         cause = (
-            f"The partitioner moves {arrays} ({_size(sum(rows[p].total_bytes for p in positions))} per device) "
-            f"{between} with {what}: the value is made in one layout and used in another."
+            f"The partitioner moves {arrays} ({_size(sum(rows[p].total_bytes for p in positions))} "
+            f"per device) {between} with {what}: the value is made in one layout and used in another."
         )
         fix = (
-            "Give producer and consumer one layout: change the rule or the einshard(...) constraint at "
-            "this line to the layout its user needs, or remove the constraint."
+            "Give producer and consumer one layout: where the step fixes one of them (a rule, an "
+            "einshard(...) call), make it the other's; where neither is fixed, an einshard(...) "
+            "constraint at this line chooses one."
         )
         out.append(
             Finding(
@@ -808,7 +817,8 @@ def _remats(context: _Context, excluded: set[int]) -> tuple[list[Finding], set[i
         what = param or "an array"
         cause = (
             f"XLA could not move {what} from '{expressions[0]}' to '{expressions[1]}' efficiently{times}, "
-            "so it gathered the whole array on every device and sliced it (an involuntary full rematerialization)."
+            "so it gathered the whole array on every device and sliced it (an involuntary full "
+            "rematerialization)."
         )
         fix = (
             "Make the two layouts agree (the rule of the parameter, or the einshard(...) constraint "
@@ -914,8 +924,8 @@ def _copied(context: _Context) -> list[Finding]:
         )
         splits = f"splits other parameters {ways} ways" if split else "splits none"
         unused = (
-            f"; its splitting rules {', '.join(str(rule) for rule in idle[:3])}{' ...' if len(idle) > 3 else ''} "
-            "match no parameter"
+            f"; its splitting rules {', '.join(str(rule) for rule in idle[:3])}"
+            f"{' ...' if len(idle) > 3 else ''} match no parameter"
             if idle
             else ""
         )
@@ -945,8 +955,10 @@ def _plan_bytes(plan: Any) -> int:
 
 
 def _why_copied(plan: Any, paths: Sequence[str]) -> tuple[str, str] | None:
-    """Why the table copies a leaf it was not told to copy (a kind, and words), or ``None`` when
-    a rule says so."""
+    """Why the table copies a leaf it was not told to copy: a kind, and words.
+
+    ``None`` when a rule says to copy it.
+    """
     rule = plan.rule
     smaller = getattr(getattr(rule, "expression", None), "min_bytes", 0)
     if isinstance(smaller, int) and _plan_bytes(plan) < smaller:

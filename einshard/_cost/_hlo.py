@@ -338,8 +338,10 @@ class Module:
         return op_name, None, None
 
     def frame(self, frame: int) -> tuple[str, int]:
-        """``(file, line)`` of a stack frame: the first one outside einshard, walking to its callers
-        (an op an ``einshard(...)`` call made in the step belongs to the step's line)."""
+        """``(file, line)`` of a stack frame: the first one outside einshard, up its callers.
+
+        An op that an ``einshard(...)`` call in the step made belongs to the step's line.
+        """
         file, number = self.frames[frame]
         seen = {frame}
         while (
@@ -450,10 +452,11 @@ def parse_module(text: str) -> Module:
             match = _COMPUTATION.match(line)
             if match and not stripped.startswith("HloModule"):
                 table = None
-                current = match.group(2)
-                computations[current] = []
+                name = match.group(2)
+                computations[name] = []
+                current = name
                 if match.group(1):
-                    entry = current
+                    entry = name
             continue
         if stripped == "}":
             current = None

@@ -141,8 +141,10 @@ class Plan:
         flops_per_second: float | None = None,
         accelerator: str | None = None,
     ) -> Plan:
-        """The same candidates ranked at other figures or for another accelerator (those not
-        given are kept); no recompile."""
+        """The same candidates ranked at other figures or for another accelerator; no recompile.
+
+        The figures not given are kept.
+        """
         check_accelerator(accelerator)
         return _ranked(
             [dataclasses.replace(row, rejected=_unfit(row.rejected)) for row in self.rows],

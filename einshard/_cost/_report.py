@@ -226,8 +226,11 @@ class StepReport:
         flops_per_second: float | None = None,
         accelerator: str | None = None,
     ) -> StepReport:
-        """The same report, estimated at another bandwidth, latency or FLOP/s, or costed as
-        another accelerator's compiler makes the program (``'gpu'``, ``'cpu'``); no recompile."""
+        """The same report at other figures, or for another accelerator; no recompile.
+
+        Estimated at another bandwidth, latency or FLOP/s, or costed as another accelerator's
+        compiler makes the program (``'gpu'``, ``'cpu'``); the figures not given are kept.
+        """
         report = self
         if accelerator is not None and accelerator != (self.accelerator or "cpu"):
             report = accelerated(self, accelerator)

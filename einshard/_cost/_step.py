@@ -30,9 +30,9 @@ from .._trees._rules import RulesLike
 from ._analysis import Answer, analyse, answer
 from ._call import StepCall
 from ._child import child_error, in_child
+from ._report import Finding as Finding
 from ._report import StepReport as StepReport
 from ._report import StepRow as StepRow
-from ._report import Finding as Finding
 from ._report import accelerated, check_accelerator, estimated
 
 __all__ = ["Finding", "StepReport", "StepRow", "explain_step", "reports"]
@@ -54,8 +54,11 @@ def explain_step(
     Every collective XLA's partitioner inserted becomes a row (kind, bytes per device, mesh
     axes, how often it runs, the source line, and the parameter it serves where the data flow
     says so), with memory per device and flops from the compiled program, and an estimated
-    communication time at ``bandwidth`` with the ring formulas (see the "What does my table
-    cost?" page).
+    communication time at ``bandwidth`` with the ring formulas. The waste in the program (a
+    gradient reduced twice, partial sums reduced one by one, an all-reduce a reduce-scatter
+    would replace, a weight copied that the table meant to split, a reshard, the compiler's forced
+    rematerialization) is named in ``report.findings`` with its bytes, cause and fix (see the
+    "What does my table cost?" page).
 
     Args:
         fn: The step. A plain function is compiled with ``jax.jit`` (leaves that are not arrays
