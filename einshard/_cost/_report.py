@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -425,10 +426,11 @@ def _columns(report: StepReport) -> tuple[list[str], list[list[str]], list[str]]
     rewritten = (
         f", as XLA's {report.accelerator.upper()} compiler makes the program" if report.accelerator else ""
     )
-    footer = [
+    headline = (
         f"{collectives_text(report.rows)} on {report.n_devices} devices (mesh {mesh}){rewritten}: "
-        f"{_size(report.bytes)} per device per step" + (f" ({kinds})" if kinds else ""),
-    ]
+        f"{_size(report.bytes)} per device per step" + (f" ({kinds})" if kinds else "")
+    )
+    footer = textwrap.wrap(headline, _HEADLINE_WIDTH, subsequent_indent="  ", break_on_hyphens=False)
     if report.peak_bytes is not None:
         footer.append(
             f"memory per device: {_size(report.peak_bytes)} at the peak "
@@ -485,5 +487,17 @@ def _findings_lines(report: StepReport) -> list[str]:
         f"{', '.join(c for c in costs if c)} than the better program"
     ]
     for number, finding in enumerate(report.findings, 1):
-        lines += [f"{number}. {finding.headline()}", f"   cause: {finding.cause}", f"   fix: {finding.fix}"]
+        lines += _wrapped(f"{number}. {finding.headline()}", "   ")
+        lines += _wrapped(f"   cause: {finding.cause}", "          ")
+        lines += _wrapped(f"   fix: {finding.fix}", "        ")
     return lines
+
+
+_WIDTH = 110  # findings read as paragraphs: a terminal's or a page's width, not the table's
+_HEADLINE_WIDTH = 130
+
+
+def _wrapped(text: str, indent: str) -> list[str]:
+    return textwrap.wrap(
+        text, _WIDTH, subsequent_indent=indent, break_on_hyphens=False, break_long_words=False
+    )
