@@ -784,16 +784,19 @@ def _remats(context: _Context, excluded: set[int]) -> tuple[list[Finding], set[i
         op_name = _quoted(operation, "op_name")
         source = _source_of(context, operation)
         param = _param_of(context, operation, op_name)
-        # The all-gather that replicates it: the same op name (and not counted yet).
-        matched = [
+        # The all-gather that replicates it (not counted yet): the same op name; else, as XLA
+        # versions name them differently, a gather then slice of the same parameter or shape.
+        free = [
             p
             for p, row in enumerate(rows)
-            if p not in claimed
-            and p not in excluded
-            and row.kind == "all-gather"
-            and op_name
-            and row.op_name == op_name
+            if p not in claimed and p not in excluded and row.kind == "all-gather"
         ]
+        matched = [p for p in free if op_name and rows[p].op_name == op_name]
+        if not matched:
+            whole = _whole_shape(operation, before)
+            sliced = [p for p in free if _only_sliced(context, p)]
+            matched = [p for p in sliced if param and rows[p].param == param]
+            matched = matched or [p for p in sliced if whole and rows[p].shape == whole]
         matched = matched[:1]
         claimed.update(matched)
         if matched:
@@ -837,6 +840,21 @@ def _remats(context: _Context, excluded: set[int]) -> tuple[list[Finding], set[i
             )
         )
     return out, claimed
+
+
+def _only_sliced(context: _Context, position: int) -> bool:
+    value = context.values[position]
+    fraction = context.uses.slice_fraction(value) if value is not None else None
+    return fraction is not None and fraction < 1
+
+
+def _whole_shape(operation: str, before: list[int] | None) -> tuple[int, ...] | None:
+    """The array's whole shape: the operation's shape in the message (per device) times its splits."""
+    parsed = _OPERATION.search(operation)
+    shapes = _hlo.parse_shapes(parsed.group("type")) if parsed else ()
+    if not shapes or not before or len(before) != len(shapes[0].dims):
+        return None
+    return tuple(d * c for d, c in zip(shapes[0].dims, before, strict=True))
 
 
 def _quoted(text: str, key: str) -> str | None:
