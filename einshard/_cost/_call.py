@@ -137,10 +137,10 @@ class StepCall:
     @property
     def array_bytes(self) -> dict[str, int]:
         """Each array leaf's bytes (the whole array), by path."""
-        import numpy as np
+        from .._arrays._build import itemsize
 
         return {
-            self.paths[i]: math.prod(self.leaves[i].shape) * np.dtype(self.leaves[i].dtype).itemsize
+            self.paths[i]: math.prod(self.leaves[i].shape) * itemsize(self.leaves[i].dtype)
             for i in self.arrays
         }
 

@@ -967,9 +967,9 @@ def _splits(rule: Any) -> bool:
 
 
 def _plan_bytes(plan: Any) -> int:
-    import numpy as np
+    from .._arrays._build import itemsize
 
-    return math.prod(plan.shape) * np.dtype(plan.dtype).itemsize
+    return math.prod(plan.shape) * itemsize(plan.dtype)
 
 
 def _why_copied(plan: Any, paths: Sequence[str]) -> tuple[str, str] | None:
