@@ -105,7 +105,7 @@ class _Paste(code.InteractiveConsole):
         self.errors: list[str] = []
         self.statements = 0
 
-    def runcode(self, code):  # noqa: ARG002 - compiled, so accepted: that is all this checks
+    def runcode(self, code):  # compiled, so accepted: that is all this checks
         self.statements += 1
 
     def showsyntaxerror(self, filename=None, **kwargs):
@@ -168,4 +168,5 @@ def test_the_install_line_gets_this_version_from_the_projects_source():
         assert f".venv/bin/pip install 'einshard[all] @ git+{source}'" in " ".join(lines), page
         assert f"git clone {source}" in " ".join(lines), page
         assert not any(re.search(r"pip install '?einshard\b(?! *@|\[all\] @)", line) for line in lines), page
-        assert "0.2.0" in (ROOT / page).read_text(encoding="utf-8"), f"{page} says nothing of the index's 0.2.0"
+        text = (ROOT / page).read_text(encoding="utf-8")
+        assert "0.2.0" in text, f"{page} says nothing of the index's 0.2.0"

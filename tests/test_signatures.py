@@ -125,9 +125,9 @@ def test_a_factory_argument_in_the_tables_place_says_where_the_table_goes():
         einshard_equinox.create_sharded(eqx.nn.Linear, D_IN, HIDDEN, key=key)
     assert info.value.headline == "the argument after the factory is the rule table, not an int 4"
     assert info.value.hint == (
-        f"Put the table first, then the arguments for Linear: create_sharded(Linear, rules, {D_IN}, {HIDDEN}, "
-        f"key=…); or, for the table its @sharded layers compose into, create_sharded(Linear, None, {D_IN}, "
-        f"{HIDDEN}, key=…)."
+        "Put the table first, then the arguments for Linear: "
+        f"create_sharded(Linear, rules, {D_IN}, {HIDDEN}, key=…); or, for the table its @sharded layers "
+        f"compose into, create_sharded(Linear, None, {D_IN}, {HIDDEN}, key=…)."
     )
     # A PRNG key where the table goes (the old form for a model of @sharded layers).
     with pytest.raises(
@@ -139,8 +139,8 @@ def test_a_factory_argument_in_the_tables_place_says_where_the_table_goes():
     with pytest.raises(einshard.EinshardError) as info:
         einshard_flax.create_sharded(nnx.Linear, D_IN, HIDDEN, rngs=nnx.Rngs(0))
     assert info.value.hint == (
-        f"Put the table first, then the arguments for Linear: create_sharded(Linear, rules, {D_IN}, {HIDDEN}, "
-        "rngs=…)."
+        f"Put the table first, then the arguments for Linear: create_sharded(Linear, rules, {D_IN}, "
+        f"{HIDDEN}, rngs=…)."
     )
 
 

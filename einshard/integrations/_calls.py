@@ -61,7 +61,8 @@ def rule_table(
         given = args if rules is None else (rules, *args)
         rest = {name: value for name, value in kwargs.items() if name != "rules"}
         raise EinshardError(
-            f"{verb} takes the rule table right after {_what(verb, before)}, not as rules= after its arguments",
+            f"{verb} takes the rule table right after {_what(verb, before)}, "
+            "not as rules= after its arguments",
             hint=f"Call {_call(verb, target, before, given, rest)}.",
         )
     if rules is None and none is not None:
