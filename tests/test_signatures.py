@@ -197,7 +197,8 @@ def test_a_factorys_own_rules_keyword_reaches_it():
     model = einshard_equinox.create_sharded(EqxWithRules, EQX_RULES, key, rules="mine")
     assert model.rules == "mine"
     assert_layout(model.weight, "o i -> o* i")
-    np.testing.assert_array_equal(np.asarray(model.weight), np.asarray(EqxWithRules(key).weight))
+    # The values of an eager build (compiled sharded, the normal draws may differ in the last bit).
+    np.testing.assert_allclose(np.asarray(model.weight), np.asarray(EqxWithRules(key).weight), rtol=1e-6)
     nnx_model = einshard_flax.create_sharded(NnxWithRules, NNX_RULES, nnx.Rngs(0), rules="mine")
     assert nnx_model.rules == "mine"
     assert_layout(nnx_model.linear.kernel[...], "x y -> x y*")

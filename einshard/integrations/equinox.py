@@ -85,7 +85,7 @@ __all__ = ["create_sharded", "field_expressions", "module_rules", "shard_module"
 T = TypeVar("T")
 C = TypeVar("C", bound=type)
 
-REPLICATE = "... -> * ..."
+_REPLICATE = "... -> * ..."  # the rule for the leaves no decorator covers
 
 _OWN = "__einshard_fields__"  # a decorated class's own expressions, in its __dict__
 _OUTPUT = "output"  # the key of the activation expression among them
@@ -327,7 +327,7 @@ _active = threading.local()  # ids of the modules whose decorated __call__ is ru
 # --- rule tables -------------------------------------------------------------------------------
 
 
-def module_rules(model: Any, *, default: str | None = REPLICATE) -> Rules:
+def module_rules(model: Any, *, default: str | None = "... -> * ...") -> Rules:
     """The model-wide rule table its decorated layers compose into.
 
     One rule per decorated array field of each layer instance, anchored to
@@ -403,7 +403,7 @@ def _rules_for(model: Any, rules: RulesLike | None) -> RulesLike:
             hint="Pass a rule table, e.g. [(r'weight$', 'o i -> o* i'), (r'.*', '... -> * ...')], "
             "or build the model from @sharded layers.",
         )
-    return Rules([*table.pairs(), (r".*", REPLICATE)])
+    return Rules([*table.pairs(), (r".*", _REPLICATE)])
 
 
 # --- whole modules -----------------------------------------------------------------------------
