@@ -3,9 +3,10 @@
 ``python3 -m venv .venv && .venv/bin/pip install 'nox[uv]'`` makes ``.venv`` (it works where
 ``python3`` is an externally managed system Python, PEP 668).
 
-Sessions: ``lint`` (ruff), ``types`` (pyright), ``tests`` (Python 3.11 and 3.12,
-each with the newest JAX it can get, on 8, 16 and 6 simulated CPU devices (3.11: 8 and 6), and the
-tests of layouts meeting in one jit on 12),
+Sessions: ``lint`` (ruff), ``types`` (pyright), ``tests`` (each of Python 3.11, 3.12 and 3.13
+that is installed, with the newest JAX it can get: the main Python on 8, 16 and 6 simulated CPU
+devices, the others on 8; 3.11 and the main one also run the tests of layouts meeting in one jit
+on 12),
 ``tests_oldest_jax`` (the JAX floor of pyproject.toml), ``fuzz`` (Hypothesis
 with many examples), ``docs`` (runs every example on the documentation pages,
 then builds the site in strict mode), ``docs_serve`` (serves it locally),
@@ -19,7 +20,13 @@ session installs what it needs itself; bare ``nox`` runs lint, types and tests.
 Interpreters: a ``pythonX.Y`` that is not on ``PATH`` (or is only a pyenv shim
 that does not run) is looked up under ``$(pyenv root)/versions/X.Y*/bin`` and
 exposed to nox through a directory of links, so that ``-s tests`` works where
-3.12 is installed by pyenv but is not the active version.
+3.12 is installed by pyenv but is not the active version. ``-s tests`` runs on
+every supported Python found and skips the others, each with a line saying so
+(``tests-3.13: skipped (Python interpreter 3.13 not found)``); it fails when
+none is found, or, with ``CI`` set in the environment (as ``.ci/run`` sets it),
+when any is missing. Nothing is downloaded: a Python that is not installed is
+not fetched. The sessions that run on one Python use the main one: 3.12 where
+it is installed, else the newest supported one that is.
 """
 
 from __future__ import annotations
@@ -36,16 +43,12 @@ import nox
 
 nox.needs_version = ">=2025.2.9"
 nox.options.default_venv_backend = "uv|virtualenv"
-nox.options.error_on_missing_interpreters = True  # a missing Python fails, never skips
+nox.options.download_python = "never"  # test the Pythons that are installed; fetch none
 nox.options.sessions = ["lint", "types", "tests", "docs"]
 
 ROOT = Path(__file__).parent
 PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
-PYTHONS = ["3.11", "3.12"]
-NEWEST_PYTHON = PYTHONS[-1]
-# Every count on the newest Python (the newest JAX); the older one, whose JAX is older too, at
-# a power of two and a count that is not one: a third full run would cost CI more than it finds.
-TEST_DEVICE_COUNTS = {"3.11": [8, 6], "3.12": [8, 16, 6]}
+PYTHONS = ["3.11", "3.12", "3.13"]  # the supported ones (pyproject.toml's classifiers)
 MEET_TESTS = ["pytest", "tests/test_meet.py", "tests/test_training_steps.py"]
 CPU_ONLY = {"JAX_PLATFORMS": "cpu"}  # no probing for accelerators
 QUIET_MKDOCS = {"NO_MKDOCS_2_WARNING": "1"}  # the end-of-life banner of Material for MkDocs
@@ -94,25 +97,56 @@ def _pyenv_interpreter(version: str) -> str | None:
     return None
 
 
-def _expose_interpreters(versions: list[str]) -> None:
-    """Puts a working ``pythonX.Y`` first on ``PATH`` for every version that lacks one there."""
+def _expose_interpreters(versions: list[str]) -> list[str]:
+    """Puts a working ``pythonX.Y`` first on ``PATH`` for every version that lacks one there.
+
+    Returns the versions that have one, on ``PATH`` or under pyenv.
+    """
     links = ROOT / ".nox" / "_interpreters"
+    present = []
     for version in versions:
         name = f"python{version}"
         on_path = shutil.which(name)
         if on_path and _runs(on_path, version):
+            present.append(version)
             continue
         found = _pyenv_interpreter(version)
         if found is None:
-            continue  # not installed: nox reports it and fails the session
+            continue  # not installed: nox skips (or, see below, fails) the sessions that need it
+        present.append(version)
         links.mkdir(parents=True, exist_ok=True)
         (links / name).unlink(missing_ok=True)
         (links / name).symlink_to(found)
     if links.is_dir() and str(links) not in os.environ["PATH"].split(os.pathsep):
         os.environ["PATH"] = f"{links}{os.pathsep}{os.environ['PATH']}"
+    return present
 
 
-_expose_interpreters(PYTHONS)
+PRESENT_PYTHONS = _expose_interpreters(PYTHONS)
+# A missing Python is skipped, with nox's line saying so, unless none is installed or this is CI
+# (nox's convention: CI in the environment), where a missing one would go unnoticed.
+nox.options.error_on_missing_interpreters = not PRESENT_PYTHONS or "CI" in os.environ
+# The Python of the sessions that run on one: 3.12 where installed (the published figures and the
+# documentation's outputs are made with it), else the newest supported one that is.
+MAIN_PYTHON = "3.12" if "3.12" in PRESENT_PYTHONS or not PRESENT_PYTHONS else PRESENT_PYTHONS[-1]
+NEWEST_PYTHON = MAIN_PYTHON  # the name the sessions below use for it
+
+
+def _test_device_counts(python: str) -> list[int]:
+    """The device counts the suite runs at on one Python.
+
+    Every count on the main Python (8, 16, and 6, which is no power of two); a power of two on the
+    others. 3.11 gets the oldest JAX of the three and 3.13 the same JAX as 3.12, so a second full
+    run at 16 and 6 would cost CI more than it could find: the layout arithmetic behind those counts
+    is pure Python, the same on every version, and 3.11's JAX meets a count that is no power of
+    two in the 12-device run (``MEET_TESTS``).
+    """
+    return [8, 16, 6] if python == MAIN_PYTHON else [8]
+
+
+def _runs_meet_tests(python: str) -> bool:
+    """The 12-device tests of layouts meeting in one jit: on the main Python and on 3.11 (the oldest JAX)."""
+    return python in (MAIN_PYTHON, PYTHONS[0])
 
 
 def _group(name: str) -> list[str]:
@@ -154,24 +188,28 @@ def types(session: nox.Session) -> None:
 
 @nox.session(python=PYTHONS)
 def tests(session: nox.Session) -> None:
-    """The test suite and the doctests, on 8, 16 and 6 simulated CPU devices (and 12 for some).
+    """The test suite and the doctests, on each supported Python that is installed.
 
-    Python 3.12 runs every count; 3.11 runs 8 and 6 (``TEST_DEVICE_COUNTS``).
+    The main Python (3.12 where installed) runs on 8, 16 and 6 simulated CPU
+    devices, the others on 8; the main one and 3.11 also run the tests of
+    layouts meeting in one jit on 12 (see ``_test_device_counts``). A Python
+    that is not installed is skipped, saying so.
 
     Installs the newest JAX this Python can get (``--upgrade``), with every
     optional framework, so the integrations are tested too. Extra arguments go
     to pytest: ``nox -s tests -- -k picture -x``.
     """
+    python = str(session.python)
     session.install("--upgrade", "-e", ".[all]", "jax", *_group("test"))
     _show_versions(session, "jax", "jaxlib", "numpy", "flax", "equinox", "optax", "chex", "hypothesis")
-    for count in TEST_DEVICE_COUNTS[str(session.python)]:
+    for count in _test_device_counts(python):
         session.log(f"--- {count} simulated CPU devices ---")
         session.run(
             "pytest",
             *session.posargs,
             env={"EINSHARD_TEST_DEVICES": str(count), **CPU_ONLY},
         )
-    if not session.posargs:
+    if not session.posargs and _runs_meet_tests(python):
         # 12 devices: two prime factors, so the order of the counts matters for the shared mesh.
         session.log("--- 12 simulated CPU devices: layouts meeting in one jit, training steps ---")
         session.run(*MEET_TESTS, env={"EINSHARD_TEST_DEVICES": "12", **CPU_ONLY})

@@ -10,8 +10,11 @@ time this module
   ``docs/``;
 * replaces markers in a page's Markdown (:func:`on_page_markdown`):
   ``<!-- benchmark-table: FILE/TABLE -->`` by a table as the script printed it,
-  ``<!-- benchmark-setup: FILE -->`` by the versions, machine and load it was measured with, and
-  ``<!-- benchmark-bars -->`` by every bar with its worst measured value and verdict.
+  ``<!-- benchmark-setup: FILE -->`` by the versions, machine, load, repetitions and memcpy rate
+  it was measured with (and whether the machine was idle), ``<!-- benchmark-bars -->`` by every
+  bar of every results file with its worst measured value and verdict, met or not, and
+  ``<!-- section-contents -->`` by a table of the page's sections (the error catalogue's);
+* shows the repository's ``CHANGELOG.md`` as the ``changelog.md`` page.
 
 It reads JSON and draws with matplotlib; it never imports JAX.
 """
@@ -28,10 +31,16 @@ from typing import Any
 from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File, Files
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 # `<!-- benchmark-table: placement/placement -->`; `without pairs, layout` leaves columns out of the
 # page (the JSON and the script's printout keep them) where a table would not fit its width.
-MARKER = re.compile(r"<!--\s*benchmark-(table|setup|bars)(?::\s*([\w./-]+))?(?:\s+without\s+([^>]*?))?\s*-->")
+MARKER = re.compile(
+    r"<!--\s*benchmark-(table|setup|bars|conditions)(?::\s*([\w./-]+))?(?:\s+without\s+([^>]*?))?\s*-->"
+)
+SECTIONS = "<!-- section-contents -->"
+# A run is from an idle machine when the 1-minute load average stayed below this share of its cores.
+IDLE_LOAD_PER_CORE = 0.25
 
 PLACEMENT_SVG = "benchmarks/placement.svg"
 RULES_SVG = "benchmarks/rules.svg"
@@ -100,14 +109,37 @@ def table_markdown(table: dict[str, Any], without: Sequence[str] = ()) -> str:
     return "\n".join(lines)
 
 
+def _repetitions(options: dict[str, Any]) -> str:
+    """How long each row was measured, from the script's options."""
+    if options.get("quick"):
+        return "the quick run (fewer, smaller points)"
+    if "reps" not in options:
+        return "repetitions not recorded"
+    text = f"{options['reps']} repetition{'s' if options['reps'] != 1 else ''} per row"
+    if options.get("seconds"):
+        text += f" (at least; more while they fit in {options['seconds']:g} s)"
+    if options.get("warmup"):
+        text += f", after {options['warmup']} warm-up"
+    return text
+
+
+def _idle(m: dict[str, Any]) -> bool | None:
+    """Whether the machine was idle through the run (``None``: load not recorded)."""
+    loads = [m.get("load_average_before"), m.get("load_average_after")]
+    if not all(loads) or not m.get("cpu_count"):
+        return None
+    return max(load[0] for load in loads if load) < IDLE_LOAD_PER_CORE * m["cpu_count"]
+
+
 def setup_markdown(results: dict[str, Any]) -> str:
-    """One sentence on when, with what and on which machine a results file was measured."""
+    """When, with what and on which machine a results file was measured, and whether it was idle."""
     m = results["metadata"]
     load = m.get("load_average_before"), m.get("load_average_after")
     text = (
         f"Measured on {m['date'][:10]} by `{m['script']}`: einshard {m['einshard']}, "
         f"jax {m['jax']} (jaxlib {m['jaxlib']}), NumPy {m['numpy']}, Python {m['python']}; "
-        f"{m['devices']} simulated CPU devices on {m['cpu_count']} cores; malloc {m['malloc']}"
+        f"{m['devices']} simulated CPU devices on {m['cpu_count']} cores; malloc {m['malloc']}; "
+        f"{_repetitions(m.get('options', {}))}"
     )
     if all(load):
         text += f"; load average (1 min) {load[0][0]:g} before, {load[1][0]:g} after"
@@ -117,7 +149,49 @@ def setup_markdown(results: dict[str, Any]) -> str:
             f". One host memcpy of {memcpy['bytes'] / 2**20:.0f} MiB took {memcpy['seconds'] * 1e3:.2f} ms "
             f"({memcpy['GB_per_s']:.1f} GB/s)"
         )
-    return text + "."
+    text += "."
+    idle = _idle(m)
+    if idle is False:
+        text += (
+            " **The machine was not idle** (a load above a quarter of its cores): other work shared "
+            "the CPU, so times scatter more than on an idle machine. These figures were not measured "
+            "again on an idle one."
+        )
+    elif idle is None:
+        text += " The load during the run was not recorded."
+    if results.get("all_bars_met") is False:
+        text += " **Not every bar was met** in this run: the bar column says which."
+    return text
+
+
+def conditions_markdown() -> str:
+    """The conditions of all the committed runs together: dates, machine, load, bars missed."""
+    runs = [json.loads(path.read_text(encoding="utf-8")) for path in sorted(RESULTS.glob("*.json"))]
+    if not runs:
+        raise PluginError(f"no results in {RESULTS}")
+    meta = [run["metadata"] for run in runs]
+    dates = sorted({m["date"][:10] for m in meta})
+    cores = sorted({m["cpu_count"] for m in meta})
+    loads = [
+        load[0] for m in meta for load in (m.get("load_average_before"), m.get("load_average_after")) if load
+    ]
+    idle = [_idle(m) for m in meta]
+    when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+    text = f"The figures come from {len(runs)} runs on {when}, on {' or '.join(map(str, cores))} cores"
+    if loads:
+        text += f", at a load average (1 min) of {min(loads):g} to {max(loads):g}"
+    if any(state is False for state in idle):
+        text += (
+            f": **{sum(state is False for state in idle)} of them on a machine that was not idle**, "
+            "and not measured again on an idle one. Times scatter with the load; the ratios, whose "
+            "two sides run back to back, much less"
+        )
+    missed = sum(run.get("all_bars_met") is False for run in runs)
+    if missed:
+        text += f". **{missed} of the {len(runs)} results files record a missed bar.**"
+    else:
+        text += ". Every bar was met."
+    return text
 
 
 def _worst(records: list[dict[str, Any]], field: str, **where: Any) -> tuple[float, str]:
@@ -135,7 +209,9 @@ def bars_markdown() -> str:
     rules = _load("rules")["tables"]
     rows = []
     layout_rows = [r for r in placement["placement"]["records"] if "expression" in r]
-    worst, verdict = _worst(layout_rows, "ratio")
+    worst, _ = _worst(layout_rows, "ratio")
+    held = [r for r in layout_rows if r.get("bar") is not None]
+    verdict = "PASS" if all(r["ratio"] <= r["bar"] for r in held) else "**FAIL**"
     rows.append(
         f"| `einshard(x, e)`, 64 MiB, every layout and input | `jax.device_put(x, sharding)`, built before "
         f"| ratio ≤ {placement['placement']['bar']:g} | {worst:.3f} | {verdict} |"
@@ -174,12 +250,108 @@ def bars_markdown() -> str:
             f"| `init_sharded`, peak host memory | {against} "
             f"| ≤ {rules['memory']['bar']:g} × model | {worst:.2f} × model | {verdict} |"
         )
+    summarized = {"placement", "rules"}
+    for name, summary in (("errors", _errors_bar), ("step", _step_bar), ("plan", _plan_bar)):
+        try:
+            rows.append(summary(_load(name)["tables"]))
+        except (KeyError, IndexError, PluginError):  # a results file of another shape: its rows as they are
+            continue
+        summarized.add(name)
+    rows += _other_bars(summarized)
     head = "| what | measured against | bar | worst measured | verdict |\n|:---|:---|---:|---:|:---|"
     return "\n".join([head, *rows])
 
 
+def _errors_bar(tables: dict[str, Any]) -> str:
+    errors = tables["errors"]
+    worst_ms = max(float(row[errors["columns"].index("worst ms")]) for row in errors["rows"])
+    return (
+        f"| every answer or error, device counts and sizes up to 2\\*\\*63 | (absolute) "
+        f"| ≤ {errors['bar'] * 1e3:g} ms | {worst_ms:g} ms | {_verdict(errors['records'])} |"
+    )
+
+
+def _step_bar(tables: dict[str, Any]) -> str:
+    overhead = tables["overhead"]
+    held = [r for r in overhead["records"] if r.get("bar") is not None]
+    return (
+        f"| reading a step report ([what does my table cost?](cost.md)) | the step's compile "
+        f"| ≤ {overhead['bar']:g} × compile | {max(r['ratio'] for r in held):.3f} × compile "
+        f"| {_verdict(held)} |"
+    )
+
+
+def _plan_bar(tables: dict[str, Any]) -> str:
+    held = [r for r in tables["scaling"]["records"] if r.get("bar") is not None]
+    return (
+        f"| `plan`, the default candidates at 8 devices ([choosing a strategy](strategies.md)) "
+        f"| (absolute) | ≤ {held[0]['bar']:g} s | {max(r['seconds'] for r in held):.1f} s "
+        f"| {_verdict(held)} |"
+    )
+
+
+def _verdict(records: list[dict[str, Any]]) -> str:
+    held = [r for r in records if r.get("bar") is not None]
+    return "PASS" if all(r["verdict"] == "PASS" for r in held) else "**FAIL**"
+
+
+def _other_bars(summarized: set[str]) -> list[str]:
+    """A row for each table of a results file not summarized above that holds rows to a bar."""
+    rows = []
+    for path in sorted(RESULTS.glob("*.json")):
+        if path.stem in summarized:
+            continue
+        for table in json.loads(path.read_text(encoding="utf-8")).get("tables", {}).values():
+            held = [r for r in table.get("records", []) if r.get("bar") is not None]
+            if held:
+                failed = sum(r["verdict"] != "PASS" for r in held)
+                title = table.get("title", path.stem).replace("|", "\\|")
+                rows.append(
+                    f"| {title} | (see `benchmarks/results/{path.name}`) | as the title says "
+                    f"| {len(held) - failed} of {len(held)} rows within | {_verdict(held)} |"
+                )
+    return rows
+
+
+def sections_markdown(markdown: str) -> str:
+    """A table of a page's ``##`` sections: each linked, with its first sentence and its entries.
+
+    Entries are the headings below a section that have no headings of their own (a message, not
+    a group of messages such as *Flax*).
+    """
+    heading = re.compile(r"^(#{2,4}) (.*?)(?: \{ #([\w-]+) \})?$", re.MULTILINE)
+    found = [(len(m.group(1)), m.group(2), m.group(3), m.end()) for m in heading.finditer(markdown)]
+    lines = ["| section | what it covers | entries |", "|:---|:---|---:|"]
+    for i, (level, title, anchor, end) in enumerate(found):
+        if level != 2:
+            continue
+        if anchor is None:
+            raise PluginError(f"section {title!r} has no {{ #anchor }} for the table of sections")
+        below = []
+        for j in range(i + 1, len(found)):
+            if found[j][0] == 2:
+                break
+            below.append(found[j][0])
+        entries = sum(1 for k, depth in enumerate(below) if k + 1 == len(below) or below[k + 1] <= depth)
+        paragraph = markdown[end:].lstrip("\n").split("\n\n", 1)[0]
+        first = "" if paragraph.startswith(("#", "```", "<!--")) else paragraph.replace("\n", " ")
+        first = re.split(r"(?<=\.)\s", first, maxsplit=1)[0].rstrip(":").replace("|", "\\|")
+        lines.append(f"| [{title}](#{anchor}) | {first} | {entries or ''} |")
+    return "\n".join(lines)
+
+
+def changelog_markdown() -> str:
+    """The repository's CHANGELOG.md, its links to ``docs/`` pages made relative to the site."""
+    text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    return re.sub(r"\]\(docs/", "](", text)
+
+
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
-    """Replaces the benchmark markers with the tables and set-up of the committed results."""
+    """Replaces the markers with the tables and set-up of the committed results, and the sections."""
+    if page.file.src_uri == "changelog.md":
+        return changelog_markdown()
+    if SECTIONS in markdown:
+        markdown = markdown.replace(SECTIONS, sections_markdown(markdown))
     if "benchmark-" not in markdown:
         return markdown
 
@@ -187,6 +359,8 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
         kind, target, without = match.groups()
         if kind == "bars":
             return bars_markdown()
+        if kind == "conditions":
+            return conditions_markdown()
         if target is None:
             raise PluginError(f"{page.file.src_uri}: {match.group(0)} names no results file")
         if kind == "setup":
@@ -467,6 +641,7 @@ def on_files(files: Files, config: Any) -> Files:
 
 
 def on_serve(server: Any, config: Any, builder: Any) -> Any:
-    """``mkdocs serve`` rebuilds when a results file changes."""
+    """``mkdocs serve`` rebuilds when a results file or the changelog changes."""
     server.watch(str(RESULTS))
+    server.watch(str(ROOT / "CHANGELOG.md"))
     return server

@@ -13,6 +13,7 @@ from ._arrays._multihost import from_process_local as from_process_local
 from ._cost._planner import Plan as Plan
 from ._cost._planner import PlanRow as PlanRow
 from ._cost._planner import plan as plan
+from ._cost._step import Finding as Finding
 from ._cost._step import StepReport as StepReport
 from ._cost._step import StepRow as StepRow
 from ._cost._step import explain_step as explain_step

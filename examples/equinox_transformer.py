@@ -123,7 +123,7 @@ def batch(step: int) -> jax.Array:
 
 def main() -> None:
     print(f"{jax.device_count()} devices\n")
-    model = create_sharded(Transformer, jax.random.key(0), rules=RULES)  # never whole on one device
+    model = create_sharded(Transformer, RULES, jax.random.key(0))  # never whole on one device
     tx = optax.adamw(3e-3)
     state = init_sharded(tx, eqx.filter(model, eqx.is_array))  # adamw's mu and nu sharded like the weights
     print(einshard.explain(model, RULES))

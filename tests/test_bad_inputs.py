@@ -366,7 +366,7 @@ def check_deep_tree(kind, depth):
 def test_trees_deeper_than_jax_flattens():
     def check():
         tree = np.ones(8)
-        for _ in range(5000):
+        for _ in range(100_000):  # JAX flattens 5,000 levels on Python 3.13 (3.12: not 5,000)
             tree = {"a": tree}
         with pytest.raises(EinshardError, match="nested too deeply"):
             einshard.shard_pytree(tree, [(".*", "... -> * ...")])

@@ -301,7 +301,7 @@ def test_stacked_layers_use_ellipsis():
     placed = shard_module(stacked)
     assert_layout(placed.weight, "l o i -> l o* i")
     assert_layout(placed.bias, "l o -> l o*")
-    born = create_sharded(eqx.filter_vmap(lambda key: ColumnLinear(HIDDEN, HIDDEN, key=key)), keys)
+    born = create_sharded(eqx.filter_vmap(lambda key: ColumnLinear(HIDDEN, HIDDEN, key=key)), None, keys)
     assert_follows(born, rules)
     assert_trees_close(born, placed, rtol=0, atol=0)
 
@@ -325,19 +325,19 @@ def test_stacked_layers_use_ellipsis():
 
 
 def test_create_sharded_is_born_sharded_with_the_unsharded_values():
-    model = create_sharded(MLP, jax.random.key(0))
+    model = create_sharded(MLP, None, jax.random.key(0))
     assert type(model) is MLP and model.activation is jax.nn.relu and model.depth == 2
     assert_follows(model, MLP_RULES)
     assert_never_whole(model, MLP_RULES)
     assert_trees_close(model, plain_mlp(jax.random.key(0)), rtol=0, atol=0)
     # Explicit rules, on Equinox's own MLP.
     rules = [(r"layers/0/weight$", "o i -> o* i"), (r"layers/1/weight$", "o i -> o i*"), (r".*", REPLICATE)]
-    mlp = create_sharded(eqx.nn.MLP, D_IN, D_OUT, HIDDEN, 1, key=jax.random.key(2), rules=rules)
+    mlp = create_sharded(eqx.nn.MLP, rules, D_IN, D_OUT, HIDDEN, 1, key=jax.random.key(2))
     assert_follows(mlp, rules)
     assert_never_whole(mlp, rules)
     assert_trees_close(mlp, eqx.nn.MLP(D_IN, D_OUT, HIDDEN, 1, key=jax.random.key(2)), rtol=0, atol=0)
     with pytest.raises(einshard.EinshardError, match="no layers decorated"):
-        create_sharded(plain_mlp, jax.random.key(0))
+        create_sharded(plain_mlp, None, jax.random.key(0))
 
 
 # --- training --------------------------------------------------------------------
@@ -347,7 +347,7 @@ def test_train_steps_match_unsharded():
     x, y = data()
     tx = optax.adamw(1e-2)
     step = make_step(tx)
-    model = create_sharded(MLP, jax.random.key(0))
+    model = create_sharded(MLP, None, jax.random.key(0))
     opt_state = einshard_optax.init_sharded(tx, eqx.filter(model, eqx.is_array))
     reference = plain_mlp(jax.random.key(0))
     reference_state = tx.init(eqx.filter(reference, eqx.is_array))
@@ -371,7 +371,7 @@ def test_train_steps_match_unsharded():
 def test_compiled_step_gathers_no_weight():
     x, y = data()
     tx = optax.adamw(1e-2)
-    model = create_sharded(MLP, jax.random.key(0))
+    model = create_sharded(MLP, None, jax.random.key(0))
     opt_state = einshard_optax.init_sharded(tx, eqx.filter(model, eqx.is_array))
     hlo = make_step(tx).lower(model, opt_state, x, y).compile().compiled.as_text()  # eqx wraps jax's
     assert "all-reduce" in hlo  # the row-parallel matmul's partial sums
@@ -396,11 +396,3 @@ def test_the_decorator_builds_a_subclass_through_equinox_and_leaves_the_written_
         type("Later", (Placed,), {"__module__": __name__})(D_IN, HIDDEN, key=jax.random.key(0)).weight,
         "o i -> o* i",
     )
-
-
-def test_create_sharded_takes_rules_by_keyword_only():
-    rules = [(r"weight$", "o i -> o* i"), (r".*", REPLICATE)]
-    layer = create_sharded(eqx.nn.Linear, D_IN, HIDDEN, key=jax.random.key(0), rules=rules)
-    assert_layout(layer.weight, "o i -> o* i")
-    with pytest.raises(TypeError):
-        create_sharded(eqx.nn.Linear, rules, D_IN, HIDDEN, key=jax.random.key(0))  # rules is not a size

@@ -74,7 +74,8 @@ class Mutant:
     meet: bool = False
 
 
-STEP = "einshard/_cost/_step.py"
+REPORT = "einshard/_cost/_report.py"
+ATTRIBUTION = "einshard/_cost/_attribution.py"
 PLANNER = "einshard/_cost/_planner.py"
 STRATEGIES = "einshard/_cost/_strategies.py"
 MESH = "einshard/_sharding/_mesh.py"
@@ -87,7 +88,7 @@ MUTANTS = [
     # --- the step report's ring volumes and estimate ---
     Mutant(
         "ring-all-gather-doubled",
-        STEP,
+        REPORT,
         '    "all-gather": (lambda n: (n - 1) / n, lambda n: n - 1),',
         '    "all-gather": (lambda n: 2 * (n - 1) / n, lambda n: n - 1),',
         VOLUMES,
@@ -95,7 +96,7 @@ MUTANTS = [
     ),
     Mutant(
         "ring-all-reduce-halved",
-        STEP,
+        REPORT,
         '    "all-reduce": (lambda n: 2 * (n - 1) / n, lambda n: 2 * (n - 1)),',
         '    "all-reduce": (lambda n: (n - 1) / n, lambda n: 2 * (n - 1)),',
         VOLUMES,
@@ -103,7 +104,7 @@ MUTANTS = [
     ),
     Mutant(
         "ring-reduce-scatter-doubled",
-        STEP,
+        REPORT,
         '    "reduce-scatter": (lambda n: (n - 1) / n, lambda n: n - 1),',
         '    "reduce-scatter": (lambda n: 2 * (n - 1) / n, lambda n: n - 1),',
         VOLUMES,
@@ -111,7 +112,7 @@ MUTANTS = [
     ),
     Mutant(
         "ring-all-to-all-whole",
-        STEP,
+        REPORT,
         '    "all-to-all": (lambda n: (n - 1) / n, lambda n: n - 1),',
         '    "all-to-all": (lambda n: 1.0, lambda n: n - 1),',
         VOLUMES,
@@ -119,7 +120,7 @@ MUTANTS = [
     ),
     Mutant(
         "ring-permute-fraction",
-        STEP,
+        REPORT,
         '    "collective-permute": (lambda n: 1.0, lambda n: 1),',
         '    "collective-permute": (lambda n: (n - 1) / n, lambda n: 1),',
         VOLUMES,
@@ -127,7 +128,7 @@ MUTANTS = [
     ),
     Mutant(
         "loop-trip-count-ignored",
-        STEP,
+        ATTRIBUTION,
         "                    traffic=round(fraction(group_size) * shape.bytes) * collective.times",
         "                    traffic=round(fraction(group_size) * shape.bytes)",
         VOLUMES,
@@ -135,7 +136,7 @@ MUTANTS = [
     ),
     Mutant(
         "combined-latency-per-array",
-        STEP,
+        REPORT,
         "if row.group_size > 1 and row.instruction not in started else 0",
         "if row.group_size > 1 else 0",
         VOLUMES,

@@ -42,7 +42,7 @@ _MAX_PARTS = 64  # the most parts: bigger outputs get bigger parts, not more com
 
 
 def build_sharded(
-    fn: Callable[..., Any], shardings_for: Callable[[Any], Any], *args: Any, **kwargs: Any
+    fn: Callable[..., Any], shardings_for: Callable[[Any], Any], /, *args: Any, **kwargs: Any
 ) -> Any:
     """``fn(*args, **kwargs)``, every output born with the sharding ``shardings_for`` gives it.
 

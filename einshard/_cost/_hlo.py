@@ -20,8 +20,9 @@ import functools
 import itertools
 import json
 import math
+import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 __all__ = [
     "COLLECTIVES",
@@ -109,27 +110,23 @@ class Instruction:
     def shapes(self) -> tuple[Shape, ...]:
         return parse_shapes(self.type)
 
-    @functools.cached_property
-    def _attributes(self) -> dict[str, str]:
-        return _split_attributes(self.attributes)
-
     def attribute(self, key: str) -> str | None:
         """The raw value of ``key=...`` (balanced braces / brackets / quotes), or ``None``."""
-        return self._attributes.get(key)
+        return _attribute(self.attributes, key)
 
     @functools.cached_property
     def called(self) -> tuple[tuple[str, str], ...]:
         """``(role, computation)`` for every computation this instruction calls."""
         if not any(role in self.attributes for role in _CALL_ROLES):
-            return ()  # most instructions: no need to split their attributes
+            return ()  # most instructions
         out: list[tuple[str, str]] = []
         for role in ("calls", "body", "condition", "to_apply", "true_computation", "false_computation"):
             value = self.attribute(role)
             if value:
-                out += [(role, name) for name in re.findall(r"%?([\w.\-]+)", value)]
+                out += [(role, name) for name in _NAMES.findall(value)]
         branches = self.attribute("branch_computations")
         if branches:
-            out += [("branch", name) for name in re.findall(r"%?([\w.\-]+)", branches)]
+            out += [("branch", name) for name in _NAMES.findall(branches)]
         return tuple(out)
 
     @functools.cached_property
@@ -157,6 +154,33 @@ class Instruction:
 
 
 _TOKENS = re.compile(r'[{}\[\]()",\\]')
+_NAMES = re.compile(r"%?([\w.\-]+)")
+
+
+def _attribute(text: str, key: str) -> str | None:
+    """The value of the top-level attribute ``key`` in an instruction's attribute text.
+
+    Only that attribute's value is scanned (the text of all attributes, with its metadata and
+    backend configs, can be long): an attribute begins the text or follows ``', '``.
+    """
+    needle = key + "="
+    start = 0
+    while True:
+        found = text.find(needle, start)
+        if found < 0:
+            return None
+        if found == 0 or text[found - 2 : found] == ", ":
+            break
+        start = found + 1
+    begin = found + len(needle)
+    end = _top_level_end(text, begin, ",")
+    value = text[begin:end].strip()
+    if key == "replica_groups" and value.startswith("mesh[") and text.startswith(" device_ids=", end + 1):
+        # jax 0.10's named form carries its device order after a comma:
+        # replica_groups=mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}
+        rest = end + 1 + len(" device_ids=")
+        value += ", device_ids=" + text[rest : _top_level_end(text, rest, ",")].strip()
+    return value
 
 
 def _top_level_end(text: str, start: int, closer: str) -> int:
@@ -184,37 +208,78 @@ def _top_level_end(text: str, start: int, closer: str) -> int:
     return len(text)
 
 
-def _split_attributes(text: str) -> dict[str, str]:
-    """``a=1, b={x, y}, c="s"`` -> ``{'a': '1', 'b': '{x, y}', 'c': '"s"'}`` (top-level commas)."""
-    out: dict[str, str] = {}
-    previous = None
-    start = 0
-    while start < len(text):
-        end = _top_level_end(text, start, ",")
-        key, _, value = text[start:end].strip().partition("=")
-        key, value = key.strip(), value.strip()
-        if key == "device_ids" and previous == "replica_groups" and out[previous].startswith("mesh["):
-            # jax 0.10's named form carries its device order after a comma:
-            # replica_groups=mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}
-            out[previous] += f", device_ids={value}"
-        elif key:
-            out[key] = value
-            previous = key
-        start = end + 1
-    return out
+class Computations(Mapping[str, list[Instruction]]):
+    """The module's computations by name; each is parsed the first time it is looked at.
+
+    A compiled program is mostly fusion bodies that the report never reads: their lines are kept
+    as text until asked for.
+    """
+
+    def __init__(self, lines: dict[str, list[str]]) -> None:
+        self.lines = lines
+        self._parsed: dict[str, list[Instruction]] = {}
+
+    def __getitem__(self, name: str) -> list[Instruction]:
+        parsed = self._parsed.get(name)
+        if parsed is None:
+            parsed = [
+                i for i in (_parse_instruction(line, name) for line in self.lines[name]) if i is not None
+            ]
+            self._parsed[name] = parsed
+        return parsed
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.lines)
+
+    def __len__(self) -> int:
+        return len(self.lines)
 
 
 @dataclasses.dataclass
 class Module:
     """A parsed HLO module: its computations, entry, and source tables."""
 
-    computations: dict[str, list[Instruction]]
+    computations: Computations
     entry: str
     num_partitions: int
     frames: dict[int, tuple[str, int]]  # stack frame id -> (file, line)
+    callers: dict[int, int] = dataclasses.field(default_factory=dict)  # stack frame id -> its caller's
 
     def instructions(self) -> dict[str, Instruction]:
-        return {i.name: i for instructions in self.computations.values() for i in instructions}
+        """Every instruction by name (parses the whole module)."""
+        return {i.name: i for name in self.computations for i in self.computations[name]}
+
+    @functools.cached_property
+    def _owners(self) -> dict[str, str]:
+        owners = {}
+        for computation, lines in self.computations.lines.items():
+            for line in lines:
+                match = _NAME.match(line)
+                if match:
+                    owners[match.group(1)] = computation
+        return owners
+
+    def instruction(self, name: str) -> Instruction | None:
+        """The instruction called ``name`` (parses only its computation), or ``None``."""
+        computation = self._owners.get(name)
+        if computation is None:
+            return None
+        by_name = self._by_name.get(computation)
+        if by_name is None:
+            by_name = self._by_name[computation] = {i.name: i for i in self.computations[computation]}
+        return by_name.get(name)
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, dict[str, Instruction]]:
+        return {}
+
+    def containing(self, pattern: re.Pattern[str]) -> list[str]:
+        """The computations with a line ``pattern`` finds something in (without parsing them)."""
+        return [name for name, lines in self.computations.lines.items() if any(map(pattern.search, lines))]
+
+    def mentions(self, pattern: re.Pattern[str]) -> bool:
+        """Whether ``pattern`` finds something in any line (without parsing)."""
+        return any(any(map(pattern.search, lines)) for lines in self.computations.lines.values())
 
     def times(self) -> dict[str, tuple[int, bool]]:
         """How many times each computation runs per call of the entry, and whether that is known.
@@ -223,19 +288,25 @@ class Module:
         a conditional's branches count as run; the done half of an async pair adds nothing.
         """
         calls: dict[str, list[tuple[str, int, bool]]] = {}
-        for computation, instructions in self.computations.items():
-            for instruction in instructions:
-                if instruction.opcode.endswith("-done") or instruction.opcode.endswith("-update"):
+        for computation, lines in self.computations.lines.items():
+            for line in lines:
+                # Only the lines that call a computation are read, from the text (most call none).
+                roles = _ROLE.findall(line) if "=%" in line or "_computation" in line else ()
+                if not roles or _ASYNC_DONE.search(line):
                     continue
-                trip = instruction.trip_count() if instruction.opcode == "while" else None
-                for role, callee in instruction.called:
-                    if role in ("body", "condition"):
-                        factor, known = (trip, True) if trip is not None else (1, False)
-                        if role == "condition" and trip is not None:
-                            factor = trip + 1
-                        calls.setdefault(callee, []).append((computation, factor, known))
-                    else:
-                        calls.setdefault(callee, []).append((computation, 1, True))
+                trip = None
+                if " while(" in line:
+                    match = _TRIP.search(line)
+                    trip = int(match.group(1)) if match else None
+                for role, callee, branches in roles:
+                    for name in _NAMES.findall(branches) if branches else (callee,):
+                        if role in ("body", "condition"):
+                            factor, known = (trip, True) if trip is not None else (1, False)
+                            if role == "condition" and trip is not None:
+                                factor = trip + 1
+                            calls.setdefault(name, []).append((computation, factor, known))
+                        else:
+                            calls.setdefault(name, []).append((computation, 1, True))
         memo: dict[str, tuple[int, bool]] = {self.entry: (1, True)}
 
         def times(name: str, seen: frozenset[str]) -> tuple[int, bool]:
@@ -262,12 +333,44 @@ class Module:
             return op_name, file, int(line)
         frame = metadata.get("stack_frame_id")
         if frame is not None and frame.isdigit() and int(frame) in self.frames:
-            file, number = self.frames[int(frame)]
+            file, number = self.frame(int(frame))
             return op_name, file, number
         return op_name, None, None
 
+    def frame(self, frame: int) -> tuple[str, int]:
+        """``(file, line)`` of a stack frame: the first one outside einshard, up its callers.
+
+        An op that an ``einshard(...)`` call in the step made belongs to the step's line.
+        """
+        file, number = self.frames[frame]
+        seen = {frame}
+        while (
+            file.startswith(_PACKAGE)
+            and self.callers.get(frame) in self.frames
+            and self.callers[frame] not in seen
+        ):
+            frame = self.callers[frame]
+            seen.add(frame)
+            file, number = self.frames[frame]
+        return file, number
+
+
+# einshard's own files: an op made inside einshard is attributed to the user code that called it.
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_OPCODE = re.compile(r"([\w\-]+)\(")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_ROLE = re.compile(
+    r"(?:^|, )(calls|body|condition|to_apply|true_computation|false_computation|branch_computations)="
+    r"(?:%?([\w.\-]+)|\{([^{}]*)\})"
+)
+_ASYNC_DONE = re.compile(r"\s[\w\-]+-(?:done|update)\(")
+_TRIP = re.compile(r'"?known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)')
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_COLLECTIVE_LINE = re.compile(
+    r"\s(?:all-reduce|all-gather|reduce-scatter|all-to-all|ragged-all-to-all|collective-permute)(?:-start)?\("
+)
 _COMPUTATION = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?.*\{\s*$")
 
 
@@ -290,18 +393,18 @@ def _parse_instruction(line: str, computation: str) -> Instruction | None:
         return None
     root, name, rest = match.groups()
     type_, rest = _split_type(rest)
-    opcode_match = re.match(r"([\w\-]+)\(", rest)
+    opcode_match = _OPCODE.match(rest)
     if opcode_match is None:
         return None
     opcode = opcode_match.group(1)
     start = opcode_match.end()
+    end = rest.find(")", start)
     if opcode == "constant" and not rest.startswith("(", start):
-        end = rest.find(")", start)  # a literal (braces and numbers only) can be long: skip it whole
-        end = len(rest) if end < 0 else end
-    else:
-        end = _top_level_end(rest, start, ")")
+        end = len(rest) if end < 0 else end  # a literal (braces and numbers only) can be long: skip it whole
+    elif end < 0 or "(" in rest[start:end] or '"' in rest[start:end]:
+        end = _top_level_end(rest, start, ")")  # operands with tuple types or quotes: balanced
     operand_text = rest[start:end]
-    operands = tuple(re.findall(r"%([\w.\-]+)", operand_text))
+    operands = tuple(_OPERAND.findall(operand_text))
     if opcode == "parameter":
         operands = (operand_text.strip(),)  # its number
     if not operands and operand_text.strip() and opcode not in ("parameter", "constant", "iota"):
@@ -313,13 +416,14 @@ def _parse_instruction(line: str, computation: str) -> Instruction | None:
 
 def parse_module(text: str) -> Module:
     """Parses the text of a compiled HLO module (``compiled.as_text()``)."""
-    computations: dict[str, list[Instruction]] = {}
+    computations: dict[str, list[str]] = {}
     entry = None
     current: str | None = None
     partitions = re.search(r"num_partitions=(\d+)", text)
     files: dict[int, str] = {}
     locations: dict[int, tuple[int, int]] = {}
     frame_locations: dict[int, int] = {}
+    callers: dict[int, int] = {}
     table = None
     for line in text.splitlines():
         stripped = line.strip()
@@ -340,21 +444,24 @@ def parse_module(text: str) -> Module:
                     location = re.search(r"file_location_id=(\d+)", value)
                     if location:
                         frame_locations[int(number)] = int(location.group(1))
+                    # XLA prints a frame's caller as parent_frame_id = its id + 1 (1: none).
+                    parent = re.search(r"parent_frame_id=(\d+)", value)
+                    if parent and int(parent.group(1)) > 1:
+                        callers[int(number)] = int(parent.group(1)) - 1
                 continue
             match = _COMPUTATION.match(line)
             if match and not stripped.startswith("HloModule"):
                 table = None
-                current = match.group(2)
-                computations[current] = []
+                name = match.group(2)
+                computations[name] = []
+                current = name
                 if match.group(1):
-                    entry = current
+                    entry = name
             continue
         if stripped == "}":
             current = None
             continue
-        instruction = _parse_instruction(line, current)
-        if instruction is not None:
-            computations[current].append(instruction)
+        computations[current].append(line)
     if entry is None:
         raise AssertionError(
             "einshard cannot read this XLA text (please report it): no ENTRY computation in the HLO text"
@@ -364,7 +471,9 @@ def parse_module(text: str) -> Module:
         if location in locations:
             file_id, number = locations[location]
             frames[frame] = (files.get(file_id, "?"), number)
-    return Module(computations, entry, int(partitions.group(1)) if partitions else 1, frames)
+    return Module(
+        Computations(computations), entry, int(partitions.group(1)) if partitions else 1, frames, callers
+    )
 
 
 # --- device groups ---------------------------------------------------------------------------------
@@ -487,13 +596,24 @@ def parse_replica_groups(text: str | None, num_devices: int) -> list[list[int]]:
     )
 
 
-def device_groups(instruction: Instruction, num_devices: int) -> list[list[int]]:
+def device_groups(instruction: Instruction, num_devices: int) -> tuple[tuple[int, ...], ...]:
     """The device groups a collective runs over (a permute: the devices of each cycle)."""
     pairs = instruction.attribute("source_target_pairs")
     if instruction.opcode.startswith("collective-permute") and pairs is not None:
-        edges = [tuple(int(n) for n in pair.split(",")) for pair in re.findall(r"\{(\d+,\d+)\}", pairs)]
-        return _connected(edges)
-    return parse_replica_groups(instruction.attribute("replica_groups"), num_devices)
+        return _permute_groups(pairs)
+    return _groups(instruction.attribute("replica_groups"), num_devices)
+
+
+@functools.lru_cache(maxsize=1024)
+def _groups(text: str | None, num_devices: int) -> tuple[tuple[int, ...], ...]:
+    # Most collectives of a program share a few group texts: each is read once.
+    return tuple(tuple(group) for group in parse_replica_groups(text, num_devices))
+
+
+@functools.lru_cache(maxsize=1024)
+def _permute_groups(pairs: str) -> tuple[tuple[int, ...], ...]:
+    edges = [tuple(int(n) for n in pair.split(",")) for pair in re.findall(r"\{(\d+,\d+)\}", pairs)]
+    return tuple(tuple(group) for group in _connected(edges))
 
 
 def _connected(edges: Iterable[tuple[int, ...]]) -> list[list[int]]:
@@ -529,14 +649,14 @@ def collectives(module: Module) -> list[Collective]:
     """Every collective of the program that runs, with its groups and how often it runs."""
     runs = module.times()
     out = []
-    for computation, instructions in module.computations.items():
+    for computation in module.containing(_COLLECTIVE_LINE):
         times, known = runs.get(computation, (0, True))
         if times == 0:
             continue
-        for instruction in instructions:
+        for instruction in module.computations[computation]:
             kind = COLLECTIVES.get(instruction.opcode)
             if kind is None:
                 continue
-            groups = tuple(tuple(g) for g in device_groups(instruction, module.num_partitions))
+            groups = device_groups(instruction, module.num_partitions)
             out.append(Collective(instruction, kind, groups, times, known))
     return out

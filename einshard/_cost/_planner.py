@@ -1,8 +1,8 @@
 """``plan``: compile a step under each candidate strategy and rank them by the step report.
 
 Every candidate is a :class:`~einshard.strategies.Strategy`; its table and batch expression
-give the step's arguments their shardings, and :mod:`einshard._cost._step` compiles the step and
-reads what it costs (in this process for this machine's device count, else in one child
+give the step's arguments their shardings, and :func:`einshard._cost._step.reports` compiles the
+step and reads what it costs (in this process for this machine's device count, else in one child
 process with simulated CPU devices for all candidates). Ranking needs no recompile:
 :meth:`Plan.at` ranks the same reports at other figures.
 """
@@ -10,15 +10,16 @@ process with simulated CPU devices for all candidates). Ranking needs no recompi
 from __future__ import annotations
 
 import dataclasses
-import io
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._language._errors import EinshardError
-from .._language._text import size_text as _size
+from .._language._text import seconds_text, size_text, table_text
 from .._trees._rules import Rules
-from . import _step
+from ._call import StepCall
+from ._report import KINDS, StepReport, accelerated, check_accelerator, estimated
+from ._step import reports
 from ._strategies import DEFAULT_MIN_BYTES, Strategy, defaults
 
 __all__ = ["Plan", "PlanRow", "plan"]
@@ -42,7 +43,7 @@ class PlanRow:
     """
 
     strategy: Strategy
-    report: _step.StepReport | None
+    report: StepReport | None
     rejected: str | None
     index: int = 0
 
@@ -95,6 +96,8 @@ class Plan:
         bandwidth: Bytes per second per device, or ``None``.
         latency: Seconds per ring step.
         flops_per_second: Peak FLOP/s per device, or ``None``.
+        accelerator: Whose compiler's rewrites the reports include (``'gpu'``), or ``None``: as
+            compiled (see :func:`~einshard.explain_step`).
     """
 
     rows: tuple[PlanRow, ...]
@@ -103,6 +106,7 @@ class Plan:
     bandwidth: float | None
     latency: float
     flops_per_second: float | None
+    accelerator: str | None = None
 
     @property
     def usable(self) -> tuple[PlanRow, ...]:
@@ -134,8 +138,13 @@ class Plan:
         bandwidth: float | None = None,
         latency: float | None = None,
         flops_per_second: float | None = None,
+        accelerator: str | None = None,
     ) -> Plan:
-        """The same candidates ranked at other figures (those not given are kept); no recompile."""
+        """The same candidates ranked at other figures or for another accelerator; no recompile.
+
+        The figures not given are kept.
+        """
+        check_accelerator(accelerator)
         return _ranked(
             [dataclasses.replace(row, rejected=_unfit(row.rejected)) for row in self.rows],
             self.n_devices,
@@ -143,13 +152,11 @@ class Plan:
             bandwidth if bandwidth is not None else self.bandwidth,
             latency if latency is not None else self.latency,
             flops_per_second if flops_per_second is not None else self.flops_per_second,
+            accelerator if accelerator is not None else self.accelerator,
         )
 
     def __str__(self) -> str:
-        try:
-            return _rich_text(self)
-        except ImportError:
-            return _plain_text(self)
+        return _text(self)
 
 
 def plan(
@@ -164,6 +171,7 @@ def plan(
     flops_per_second: float | None = None,
     candidates: Sequence[Strategy] | None = None,
     min_bytes: int = DEFAULT_MIN_BYTES,
+    accelerator: str | None = None,
 ) -> Plan:
     """Compiles ``step(params, batch)`` under each candidate strategy and ranks them.
 
@@ -192,13 +200,16 @@ def plan(
             a hybrid for every factorization of the device count (:func:`strategies.defaults
             <einshard.strategies.defaults>`).
         min_bytes: FSDP's and the hybrids' ``min_bytes`` in the default candidates.
+        accelerator: ``'gpu'``: cost each candidate as XLA's GPU compiler rewrites its program
+            (an FSDP gradient's all-reduce then slice as a reduce-scatter), for a plan made on
+            CPU devices for GPUs; ``None``: as compiled.
 
     Returns:
         A :class:`Plan`; ``plan.best`` is the winning :class:`~einshard.strategies.Strategy`.
 
     Raises:
         EinshardError: If a candidate is not a Strategy, or the step or its arguments cannot
-            cross into the child process.
+            cross into the child process, or ``accelerator`` is not ``'cpu'``, ``'gpu'`` or ``None``.
 
     >>> import jax, jax.numpy as jnp, einshard
     >>> def step(params, batch):
@@ -230,24 +241,21 @@ def plan(
             f"n_devices must be a positive integer, not {n_devices!r}",
             hint="Give the device count to plan for, e.g. n_devices=64.",
         )
+    check_accelerator(accelerator)
     local = device_target(None).count
     count = local if n_devices is None else n_devices
     if strategies is None:
         strategies = defaults(count, min_bytes=min_bytes)
-    fn = _step._resolve(step)
-    names, _ = _step._named(fn, (params, batch), {})
-    tables = [_with_batch(strategy, names[1]) for strategy in strategies]
-    if count == local:
-        answers = [_step._answer(fn, (params, batch), {}, table) for table in tables]
-    else:
-        answers = _step._in_child(step, (params, batch), {}, count, None, tables=tables)
+    call = StepCall.of(step, (params, batch), {})
+    tables = [_with_batch(strategy, call.names[1]) for strategy in strategies]
+    answers = reports(call, tables, None if count == local else count)
     rows = []
-    for index, (strategy, (status, value)) in enumerate(zip(strategies, answers, strict=True)):
-        if status == "ok":
-            rows.append(PlanRow(strategy, value, None, index))
+    for index, (strategy, answer) in enumerate(zip(strategies, answers, strict=True)):
+        if answer.report is not None:
+            rows.append(PlanRow(strategy, answer.report, None, index))
         else:
-            rows.append(PlanRow(strategy, None, _reason(value), index))
-    return _ranked(rows, count, memory_per_device, bandwidth, latency, flops_per_second)
+            rows.append(PlanRow(strategy, None, _reason(answer.error), index))
+    return _ranked(rows, count, memory_per_device, bandwidth, latency, flops_per_second, accelerator)
 
 
 def _with_batch(strategy: Strategy, batch_name: str) -> Rules:
@@ -278,12 +286,13 @@ def _ranked(
     bandwidth: float | None,
     latency: float,
     flops_per_second: float | None,
+    accelerator: str | None,
 ) -> Plan:
-    estimated = []
+    priced = []
     for row in rows:
         report = row.report
         if report is not None:
-            report = _step._estimated(report, bandwidth, latency, flops_per_second)
+            report = estimated(accelerated(report, accelerator), bandwidth, latency, flops_per_second)
         rejected = row.rejected
         if (
             rejected is None
@@ -292,8 +301,9 @@ def _ranked(
             and report.peak_bytes is not None
             and report.peak_bytes > memory_per_device
         ):
-            rejected = f"{_MEMORY}: needs {_size(report.peak_bytes)} > {_size(memory_per_device)} per device"
-        estimated.append(PlanRow(row.strategy, report, rejected, row.index))
+            needs, has = size_text(report.peak_bytes), size_text(memory_per_device)
+            rejected = f"{_MEMORY}: needs {needs} > {has} per device"
+        priced.append(PlanRow(row.strategy, report, rejected, row.index))
 
     def measure(row: PlanRow) -> float:
         # Without a bandwidth the communication has no time: the bytes sent rank instead.
@@ -303,8 +313,8 @@ def _ranked(
     def key(row: PlanRow) -> tuple:
         return (measure(row), row.traffic or 0, row.peak_bytes or 0, row.index)
 
-    usable = sorted((row for row in estimated if row.rejected is None), key=key)
-    rejected = sorted((row for row in estimated if row.rejected is not None), key=key)
+    usable = sorted((row for row in priced if row.rejected is None), key=key)
+    rejected = sorted((row for row in priced if row.rejected is not None), key=key)
     # Estimates within TIE of the fastest left are not told apart: the earlier candidate (the
     # simpler strategy, in the default order) goes first.
     ranked: list[PlanRow] = []
@@ -314,17 +324,19 @@ def _ranked(
         usable.remove(pick)
         ranked.append(pick)
     ranked += rejected
-    return Plan(tuple(ranked), n_devices, memory_per_device, bandwidth, latency, flops_per_second)
+    return Plan(
+        tuple(ranked), n_devices, memory_per_device, bandwidth, latency, flops_per_second, accelerator
+    )
 
 
 # --- printing -------------------------------------------------------------------------------------
 
 
 def _columns(plan: Plan) -> tuple[list[str], list[list[str]]]:
-    kinds = [k for k in _step.KINDS if any(row.bytes_by_kind.get(k) for row in plan.rows)]
+    kinds = [k for k in KINDS if any(row.bytes_by_kind.get(k) for row in plan.rows)]
     header = ["#", "strategy", "step time", "comm", "compute", "peak/device", "sent/device"]
     header += [_SHORT_KIND.get(kind, kind) for kind in kinds]
-    header.append("verdict")
+    header += ["findings", "verdict"]
     body = []
     rank = 0
     for row in plan.rows:
@@ -335,18 +347,41 @@ def _columns(plan: Plan) -> tuple[list[str], list[list[str]]]:
             [
                 str(rank) if row.rejected is None else "-",
                 row.name,
-                _step._seconds(row.seconds) if report is not None else "-",
-                _step._seconds(report.communication_seconds) if report is not None else "-",
-                _step._seconds(report.compute_seconds) if report is not None else "-",
-                _size(row.peak_bytes) if row.peak_bytes is not None else "-",
-                _size(row.traffic) if row.traffic is not None else "-",
-                *[_size(row.bytes_by_kind.get(kind, 0)) for kind in kinds],
+                seconds_text(row.seconds) if report is not None else "-",
+                seconds_text(report.communication_seconds) if report is not None else "-",
+                seconds_text(report.compute_seconds) if report is not None else "-",
+                size_text(row.peak_bytes) if row.peak_bytes is not None else "-",
+                size_text(row.traffic) if row.traffic is not None else "-",
+                *[size_text(row.bytes_by_kind.get(kind, 0)) for kind in kinds],
+                _findings_cell(report),
                 ("best" if rank == 1 else "fits")
                 if row.rejected is None
                 else f"rejected ({_short_reason(row.rejected)})",  # the reason in full below
             ]
         )
     return header, body
+
+
+def _findings_cell(report: StepReport | None) -> str:
+    """How many findings, and the largest one's bytes: ``'2 (112.0 KiB)'`` (the footer names it)."""
+    if report is None:
+        return "-"
+    if not report.findings:
+        return "0"
+    return f"{len(report.findings)} ({size_text(report.findings[0].cost)})"
+
+
+def _findings_lines(plan: Plan) -> list[str]:
+    """One line per candidate with findings: how many, and the largest."""
+    lines = []
+    for row in plan.rows:
+        if row.report is not None and row.report.findings:
+            count = len(row.report.findings)
+            lines.append(
+                f"{row.name}: {count} finding{'s' if count > 1 else ''}, the largest "
+                f"{row.report.findings[0].headline()}"
+            )
+    return lines
 
 
 def _chart(plan: Plan) -> list[str]:
@@ -365,7 +400,7 @@ def _chart(plan: Plan) -> list[str]:
         bar_comm = round(_BAR_WIDTH * communication / longest)
         bar_compute = round(_BAR_WIDTH * (communication + compute) / longest) - bar_comm
         bar = "█" * bar_comm + "░" * bar_compute
-        lines.append(f"{row.name.ljust(width)}  {bar.ljust(_BAR_WIDTH)}  {_step._seconds(row.seconds)}")
+        lines.append(f"{row.name.ljust(width)}  {bar.ljust(_BAR_WIDTH)}  {seconds_text(row.seconds)}")
     return ["estimated step time (█ communication, ░ compute):", *lines]
 
 
@@ -382,46 +417,28 @@ def _footer(plan: Plan) -> list[str]:
     rejected = [f"rejected {row.name}: {row.rejected}" for row in plan.rows if row.rejected is not None]
     figures = []
     if plan.bandwidth is not None:
-        figures.append(f"{plan.bandwidth / 1e9:g} GB/s per device, latency {_step._seconds(plan.latency)}")
+        figures.append(f"{plan.bandwidth / 1e9:g} GB/s per device, latency {seconds_text(plan.latency)}")
     if plan.flops_per_second is not None:
         figures.append(f"{plan.flops_per_second:.3g} FLOP/s per device")
     if plan.memory_per_device is not None:
-        figures.append(f"{_size(plan.memory_per_device)} per device")
+        figures.append(f"{size_text(plan.memory_per_device)} per device")
     if plan.bandwidth is None:
         figures.append("no bandwidth given: ranked by bytes sent")
+    if plan.accelerator is not None:
+        figures.append(f"programs as XLA's {plan.accelerator.upper()} compiler rewrites them")
     given = "; ".join(figures)
     return [
         *rejected,
+        *_findings_lines(plan),
         f"{len(plan.rows)} candidates on {plan.n_devices} devices ({given}); "
         f"times within {TIE:.0%} count as equal (the simpler strategy first).",
         "Estimates, not measurements: collectives of the compiled program by ring formulas at the "
         "given bandwidth, plus XLA's flop count at the given FLOP/s, without overlap; peak memory "
-        "from XLA's memory analysis of the program compiled for CPU devices.",
+        "from XLA's memory analysis of the program compiled for CPU devices. Findings: the waste each "
+        "candidate's step report names (print row.report for all of them).",
     ]
 
 
-def _rich_text(plan: Plan) -> str:
-    import rich.box
-    import rich.console
-    import rich.table
-
-    header, body = _columns(plan)
-    table = rich.table.Table(*header, box=rich.box.SIMPLE_HEAD, show_edge=False)
-    for line in body:
-        table.add_row(*line)
-    buffer = io.StringIO()
+def _text(plan: Plan) -> str:
     # 150 columns: what the documentation's code blocks show without wrapping a table's lines.
-    console = rich.console.Console(file=buffer, width=150, color_system=None, force_terminal=False)
-    console.print(table)
-    for line in [*_chart(plan), *_footer(plan)]:
-        console.print(line, highlight=False, soft_wrap=True, markup=False)
-    return "\n".join(line.rstrip() for line in buffer.getvalue().rstrip().splitlines())
-
-
-def _plain_text(plan: Plan) -> str:
-    header, body = _columns(plan)
-    widths = [max(len(cell) for cell in column) for column in zip(header, *body, strict=True)]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(header, widths, strict=True)).rstrip()]
-    lines.append("  ".join("-" * width for width in widths))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in body]
-    return "\n".join([*lines, *_chart(plan), *_footer(plan)])
+    return table_text(*_columns(plan), [*_chart(plan), *_footer(plan)], width=150)

@@ -15,8 +15,8 @@ from typing import Any
 
 from .._arrays._build import itemsize
 from .._language._errors import EinshardError
-from .._language._expression import parse
-from .._language._text import size_text as _size
+from .._language._expression import REPLICATE, parse
+from .._language._text import size_text
 from .._trees._rules import ByShape, Indivisible, Rules, RulesLike, Unmatched
 
 __all__ = [
@@ -30,7 +30,6 @@ __all__ = [
     "tensor_parallel",
 ]
 
-REPLICATE = "... -> * ..."
 BATCH_SPLIT = "b ... -> b* ..."
 
 COLUMN = ("q", "k", "v", "query", "key", "value", "wq", "wk", "wv", "up", "gate")
@@ -161,7 +160,7 @@ class SplitLargest(ByShape):
         if parts == 1 or not shape:
             return REPLICATE, None
         if size < self.min_bytes:
-            return REPLICATE, f"{_size(size)} < min_bytes {_size(self.min_bytes)}: replicated"
+            return REPLICATE, f"{size_text(size)} < min_bytes {size_text(self.min_bytes)}: replicated"
         if len(shape) > len(_NAMES):
             return REPLICATE, f"rank {len(shape)} > {len(_NAMES)}: replicated"
         order = sorted(range(len(shape)), key=lambda i: (-shape[i], i))

@@ -237,7 +237,8 @@ def _refuse_path(path: object) -> None:
     if not isinstance(path, str):
         raise EinshardError(
             f"a leaf path is a string, not {type(path).__name__}",
-            hint="Pass a path like 'layers/0/mlp/w1/kernel': the leaf's keys joined with '/'.",
+            hint="Pass a path like 'layers/0/mlp/w1/kernel': the leaf's dict keys, attribute names and "
+            "indices joined with '/', as einshard.explain's rows show them.",
         )
 
 

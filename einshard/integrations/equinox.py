@@ -74,11 +74,13 @@ import jax
 from .._arrays._arrays import einshard
 from .._arrays._leaves import is_array
 from .._language._errors import EinshardError
-from .._language._expression import REPLICATE, parse
+from .._language._expression import REPLICATE as _REPLICATE
+from .._language._expression import parse
 from .._sharding._devices import Devices
 from .._trees import _pytrees
 from .._trees._paths import path_string
-from .._trees._rules import Indivisible, Rules, RulesLike, Unmatched
+from .._trees._rules import Rules, RulesLike
+from ._calls import rule_table
 
 __all__ = ["create_sharded", "field_expressions", "module_rules", "shard_module", "sharded"]
 
@@ -325,7 +327,7 @@ _active = threading.local()  # ids of the modules whose decorated __call__ is ru
 # --- rule tables -------------------------------------------------------------------------------
 
 
-def module_rules(model: Any, *, default: str | None = REPLICATE) -> Rules:
+def module_rules(model: Any, *, default: str | None = "... -> * ...") -> Rules:
     """The model-wide rule table its decorated layers compose into.
 
     One rule per decorated array field of each layer instance, anchored to
@@ -397,21 +399,13 @@ def _rules_for(model: Any, rules: RulesLike | None) -> RulesLike:
             hint="Pass a rule table, e.g. [(r'weight$', 'o i -> o* i'), (r'.*', '... -> * ...')], "
             "or build the model from @sharded layers.",
         )
-    return Rules([*table.pairs(), (r".*", REPLICATE)])
+    return Rules([*table.pairs(), (r".*", _REPLICATE)])
 
 
 # --- whole modules -----------------------------------------------------------------------------
 
 
-def shard_module(
-    module: T,
-    rules: RulesLike | None = None,
-    *,
-    devices: Devices | None = None,
-    unmatched: Unmatched | None = None,
-    indivisible: Indivisible | None = None,
-    strict: bool | None = None,
-) -> T:
+def shard_module(module: T, rules: RulesLike | None = None, *, devices: Devices | None = None) -> T:
     """An Equinox module with every array field placed by a rule table.
 
     Paths are field names and sequence indices joined with ``/``
@@ -423,14 +417,12 @@ def shard_module(
 
     Args:
         module: An Equinox module (or any pytree holding modules).
-        rules: The rule table (see :func:`einshard.shard_pytree`). ``None``:
-            the table the model's :func:`sharded` layers compose into
-            (:func:`module_rules`), other leaves replicated.
+        rules: The rule table, with its policies (see
+            :func:`einshard.shard_pytree`; a :class:`einshard.Rules` with
+            ``unmatched=`` etc. changes them). ``None``: the table the
+            model's :func:`sharded` layers compose into (:func:`module_rules`),
+            other leaves replicated.
         devices: The devices, in order (see :func:`einshard.make_sharding`).
-        unmatched: A leaf no rule matches: ``'error'`` or ``'replicate'``.
-        indivisible: A leaf whose axis does not divide: ``'error'``,
-            ``'replicate'`` or ``'next'``.
-        strict: Warn about rules that matched nothing.
 
     Returns:
         The module, value for value, each array field placed.
@@ -447,14 +439,14 @@ def shard_module(
     """
     table = _rules_for(module, rules)
     try:
-        return _pytrees.shard_pytree(
-            module, Rules(table, unmatched=unmatched, indivisible=indivisible, strict=strict), devices=devices
-        )
+        return _pytrees.shard_pytree(module, table, devices=devices)
     except EinshardError as error:
         raise error.add_context(f"in {type(module).__name__}") from None
 
 
-def create_sharded(factory: Callable[..., T], *args: Any, rules: RulesLike | None = None, **kwargs: Any) -> T:
+def create_sharded(
+    factory: Callable[..., T], rules: RulesLike | None = None, /, *args: Any, **kwargs: Any
+) -> T:
     """Builds ``factory(*args, **kwargs)`` born sharded: no sharded leaf is ever whole on one device.
 
     The model's shapes are found abstractly (``eqx.filter_eval_shape``), the
@@ -466,37 +458,49 @@ def create_sharded(factory: Callable[..., T], *args: Any, rules: RulesLike | Non
     those of the construction. Array arguments (PRNG keys) are traced; other
     arguments are passed as they are.
 
+    The arguments come in the order of every born-sharded builder (Flax's
+    :func:`einshard.integrations.flax.create_sharded`,
+    :func:`einshard.init_sharded`): the factory, the rules, then the factory's
+    own arguments. ``rules=`` after them is refused with an error showing
+    that call, unless the factory has a parameter called ``rules`` itself.
+
     Args:
         factory: A module class, or any function returning a module (or a
             pytree of them).
+        rules: The rule table; ``None``: the table the model's
+            :func:`sharded` layers compose into (:func:`module_rules`), other
+            leaves replicated.
         *args: Positional arguments for ``factory``.
-        rules: The rule table (keyword-only); ``None``: the table the
-            model's :func:`sharded` layers compose into
-            (:func:`module_rules`), other leaves replicated.
         **kwargs: Keyword arguments for ``factory``.
 
     Returns:
         The module, each array leaf placed by its rule.
 
     Raises:
-        EinshardError: As :func:`shard_module` would, before anything is computed.
+        EinshardError: As :func:`shard_module` would, before anything is
+            computed; the rules given by keyword, or a factory argument in
+            their place.
 
     >>> import jax, equinox as eqx
     >>> from einshard.integrations.equinox import create_sharded
     >>> rules = [('weight', 'o i -> o* i'), ('bias', 'o -> o*')]
-    >>> layer = create_sharded(eqx.nn.Linear, 4, 16, key=jax.random.key(0), rules=rules)
+    >>> layer = create_sharded(eqx.nn.Linear, rules, 4, 16, key=jax.random.key(0))
     >>> sorted({shard.data.shape for shard in layer.weight.addressable_shards})
     [(2, 4)]
     """
+    checked = rule_table(
+        "create_sharded", factory, rules, args, kwargs, none="the table its @sharded layers compose into"
+    )
     abstract = eqx.filter_eval_shape(factory, *args, **kwargs)
-    table = _rules_for(abstract, rules)
+    table = _rules_for(abstract, checked)
     _pytrees.pytree_shardings(abstract, table)  # fail on a bad table before compiling anything
     statics: list[Any] = []
 
-    def build(*call_args: Any, **call_kwargs: Any) -> Any:
+    def build(call_args: tuple[Any, ...], call_kwargs: dict[str, Any]) -> Any:
         arrays, static = eqx.partition(factory(*call_args, **call_kwargs), eqx.is_array)
         statics.append(static)
         return arrays
 
-    arrays = _pytrees.init_sharded(build, table, *args, **kwargs)
+    # The factory's arguments go packed, so that any names they have (rules=, init_fn=) stay theirs.
+    arrays = _pytrees.init_sharded(build, table, args, kwargs)
     return eqx.combine(arrays, statics[-1])

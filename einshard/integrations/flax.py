@@ -74,7 +74,8 @@ from .._language._expression import REPLICATE
 from .._sharding._devices import Devices
 from .._trees import _pytrees
 from .._trees._paths import register_value_wrapper
-from .._trees._rules import RulesLike
+from .._trees._rules import Rules, RulesLike
+from ._calls import rule_table
 
 __all__ = [
     "create_optimizer",
@@ -219,7 +220,7 @@ def _place_part(obj: Any, state: Any, shardings_of: Callable[[Any], list[Any]]) 
     return {id(v): s for v, s in zip(placed, shardings, strict=True) if s is not None}
 
 
-def create_sharded(factory: Callable[..., T], rules: RulesLike, *args: Any, **kwargs: Any) -> T:
+def create_sharded(factory: Callable[..., T], rules: RulesLike, /, *args: Any, **kwargs: Any) -> T:
     """Builds an NNX object born sharded: ``factory(*args, **kwargs)``, every variable placed by its rule.
 
     The construction is compiled by einshard's born-sharded builder (the one
@@ -242,7 +243,12 @@ def create_sharded(factory: Callable[..., T], rules: RulesLike, *args: Any, **kw
 
     The policies are the table's (build a :class:`einshard.Rules` with
     ``unmatched=`` etc. to change them), the devices those of the call
-    (:func:`einshard.use_devices`, or the ambient mesh).
+    (:func:`einshard.use_devices`, or the ambient mesh). The arguments come in
+    the order of every born-sharded builder (Equinox's
+    :func:`einshard.integrations.equinox.create_sharded`,
+    :func:`einshard.init_sharded`): the factory, the rules, then the
+    factory's own arguments; ``rules=`` after them is refused with an error
+    showing that call, unless the factory has a parameter called ``rules``.
 
     The rules decide every layout, so the factory runs with Flax's eager
     sharding off: a model annotated with ``nnx.with_partitioning`` (logical
@@ -262,7 +268,9 @@ def create_sharded(factory: Callable[..., T], rules: RulesLike, *args: Any, **kw
         its rule.
 
     Raises:
-        EinshardError: As :func:`shard_module` would, before anything is computed.
+        EinshardError: As :func:`shard_module` would, before anything is
+            computed; the rules given by keyword, or a factory argument in
+            their place.
 
     >>> from flax import nnx
     >>> from einshard.integrations.flax import create_sharded
@@ -271,15 +279,26 @@ def create_sharded(factory: Callable[..., T], rules: RulesLike, *args: Any, **kw
     >>> [shard.data.shape for shard in model.kernel[...].addressable_shards][:2]
     [(4, 2), (4, 2)]
     """
+    table = _table("create_sharded", factory, rules, args, kwargs)
 
     def make(*args: Any, **kwargs: Any) -> Any:
         with _no_eager_sharding():
             return factory(*args, **kwargs)
 
-    return _build(make, lambda built: _place_state(built, rules, None), *args, **kwargs)
+    return _build(make, lambda built: _place_state(built, table, None), *args, **kwargs)
 
 
-def _build(factory: Callable[..., T], place: Callable[[T], dict[int, Any]], *args: Any, **kwargs: Any) -> T:
+def _table(
+    verb: str, target: Any, rules: RulesLike, args: tuple[Any, ...], kwargs: dict[str, Any], **how: Any
+) -> Rules:
+    table = rule_table(verb, target, rules, args, kwargs, **how)
+    assert table is not None  # None is no table here (rule_table refuses it)
+    return table
+
+
+def _build(
+    factory: Callable[..., T], place: Callable[[T], dict[int, Any]], /, *args: Any, **kwargs: Any
+) -> T:
     """``factory(*args, **kwargs)`` born sharded by ``build_sharded``, ``place`` placing it inside.
 
     ``place(built)`` places the traced object's variables (constraints) and
@@ -434,7 +453,7 @@ def _state_context(error: EinshardError, obj: Any) -> None:
 # --- linen --------------------------------------------------------------------
 
 
-def init_sharded(module: Any, rules: RulesLike, *init_args: Any, **init_kwargs: Any) -> Any:
+def init_sharded(module: Any, rules: RulesLike, /, *init_args: Any, **init_kwargs: Any) -> Any:
     """A born-sharded ``module.init(*init_args, **init_kwargs)`` for a linen module.
 
     The variables are computed by one compiled call whose outputs carry the
@@ -463,16 +482,19 @@ def init_sharded(module: Any, rules: RulesLike, *init_args: Any, **init_kwargs: 
     """
     import flax.linen as nn
 
+    table = _table("init_sharded", module, rules, init_args, init_kwargs)
+
     def init(*args: Any, **kwargs: Any) -> Any:
         return nn.unbox(module.init(*args, **kwargs))
 
-    return _pytrees.init_sharded(init, rules, *init_args, **init_kwargs)
+    return _pytrees.init_sharded(init, table, *init_args, **init_kwargs)
 
 
 def create_train_state(
     module: Any,
     tx: Any,
     rules: RulesLike,
+    /,
     *init_args: Any,
     state_class: type | None = None,
     **init_kwargs: Any,
@@ -518,6 +540,7 @@ def create_train_state(
 
     from . import optax as optax_integration
 
+    table = _table("create_train_state", module, rules, init_args, init_kwargs, before=("tx",))
     cls: Any = train_state.TrainState if state_class is None else state_class
     fields = {field.name for field in dataclasses.fields(cls)}
     extra_fields = fields - {"step", "apply_fn", "params", "tx", "opt_state"}
@@ -526,7 +549,7 @@ def create_train_state(
         variables = nn.unbox(module.init(*args, **kwargs))
         return {name: value for name, value in variables.items() if name == "params" or name in extra_fields}
 
-    variables = dict(_pytrees.init_sharded(init, rules, *init_args, **init_kwargs))
+    variables = dict(_pytrees.init_sharded(init, table, *init_args, **init_kwargs))
     if "params" not in variables:
         raise EinshardError(
             f"{type(module).__name__}.init returned no 'params' collection",

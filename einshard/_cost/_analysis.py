@@ -1,0 +1,112 @@
+"""One step report: compile the step, read the program, attribute its collectives, total them."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import time
+from collections.abc import Iterator
+
+from .._language._errors import EinshardError
+from .._trees._rules import RulesLike
+from . import _hlo
+from ._attribution import Flow, attributed_rows
+from ._call import StepCall
+from ._compile import Compiled, compile_step
+from ._findings import find_waste
+from ._report import StepReport, report_of
+
+__all__ = ["Answer", "analyse", "answer"]
+
+
+def analyse(call: StepCall, rules: RulesLike | None) -> StepReport:
+    """Compiles the step (its arguments sharded by ``rules``, if given) and reports what it costs."""
+    if rules is not None:
+        call = call.with_rules(rules)
+    compiled = compile_step(call)
+    with _without_gc():
+        return _read(call, compiled)
+
+
+@contextlib.contextmanager
+def _without_gc() -> Iterator[None]:
+    # Reading makes many small objects and no cycles; with JAX's heap in the process, each full
+    # collection the reading would trigger costs more than the reading itself.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _read(call: StepCall, compiled: Compiled) -> StepReport:
+    start = time.perf_counter()
+    text = compiled.text()
+    module = _hlo.parse_module(text)
+    n = module.num_partitions
+    mesh, positions = compiled.mesh(n)
+    flow = Flow(module)
+    parameter_paths = _parameter_paths(module, call)
+    rows, origins = attributed_rows(module, flow, mesh, positions, parameter_paths)
+    findings = find_waste(
+        rows,
+        origins,
+        flow,
+        n,
+        messages=compiled.messages(text),
+        layouts=call.layouts,
+        paths=call.paths,
+        parameter_paths=parameter_paths,
+        sizes=call.array_bytes,
+        table=call.table,
+    )
+    memory = compiled.memory()
+    flops = compiled.flops()
+    analysis_seconds = time.perf_counter() - start
+    return report_of(rows, n, mesh, memory, flops, compiled.seconds, analysis_seconds, findings)
+
+
+def _parameter_paths(module: _hlo.Module, call: StepCall) -> list[str | None]:
+    """The path of each parameter of the program, by position.
+
+    ``jax.jit`` drops unused arguments from the program (``keep_unused=False``); then the
+    positions shift, and each parameter is found by the name JAX wrote in its metadata.
+    """
+    paths = call.array_paths
+    parameters = {
+        int(i.operands[0]): i
+        for i in module.computations[module.entry]
+        if i.opcode == "parameter" and i.operands and i.operands[0].isdigit()
+    }
+    if len(parameters) == len(paths):
+        return list(paths)
+    by_name = dict(zip(call.array_jax_names(), paths, strict=True))
+    count = max(parameters, default=-1) + 1
+    return [by_name.get(module.source(parameters[k])[0]) if k in parameters else None for k in range(count)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """The report of the step under one table, or why there is none.
+
+    Attributes:
+        report: The report, or ``None``.
+        error: The ``EinshardError`` the table raised (it does not fit the shapes or devices), or
+            the text of another error (the step does not compile), or ``None``.
+    """
+
+    report: StepReport | None
+    error: EinshardError | str | None = None
+
+
+def answer(call: StepCall, rules: RulesLike | None) -> Answer:
+    """The step's report under one table; an error is kept, so one table that fails loses no other."""
+    try:
+        return Answer(analyse(call, rules))
+    except EinshardError as error:
+        return Answer(None, error)
+    except Exception as error:
+        return Answer(None, f"{type(error).__name__}: {error}")

@@ -1,0 +1,401 @@
+"""Attribution: each collective of the compiled program as report rows, by following its data flow.
+
+A collective's row says which mesh axes its groups run over, in which phase it runs (forward,
+backward, optimizer, from JAX's op names), the source line, and the parameter it serves: the
+parameter an all-gather gathers, or the one a reduced gradient updates.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Sequence
+
+from . import _hlo
+from ._report import RING, StepRow
+
+__all__ = ["Flow", "attributed_rows", "mesh_axes"]
+
+
+def mesh_axes(
+    groups: Sequence[Sequence[int]], mesh: tuple[tuple[str, int], ...], positions: Sequence[int]
+) -> tuple[str, ...] | None:
+    """The mesh axes a collective's groups run over, or ``None`` when they are not whole axes."""
+    return _mesh_axes(tuple(map(tuple, groups)), mesh, tuple(positions))
+
+
+@functools.lru_cache(maxsize=1024)
+def _mesh_axes(
+    groups: tuple[tuple[int, ...], ...], mesh: tuple[tuple[str, int], ...], positions: tuple[int, ...]
+) -> tuple[str, ...] | None:
+    sizes = [size for _, size in mesh]
+
+    def coords(partition: int) -> tuple[int, ...]:
+        flat = positions[partition] if partition < len(positions) else partition
+        out = []
+        for size in reversed(sizes):
+            out.append(flat % size)
+            flat //= size
+        return tuple(reversed(out))
+
+    varying: set[int] = set()
+    for group in groups:
+        points = [coords(p) for p in group]
+        for axis in range(len(sizes)):
+            if len({c[axis] for c in points}) > 1:
+                varying.add(axis)
+    span = math.prod(sizes[a] for a in varying)
+    for group in groups:
+        points = {coords(p) for p in group}
+        if len(points) != span:
+            return None
+        fixed = {tuple(c[a] for a in range(len(sizes)) if a not in varying) for c in points}
+        if len(fixed) != 1:
+            return None
+    return tuple(mesh[a][0] for a in sorted(varying))
+
+
+# Ops a value passes through unchanged in meaning (a parameter stays that parameter).
+_THROUGH = {
+    "get-tuple-element",
+    "bitcast",
+    "copy",
+    "reshape",
+    "convert",
+    "transpose",
+    "dynamic-slice",
+    "slice",
+}
+# Ops that combine a gradient with same-shaped state (an optimizer update), elementwise.
+_ELEMENTWISE = _THROUGH | {
+    "add", "subtract", "multiply", "divide", "negate", "select", "sqrt", "rsqrt", "maximum", "minimum",
+    "clamp", "power", "abs", "sign", "exponential", "log", "tanh", "all-reduce", "dynamic-update-slice",
+}  # fmt: skip
+_MIXING = {
+    "dot",
+    "convolution",
+    "reduce",
+    "reduce-window",
+    "scatter",
+    "gather",
+    "sort",
+    "custom-call",
+    "while",
+}
+
+
+def _phase(op_name: str, has_grad: bool) -> str:
+    if "transpose(" in op_name:
+        return "backward"
+    if "jvp(" in op_name or not has_grad:
+        return "forward"
+    return "optimizer" if "/" in op_name else ""
+
+
+_MIXING_LINE = re.compile(r"\s(?:" + "|".join(sorted(_MIXING, key=len, reverse=True)) + r")\(")
+_TRANSPOSED = re.compile(r'op_name="[^"]*transpose\(')
+
+
+class _Instructions:
+    """The program's instructions by name, each computation parsed when one of its is asked for."""
+
+    def __init__(self, module: _hlo.Module) -> None:
+        self.module = module
+        self._found: dict[str, _hlo.Instruction | None] = {}
+
+    def get(self, name: str) -> _hlo.Instruction | None:
+        if name not in self._found:
+            self._found[name] = self.module.instruction(name)
+        return self._found[name]
+
+
+class Flow:
+    """Data flow of the program: where values come from, where they go.
+
+    The entry computation's at once, another computation's when asked.
+    """
+
+    def __init__(self, module: _hlo.Module) -> None:
+        self.module = module
+        self.entry = {i.name: i for i in module.computations[module.entry]}
+        self.all = _Instructions(module)
+        self._users: dict[str, dict[str, list[_hlo.Instruction]]] = {}
+        self.users = self.users_in(module.entry)
+        self.parameters = {
+            int(i.operands[0]): i
+            for i in self.entry.values()
+            if i.opcode == "parameter" and i.operands and i.operands[0].isdigit()
+        }
+        self._simple: dict[str, bool] = {}
+
+    def simple(self, computation: str) -> bool:
+        """Whether a computation only moves and combines values elementwise (no matmul, no loop)."""
+        simple = self._simple.get(computation)
+        if simple is None:
+            lines = self.module.computations.lines.get(computation)  # read as text: not parsed
+            simple = lines is not None and not any(map(_MIXING_LINE.search, lines))
+            self._simple[computation] = simple
+        return simple
+
+    def users_in(self, computation: str) -> dict[str, list[_hlo.Instruction]]:
+        """The users of each value of one computation."""
+        users = self._users.get(computation)
+        if users is None:
+            users = {}
+            for instruction in self.module.computations.get(computation, ()):
+                for operand in instruction.operands:
+                    users.setdefault(operand, []).append(instruction)
+            self._users[computation] = users
+        return users
+
+    def result(self, instruction: _hlo.Instruction, index: int) -> _hlo.Instruction | None:
+        """The value holding array ``index`` of a collective's result, or ``None``.
+
+        That is past an async pair's ``-done`` and a combined collective's ``get-tuple-element``.
+        """
+        users = self.users_in(instruction.computation)
+        value = instruction
+        if value.opcode.endswith("-start"):
+            done = [u for u in users.get(value.name, ()) if u.opcode.endswith("-done")]
+            if not done:
+                return None
+            value = done[0]
+        if not value.type.startswith("("):
+            return value
+        wanted = str(index)
+        for user in users.get(value.name, ()):
+            if user.opcode == "get-tuple-element" and user.attribute("index") == wanted:
+                return user
+        return None
+
+    def passes(self, instruction: _hlo.Instruction, allowed: set[str]) -> bool:
+        if instruction.opcode == "fusion":
+            return all(self.simple(callee) for _, callee in instruction.called)
+        return instruction.opcode in allowed
+
+    def parameter(self, name: str, depth: int = 8) -> int | None:
+        """The entry parameter a value is (through copies, reshapes, slices, simple fusions)."""
+        for _ in range(depth):
+            instruction = self.entry.get(name)
+            if instruction is None:
+                return None
+            if instruction.opcode == "parameter":
+                return int(instruction.operands[0]) if instruction.operands else None
+            if not self.passes(instruction, _THROUGH):
+                return None
+            big = [o for o in instruction.operands if self._size(o) > 1]
+            if len(big) != 1:
+                return None
+            name = big[0]
+        return None
+
+    def parameter_size(self, index: int) -> int:
+        instruction = self.parameters.get(index)
+        return -1 if instruction is None else self._size(instruction.name)
+
+    def _size(self, name: str) -> int:
+        instruction = self.all.get(name)
+        if instruction is None:
+            return 0
+        shapes = instruction.shapes
+        return shapes[0].size if len(shapes) == 1 else 0
+
+    def updated(self, start: list[_hlo.Instruction], forward_read: set[int]) -> int | None:
+        """The parameter a gradient updates, or ``None``.
+
+        That is a same-sized parameter met downstream, through elementwise work; one the
+        forward or backward pass reads is preferred (not an optimizer moment).
+        """
+        seen = {i.name for i in start}
+        frontier = list(start)
+        candidates: list[tuple[int, int]] = []
+        for depth in range(12):
+            following = []
+            for instruction in frontier:
+                sizes = {s.size for s in instruction.shapes}
+                for operand in instruction.operands:
+                    if operand in seen:
+                        continue
+                    parameter = self.parameter(operand)
+                    if parameter is not None and self._size(operand) in sizes:
+                        candidates.append((depth, parameter))
+                if depth == 0 or self.passes(instruction, _ELEMENTWISE):
+                    for user in self.users.get(instruction.name, ()):
+                        if user.name not in seen:
+                            seen.add(user.name)
+                            following.append(user)
+            frontier = following
+            if not frontier:
+                break
+        preferred = [c for c in candidates if c[1] in forward_read] or candidates
+        return min(preferred)[1] if preferred else None
+
+    def updated_parameters(self) -> set[int]:
+        """The entry parameters the step's outputs are elementwise updates of.
+
+        Trained state (weights, optimizer moments), found through elementwise work from each
+        output; the batch is read by matmuls only, so it is not among them.
+        """
+        root = next((i for i in self.entry.values() if i.root), None)
+        if root is None:
+            return set()
+        outputs = list(root.operands) if root.opcode == "tuple" else [root.name]
+        found: set[int] = set()
+        for output in outputs:
+            size = self._size(output)
+            if size <= 1:
+                continue
+            seen, frontier = {output}, [output]
+            for _ in range(10):
+                following = []
+                for name in frontier:
+                    instruction = self.entry.get(name)
+                    if instruction is None:
+                        continue
+                    if instruction.opcode == "parameter":
+                        # The same size, or a multiple: the update of this device's slice of it.
+                        number = instruction.operands[0] if instruction.operands else ""
+                        if number.isdigit() and self._size(name) % size == 0:
+                            found.add(int(number))
+                        continue
+                    if not self.passes(instruction, _ELEMENTWISE):
+                        continue
+                    for operand in instruction.operands:
+                        if operand not in seen:
+                            seen.add(operand)
+                            following.append(operand)
+                frontier = following
+                if not frontier:
+                    break
+        return found
+
+    def forward_read(self, has_grad: bool) -> set[int]:
+        """The parameters the forward or backward pass reads (through copies and gathers)."""
+        out = set()
+        for instruction in self.entry.values():
+            if instruction.opcode != "parameter" or not instruction.operands:
+                continue
+            frontier, depth = [instruction], 0
+            while frontier and depth < 4:
+                following = []
+                for value in frontier:
+                    for user in self.users.get(value.name, ()):
+                        op_name = self.module.source(user)[0]
+                        if "jvp(" in op_name:  # forward or backward: not the optimizer's state
+                            out.add(int(instruction.operands[0]))
+                        if self.passes(user, _THROUGH | {"all-gather"}):
+                            following.append(user)
+                frontier, depth = following, depth + 1
+        return out
+
+
+def attributed_rows(
+    module: _hlo.Module,
+    flow: Flow,
+    mesh: tuple[tuple[str, int], ...],
+    positions: list[int],
+    paths: list[str | None] | None,
+) -> tuple[list[StepRow], list[tuple[_hlo.Collective, int]]]:
+    """One row per array of every collective, and for each row its collective and array index."""
+    found = _hlo.collectives(module)
+    origins: list[tuple[_hlo.Collective, int]] = []
+    # A backward pass shows as op names 'transpose(jvp(...))'; the raw text is enough to tell.
+    has_grad = module.mentions(_TRANSPOSED)
+    forward_read = flow.forward_read(has_grad) if has_grad and paths is not None else set()
+    rows = []
+    for collective in found:
+        instruction = collective.instruction
+        op_name, file, line = module.source(instruction)
+        # The largest group: a permute's cycles can include devices that keep their own shard.
+        group_size = max((len(group) for group in collective.groups), default=1)
+        axes = mesh_axes(collective.groups, mesh, positions)
+        inputs = [s for s in (_operand_shape(flow, o) for o in instruction.operands) if s is not None]
+        outputs = list(instruction.shapes)
+        if instruction.opcode.endswith("-start") or len(outputs) != len(inputs):
+            outputs = [_output_of(collective.kind, s, instruction, group_size) for s in inputs]
+        for index, (source_shape, result_shape) in enumerate(zip(inputs, outputs, strict=False)):
+            shape = result_shape if collective.kind == "all-gather" else source_shape
+            param = None
+            if paths is not None and module.entry == instruction.computation:
+                operand = instruction.operands[index] if index < len(instruction.operands) else None
+                parameter = flow.parameter(operand) if operand is not None else None
+                if parameter is not None and flow.parameter_size(parameter) != flow._size(operand or ""):
+                    parameter = None  # a value computed from a parameter is not that parameter
+                backward = _phase(op_name, has_grad) == "backward"
+                if parameter is None and collective.kind in ("all-reduce", "reduce-scatter") and backward:
+                    start = [instruction]
+                    if len(instruction.shapes) > 1:
+                        start = [
+                            u for u in flow.users.get(instruction.name, ())
+                            if u.opcode == "get-tuple-element" and u.attribute("index") == str(index)
+                        ]  # fmt: skip
+                    parameter = flow.updated(start, forward_read) if start else None
+                if parameter is not None and parameter < len(paths):
+                    param = paths[parameter]
+            phase, source = _phase(op_name, has_grad), f"{file}:{line}" if file is not None else None
+            if not phase or source is None:  # a resharding of an argument: it serves its first user
+                user_phase, source = _user_phase(flow, instruction, has_grad, source)
+                phase = phase or user_phase
+            fraction, _ = RING[collective.kind]
+            origins.append((collective, index))
+            rows.append(
+                StepRow(
+                    kind=collective.kind,
+                    dtype=shape.dtype,
+                    shape=shape.dims,
+                    bytes=shape.bytes,
+                    group_size=group_size,
+                    axes=axes,
+                    times=collective.times,
+                    times_known=collective.times_known,
+                    traffic=round(fraction(group_size) * shape.bytes) * collective.times
+                    if group_size > 1
+                    else 0,
+                    seconds=None,
+                    phase=phase,
+                    op_name=op_name,
+                    source=source,
+                    param=param,
+                    instruction=instruction.name,
+                )
+            )
+    return rows, origins
+
+
+def _user_phase(
+    flow: Flow, instruction: _hlo.Instruction, has_grad: bool, source: str | None
+) -> tuple[str, str | None]:
+    frontier = [instruction]
+    for _ in range(6):
+        following = []
+        for value in frontier:
+            for user in flow.users.get(value.name, ()):
+                op_name, file, line = flow.module.source(user)
+                phase = _phase(op_name, has_grad)
+                if phase:
+                    return phase, source or (f"{file}:{line}" if file is not None else None)
+                following.append(user)
+        frontier = following
+    return "", source
+
+
+def _operand_shape(flow: Flow, name: str) -> _hlo.Shape | None:
+    instruction = flow.all.get(name)
+    if instruction is None:
+        return None
+    shapes = instruction.shapes
+    if len(shapes) == 1:
+        return shapes[0]
+    return None
+
+
+def _output_of(kind: str, shape: _hlo.Shape, instruction: _hlo.Instruction, n: int) -> _hlo.Shape:
+    dims = list(shape.dims)
+    dimension = instruction.attribute("dimensions")
+    axis = int(dimension.strip("{}").split(",")[0]) if dimension and dimension.strip("{}") else 0
+    if kind == "all-gather" and dims:
+        dims[axis] *= n
+    elif kind == "reduce-scatter" and dims:
+        dims[axis] //= n
+    return _hlo.Shape(shape.dtype, tuple(dims))

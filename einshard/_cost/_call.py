@@ -1,0 +1,212 @@
+"""The step and its arguments, named once: a :class:`StepCall`.
+
+Every part of the step report needs the arguments' leaves in the order ``jax.jit`` flattens them
+(the program's parameter order) and their paths ``name/key/...`` (``fn``'s parameter names in
+front, the paths rule tables match). They are flattened and named here, once per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+from .._language._errors import EinshardError
+from .._trees._paths import flatten_with_paths
+from .._trees._rules import RulesLike
+
+__all__ = ["StepCall", "abstract", "is_array", "resolve_step"]
+
+
+def resolve_step(fn: Callable[..., Any] | str) -> Callable[..., Any]:
+    """The step itself: a ``'module:function'`` string is imported, a callable is returned."""
+    if not isinstance(fn, str):
+        return fn
+    module, _, name = fn.partition(":")
+    try:
+        target: Any = importlib.import_module(module)
+        for part in name.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise EinshardError(
+            f"cannot import the step {fn!r}: {error}",
+            hint="Name a module-level function as 'package.module:function', importable from sys.path.",
+        ) from None
+    return target
+
+
+def is_array(leaf: Any) -> bool:
+    """Whether a leaf is traced by the step's compile (the others are held static)."""
+    import jax
+    import numpy as np
+
+    return isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))
+
+
+def abstract(tree: Any) -> Any:
+    """Array leaves become plain ``ShapeDtypeStruct``s; other leaves stay.
+
+    Without shardings: those name this process's devices, and do not cross into a child process.
+    """
+    import jax
+
+    return jax.tree_util.tree_map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) if is_array(leaf) else leaf, tree
+    )
+
+
+def _names(fn: Callable[..., Any], n_args: int, kwargs: dict) -> tuple[str, ...]:
+    """Names for the top-level arguments: ``fn``'s parameter names where it has them."""
+    names = [str(i) for i in range(n_args)]
+    target = getattr(fn, "__wrapped__", fn)
+    try:
+        parameters = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):
+        parameters = []
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    for i, parameter in enumerate(positional[:n_args]):
+        names[i] = parameter.name
+    if parameters and parameters[0].kind == parameters[0].VAR_POSITIONAL:
+        names = [f"{parameters[0].name}/{i}" for i in range(n_args)]
+    return (*names, *kwargs)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepCall:
+    """A step with its arguments, flattened and named once.
+
+    Attributes:
+        given: The step as the user gave it (a callable or a ``'module:function'`` string): what
+            crosses into a child process.
+        fn: The step itself.
+        args: The positional arguments.
+        kwargs: The keyword arguments.
+        names: The top-level arguments' names, positional then keyword (``params``, ``batch``).
+        leaves: Every leaf of ``(args, kwargs)``, in ``jax.jit``'s flattening order.
+        paths: Each leaf's path, ``name/key/...`` (``params/layers/0/kernel``).
+        layouts: Each leaf's plan under the rules that gave the arguments their shardings
+            (``None`` for a leaf that is not an array), or ``None`` without rules.
+        table: Those rules, or ``None``.
+    """
+
+    given: Callable[..., Any] | str
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+    names: tuple[str, ...]
+    leaves: tuple[Any, ...]
+    paths: tuple[str, ...]
+    _keys: tuple[tuple[str, tuple], ...]  # (argument name, key path below it) of each leaf
+    _treedef: Any
+    layouts: tuple[Any, ...] | None = None
+    table: Any = None
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any] | str, args: tuple, kwargs: dict) -> StepCall:
+        """Resolves the step and names its arguments."""
+        import jax
+
+        step = resolve_step(fn)
+        names = _names(step, len(args), kwargs)
+        arguments = (tuple(args), dict(kwargs))
+        flat, treedef = jax.tree_util.tree_flatten_with_path(arguments)
+        # The paths rules see come from the one path-maker (framework wrappers left out); the key
+        # paths give the names JAX writes in the program's metadata.
+        _, rule_paths, _ = flatten_with_paths(arguments)
+        keys, paths, leaves = [], [], []
+        for (path, leaf), rule_path in zip(flat, rule_paths, strict=True):
+            # path[0]: args or kwargs; path[1]: the argument's index or keyword; then its own path.
+            top = names[path[1].idx] if path[0].idx == 0 else str(path[1].key)
+            keys.append((top, tuple(path[2:])))
+            rest = rule_path.split("/", 2)[2:]
+            paths.append(f"{top}/{rest[0]}" if rest else top)
+            leaves.append(leaf)
+        return cls(
+            fn, step, tuple(args), dict(kwargs), names, tuple(leaves), tuple(paths), tuple(keys), treedef
+        )
+
+    @functools.cached_property
+    def arrays(self) -> tuple[int, ...]:
+        """The positions of the array leaves (the compiled program's parameters, in order)."""
+        return tuple(i for i, leaf in enumerate(self.leaves) if is_array(leaf))
+
+    @property
+    def array_paths(self) -> list[str]:
+        """The paths of the array leaves, in the program's parameter order."""
+        return [self.paths[i] for i in self.arrays]
+
+    @property
+    def array_bytes(self) -> dict[str, int]:
+        """Each array leaf's bytes (the whole array), by path."""
+        from .._arrays._build import itemsize
+
+        return {
+            self.paths[i]: math.prod(self.leaves[i].shape) * itemsize(self.leaves[i].dtype)
+            for i in self.arrays
+        }
+
+    def array_jax_names(self) -> list[str]:
+        """The names JAX gives the array leaves in the program's metadata: ``params['w1']``."""
+        import jax
+
+        return [f"{self._keys[i][0]}{jax.tree_util.keystr(self._keys[i][1])}" for i in self.arrays]
+
+    def rebuilt(self, arrays: Any) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` with the array leaves replaced by ``arrays`` (in order)."""
+        import jax
+
+        full = list(self.leaves)
+        for i, array in zip(self.arrays, arrays, strict=True):
+            full[i] = array
+        return jax.tree_util.tree_unflatten(self._treedef, full)
+
+    def with_leaves(self, leaves: list[Any]) -> StepCall:
+        """The same step with other leaves of the same structure (names and paths kept)."""
+        import jax
+
+        args, kwargs = jax.tree_util.tree_unflatten(self._treedef, leaves)
+        return dataclasses.replace(self, args=tuple(args), kwargs=dict(kwargs), leaves=tuple(leaves))
+
+    def with_rules(self, rules: RulesLike) -> StepCall:
+        """The arguments as ``ShapeDtypeStruct`` leaves with the shardings the rules give them."""
+        import jax
+
+        from .._trees._assign import as_rules
+        from .._trees._pytrees import leaf_shardings
+
+        # The rules see one tree {name: argument}; varargs' names 'args/0' nest one level.
+        values = [abstract(value) for value in (*self.args, *self.kwargs.values())]
+        tree: dict[str, Any] = {}
+        for name, value in zip(self.names, values, strict=True):
+            head, _, tail = name.partition("/")
+            if tail:
+                tree.setdefault(head, {})[tail] = value
+            else:
+                tree[name] = value
+        assigned, treedef, flat = leaf_shardings(tree, rules, None)
+        shardings = jax.tree_util.tree_unflatten(treedef, flat)
+        by_path = {assignment.path: assignment for _, assignment in assigned if assignment is not None}
+
+        def placed(value: Any, sharding: Any) -> Any:
+            return jax.tree_util.tree_map(
+                lambda leaf, s: (
+                    jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s) if is_array(leaf) else leaf
+                ),
+                value,
+                sharding,
+                is_leaf=lambda x: x is None,
+            )
+
+        out = []
+        for name, value in zip(self.names, values, strict=True):
+            head, _, tail = name.partition("/")
+            out.append(placed(value, shardings[head][tail] if tail else shardings[name]))
+        n = len(self.args)
+        kwargs = dict(zip(self.kwargs, out[n:], strict=True))
+        placed_call = self.with_leaves(jax.tree_util.tree_leaves((tuple(out[:n]), kwargs)))
+        layouts = tuple(by_path.get(path) for path in self.paths)
+        return dataclasses.replace(placed_call, layouts=layouts, table=as_rules(rules))

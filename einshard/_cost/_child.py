@@ -1,0 +1,120 @@
+"""A device count this machine does not have: the step compiled in a child process.
+
+The child runs ``python -c "from einshard._cost._child import main; main()"`` with ``N``
+simulated CPU devices, reads the pickled step and arguments from stdin, and writes its answers
+to stdout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .._language._errors import EinshardError
+from .._trees._rules import RulesLike
+from ._analysis import Answer, answer
+from ._call import StepCall, abstract
+
+__all__ = ["child_error", "in_child", "main"]
+
+_COMMAND = "from einshard._cost._child import main; main()"
+
+
+def in_child(
+    fn: Callable[..., Any] | str,
+    args: tuple,
+    kwargs: dict,
+    n_devices: int,
+    tables: Sequence[RulesLike | None],
+) -> list[Answer]:
+    """One answer per table, compiled in a child process with ``n_devices`` simulated CPU devices.
+
+    The step crosses as it was given (resolved in the child); the arguments as plain
+    ``ShapeDtypeStruct``s: their shardings come from the tables.
+    """
+    payload = {"fn": fn, "args": abstract(args), "kwargs": abstract(kwargs), "tables": list(tables)}
+    # A step defined in the script being run lives in __main__: the child runs that file as
+    # __mp_main__ first, as multiprocessing's spawn does, so that pickle finds it there.
+    main_module = sys.modules.get("__main__")
+    main_file = getattr(main_module, "__file__", None)
+    main_path = os.path.abspath(main_file) if main_file and main_file.endswith(".py") else None
+    try:
+        data = pickle.dumps(payload)
+        if b"__main__" not in data:  # nothing from the running script: the child need not run it
+            main_path = None
+        data = pickle.dumps(main_path) + data
+    except Exception as error:
+        raise EinshardError(
+            f"the step cannot cross into a child process with {n_devices} devices: {error}",
+            hint="Give the step as an importable 'module:function' string (or a module-level function), "
+            "and arguments that pickle: arrays or ShapeDtypeStructs in ordinary pytrees; "
+            "give their shardings with rules=.",
+        ) from None
+    flags = os.environ.get("XLA_FLAGS", "")
+    flags = " ".join(f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "JAX_NUM_CPU_DEVICES": str(n_devices),
+        "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={n_devices}".strip(),
+        "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", _COMMAND], input=data, capture_output=True, env=env, check=False
+    )
+    if result.returncode != 0 or not result.stdout:
+        raise EinshardError(
+            f"the child process with {n_devices} devices failed (exit code {result.returncode})",
+            hint=result.stderr.decode(errors="replace").strip()[-2000:] or None,
+        )
+    status, value = pickle.loads(result.stdout)
+    if status == "error":
+        raise child_error(value, n_devices)
+    return value
+
+
+def child_error(error: EinshardError | str, n_devices: int) -> EinshardError:
+    """What the parent raises for an error in the child (an ``EinshardError`` keeps its message)."""
+    if isinstance(error, EinshardError):
+        return error.add_context(f"in a child process with {n_devices} simulated CPU devices")
+    return EinshardError(
+        f"compiling the step in a child process with {n_devices} devices failed: {error}",
+        hint="Run the step on this machine first (without n_devices=) to see the error.",
+    )
+
+
+def main() -> None:
+    """The child process: reads the payload from stdin, writes ``(status, answers)`` to stdout."""
+    out = sys.stdout.buffer
+    sys.stdout = sys.stderr  # stray prints of the step must not corrupt the answer
+    import jax
+
+    count = int(os.environ["JAX_NUM_CPU_DEVICES"])
+    with contextlib.suppress(AttributeError):  # older JAX: XLA_FLAGS does it
+        jax.config.update("jax_num_cpu_devices", count)
+    jax.devices()  # start the backend now: the parent's script may set XLA_FLAGS when it runs
+    try:
+        stream = io.BytesIO(sys.stdin.buffer.read())
+        main_path = pickle.load(stream)
+        if main_path is not None:
+            import runpy
+            import types
+
+            module = types.ModuleType("__mp_main__")
+            module.__dict__.update(runpy.run_path(main_path, run_name="__mp_main__"))
+            sys.modules["__main__"] = sys.modules["__mp_main__"] = module
+        payload = pickle.load(stream)
+        call = StepCall.of(payload["fn"], payload["args"], payload["kwargs"])
+        result: tuple[str, Any] = ("ok", [answer(call, table) for table in payload["tables"]])
+    except EinshardError as error:
+        result = ("error", error)
+    except Exception as error:
+        result = ("error", f"{type(error).__name__}: {error}")
+    out.write(pickle.dumps(result))
+    out.flush()

@@ -1,0 +1,493 @@
+"""The step report: its rows, totals, estimates (ring formulas) and table."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from collections.abc import Sequence
+from typing import Any
+
+from .._language._errors import EinshardError
+from .._language._text import seconds_text, size_text, table_text
+
+__all__ = [
+    "ACCELERATORS",
+    "KINDS",
+    "RING",
+    "Finding",
+    "StepReport",
+    "StepRow",
+    "accelerated",
+    "estimated",
+    "report_of",
+]
+
+# Ring algorithms: bytes each device sends per run, as a multiple of the buffer, and the number
+# of sequential steps (each paying the latency once), for a group of n devices.
+RING = {
+    "all-reduce": (lambda n: 2 * (n - 1) / n, lambda n: 2 * (n - 1)),
+    "all-gather": (lambda n: (n - 1) / n, lambda n: n - 1),
+    "reduce-scatter": (lambda n: (n - 1) / n, lambda n: n - 1),
+    "all-to-all": (lambda n: (n - 1) / n, lambda n: n - 1),
+    "collective-permute": (lambda n: 1.0, lambda n: 1),
+}
+KINDS = tuple(RING)
+ACCELERATORS = ("cpu", "gpu")
+"""What ``accelerator=`` takes: ``'gpu'`` costs the program as XLA's GPU compiler rewrites it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRow:
+    """One collective of a compiled step (one array of a combined collective).
+
+    Attributes:
+        kind: ``all-reduce``, ``all-gather``, ``reduce-scatter``, ``all-to-all`` or
+            ``collective-permute``.
+        dtype: The element type, as XLA names it (``f32``, ``bf16``, ...).
+        shape: The array's shape on each device: the result of an all-gather, the input of a
+            reduce-scatter, the array of the others.
+        bytes: The bytes of that array on each device, per run.
+        group_size: How many devices take part in each group.
+        axes: The mesh axes the groups run over (``None`` when they are not whole axes).
+        times: How many times it runs per step (a loop body: its trip count).
+        times_known: False when it is inside a loop whose trip count XLA does not know
+            (counted once).
+        traffic: The bytes each device sends per step, by the ring formula, over all runs.
+        seconds: The estimated time over all runs at the report's bandwidth and latency, or
+            ``None`` without a bandwidth.
+        phase: ``forward``, ``backward``, ``optimizer`` or ``""``, from JAX's op name.
+        op_name: JAX's name of the operation it serves.
+        source: ``file:line`` of the user code, or ``None``.
+        param: The path of the parameter it gathers or whose gradient it reduces, or ``None``.
+        instruction: The HLO instruction (rows of one combined collective share it).
+    """
+
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    bytes: int
+    group_size: int
+    axes: tuple[str, ...] | None
+    times: int
+    times_known: bool
+    traffic: int
+    seconds: float | None
+    phase: str
+    op_name: str
+    source: str | None
+    param: str | None
+    instruction: str
+
+    @property
+    def total_bytes(self) -> int:
+        """``bytes * times``: the array's bytes over all runs of the step."""
+        return self.bytes * self.times
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """Waste in a compiled step: what it costs beyond the better program, where, why, and the fix.
+
+    Attributes:
+        kind: ``'repeated'``, ``'unsummed'``, ``'sliced all-reduce'``, ``'copied'``,
+            ``'reshard'`` or ``'rematerialization'`` (see the "What does my table cost?" page).
+        bytes: The bytes each device sends per step beyond the better program (ring formulas).
+        memory_bytes: The bytes each device holds beyond the better program (``'copied'``).
+        params: The parameter paths concerned (where the data flow names them).
+        sources: The ``file:line`` of the code concerned.
+        cause: One sentence: what happens.
+        fix: One sentence: what to change.
+        rows: The positions in the report's rows of the collectives concerned.
+        removed_by: The accelerators whose XLA compiler removes this waste itself (``'gpu'``).
+        rewritten: What that compiler makes of the rows concerned: ``(row, 'reduce-scatter')``
+            for an all-reduce it turns into a reduce-scatter, ``(row, 'merged')`` for one it folds
+            into another.
+    """
+
+    kind: str
+    bytes: int
+    memory_bytes: int
+    params: tuple[str, ...]
+    sources: tuple[str, ...]
+    cause: str
+    fix: str
+    rows: tuple[int, ...]
+    removed_by: tuple[str, ...] = ()
+    rewritten: tuple[tuple[int, str], ...] = ()
+
+    @property
+    def cost(self) -> int:
+        """The larger of the bytes sent and the bytes held: what ranks findings."""
+        return max(self.bytes, self.memory_bytes)
+
+    def headline(self) -> str:
+        """``kind: +X sent per device per step (params) at sources``."""
+        parts = []
+        if self.bytes:
+            parts.append(f"+{size_text(self.bytes)} sent per device per step")
+        if self.memory_bytes:
+            parts.append(f"+{size_text(self.memory_bytes)} held per device")
+        where = ", ".join(self.params[:4]) + (" ..." if len(self.params) > 4 else "")
+        if self.sources:
+            at = ", ".join(_short(s) for s in self.sources[:3]) + (" ..." if len(self.sources) > 3 else "")
+            where = f"{where} at {at}" if where else f"at {at}"
+        return f"{self.kind}: {', '.join(parts) or 'no bytes'}" + (f" ({where})" if where else "")
+
+
+def _short(source: str) -> str:
+    return source.rsplit("/", 1)[-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """What one compiled step costs on each device; ``str(report)`` is a table.
+
+    The totals are sums over :attr:`rows` (``total_bytes`` of each row, ``traffic``,
+    ``seconds``), so a row's share is its part of them.
+
+    Attributes:
+        rows: One :class:`StepRow` per collective (per array of a combined one), program order.
+        n_devices: The device count the step was compiled for.
+        mesh: The mesh the groups are read onto, as ``((axis, size), ...)``.
+        collectives: How many collective instructions run (a combined one counts once).
+        bytes: The bytes of all collectives' arrays per device per step (``sum(row.total_bytes)``).
+        bytes_by_kind: ``bytes``, by kind.
+        traffic: The bytes each device sends per step (ring formulas).
+        flops: Floating-point operations per device per step (XLA's cost analysis), or ``None``.
+        argument_bytes: Per device: the arguments' buffers.
+        output_bytes: The outputs' buffers.
+        alias_bytes: Output bytes that reuse (donated) argument buffers.
+        temp_bytes: Temporaries at the peak.
+        peak_bytes: ``argument + output - alias + temp``: memory per device at the peak.
+        bandwidth: Bytes per second per device the estimate assumes, or ``None``.
+        latency: Seconds per step of a ring algorithm the estimate assumes.
+        flops_per_second: Peak FLOP/s per device for the compute estimate, or ``None``.
+        communication_seconds: Estimated communication time per step (sum of the rows), or ``None``.
+        compute_seconds: ``flops / flops_per_second``, or ``None``.
+        compile_seconds: How long lowering and compiling took.
+        analysis_seconds: How long reading the program, attributing the rows and finding the
+            waste took.
+        findings: The waste in the step (:class:`Finding`), the costliest first.
+        accelerator: ``None`` (the program as compiled), or the accelerator whose compiler's
+            rewrites of it the rows and totals include (``'gpu'``).
+        compiled: The rows and findings as compiled, before an accelerator's rewrites.
+    """
+
+    rows: tuple[StepRow, ...]
+    n_devices: int
+    mesh: tuple[tuple[str, int], ...]
+    collectives: int
+    bytes: int
+    bytes_by_kind: dict[str, int]
+    traffic: int
+    flops: float | None
+    argument_bytes: int | None
+    output_bytes: int | None
+    alias_bytes: int | None
+    temp_bytes: int | None
+    peak_bytes: int | None
+    bandwidth: float | None
+    latency: float
+    flops_per_second: float | None
+    communication_seconds: float | None
+    compute_seconds: float | None
+    compile_seconds: float
+    analysis_seconds: float
+    findings: tuple[Finding, ...] = ()
+    accelerator: str | None = None
+    compiled: tuple[tuple[StepRow, ...], tuple[Finding, ...]] = dataclasses.field(
+        default=((), ()), repr=False
+    )
+
+    @property
+    def waste_bytes(self) -> int:
+        """The bytes each device sends per step beyond the better program, over all findings."""
+        return sum(finding.bytes for finding in self.findings)
+
+    @property
+    def step_seconds(self) -> float | None:
+        """Communication plus compute, without overlap (an upper bound), when both are estimated."""
+        if self.communication_seconds is None or self.compute_seconds is None:
+            return None
+        return self.communication_seconds + self.compute_seconds
+
+    @property
+    def communication_bound(self) -> bool | None:
+        """Whether communication is estimated to take longer than compute."""
+        if self.communication_seconds is None or self.compute_seconds is None:
+            return None
+        return self.communication_seconds > self.compute_seconds
+
+    def at(
+        self,
+        *,
+        bandwidth: float | None = None,
+        latency: float | None = None,
+        flops_per_second: float | None = None,
+        accelerator: str | None = None,
+    ) -> StepReport:
+        """The same report at other figures, or for another accelerator; no recompile.
+
+        Estimated at another bandwidth, latency or FLOP/s, or costed as another accelerator's
+        compiler makes the program (``'gpu'``, ``'cpu'``); the figures not given are kept.
+        """
+        report = self
+        if accelerator is not None and accelerator != (self.accelerator or "cpu"):
+            report = accelerated(self, accelerator)
+        return estimated(
+            report,
+            bandwidth if bandwidth is not None else self.bandwidth,
+            latency if latency is not None else self.latency,
+            flops_per_second if flops_per_second is not None else self.flops_per_second,
+        )
+
+    def __str__(self) -> str:
+        return table_text(*_columns(self), empty="no collectives")
+
+    def findings_text(self) -> str:
+        """The findings, one paragraph each: kind, bytes, where, cause and fix."""
+        return "\n".join(_findings_lines(self))
+
+
+def report_of(
+    rows: list[StepRow],
+    n: int,
+    mesh: tuple[tuple[str, int], ...],
+    memory: dict[str, int | None],
+    flops: float | None,
+    compile_seconds: float,
+    analysis_seconds: float,
+    findings: list[Finding],
+) -> StepReport:
+    """The report of a compiled step: its rows, their totals and its findings (no estimate yet)."""
+    return StepReport(
+        rows=tuple(rows),
+        n_devices=n,
+        mesh=mesh,
+        **_totals(rows),
+        flops=flops,
+        argument_bytes=memory["argument_bytes"],
+        output_bytes=memory["output_bytes"],
+        alias_bytes=memory["alias_bytes"],
+        temp_bytes=memory["temp_bytes"],
+        peak_bytes=memory["peak_bytes"],
+        bandwidth=None,
+        latency=0.0,
+        flops_per_second=None,
+        communication_seconds=None,
+        compute_seconds=None,
+        compile_seconds=compile_seconds,
+        analysis_seconds=analysis_seconds,
+        findings=tuple(findings),
+        compiled=(tuple(rows), tuple(findings)),
+    )
+
+
+def _totals(rows: Sequence[StepRow]) -> dict[str, Any]:
+    by_kind: dict[str, int] = {}
+    for row in rows:
+        by_kind[row.kind] = by_kind.get(row.kind, 0) + row.total_bytes
+    return {
+        "collectives": len({row.instruction for row in rows}),
+        "bytes": sum(row.total_bytes for row in rows),
+        "bytes_by_kind": by_kind,
+        "traffic": sum(row.traffic for row in rows),
+    }
+
+
+def check_accelerator(accelerator: Any) -> None:
+    """Raises an ``EinshardError`` for an accelerator the report cannot cost."""
+    if accelerator is not None and accelerator not in ACCELERATORS:
+        raise EinshardError(
+            f"accelerator must be one of 'cpu', 'gpu' or None, not {accelerator!r}",
+            hint="'gpu' costs the program as XLA's GPU compiler rewrites it (all-reduce then slice as "
+            "a reduce-scatter, partial sums added before one all-reduce); 'cpu' or None: as compiled. "
+            "TPU's compiler is not public: its rewrites are not assumed.",
+        )
+
+
+def accelerated(report: StepReport, accelerator: str | None) -> StepReport:
+    """The report with its rows as ``accelerator``'s XLA compiler makes them (no estimate yet).
+
+    ``'gpu'``: an all-reduce whose result is only sliced is a reduce-scatter (XLA's
+    ``ReduceScatterCreator``), all-reduces added right after one another are one all-reduce of
+    their sum (``AllReduceReassociate``); the findings those rewrites remove are dropped.
+    ``'cpu'`` or ``None``: the rows as compiled.
+    """
+    check_accelerator(accelerator)
+    rows, findings = report.compiled
+    name = None if accelerator in (None, "cpu") else accelerator
+    if name is not None:
+        changes = {
+            row: change
+            for finding in findings
+            if name in finding.removed_by
+            for row, change in finding.rewritten
+        }
+        scatter, _ = RING["reduce-scatter"]
+        kept: list[StepRow] = []
+        moved: dict[int, int] = {}
+        for position, row in enumerate(rows):
+            change = changes.get(position)
+            if change == "merged":
+                continue
+            if change == "reduce-scatter":
+                traffic = round(scatter(row.group_size) * row.bytes) * row.times if row.group_size > 1 else 0
+                row = dataclasses.replace(row, kind="reduce-scatter", traffic=traffic)
+            moved[position] = len(kept)
+            kept.append(row)
+        findings = tuple(
+            dataclasses.replace(
+                finding,
+                rows=tuple(moved[p] for p in finding.rows if p in moved),
+                rewritten=tuple((moved[p], c) for p, c in finding.rewritten if p in moved),
+            )
+            for finding in findings
+            if name not in finding.removed_by
+        )
+        rows = tuple(kept)
+    return dataclasses.replace(
+        report,
+        rows=rows,
+        **_totals(rows),
+        findings=findings,
+        accelerator=name,
+        bandwidth=None,
+        communication_seconds=None,
+    )
+
+
+def estimated(
+    report: StepReport, bandwidth: float | None, latency: float, flops_per_second: float | None
+) -> StepReport:
+    """The report with its rows' times and the totals estimated at these figures."""
+    rows = []
+    started: set[str] = set()
+    for row in report.rows:
+        seconds = None
+        if bandwidth is not None:
+            _, steps = RING[row.kind]
+            # The arrays of a combined collective travel together: its latency is paid once.
+            hops = steps(row.group_size) if row.group_size > 1 and row.instruction not in started else 0
+            started.add(row.instruction)
+            seconds = row.traffic / bandwidth + row.times * hops * latency
+        rows.append(dataclasses.replace(row, seconds=seconds))
+    communication = sum(r.seconds for r in rows if r.seconds is not None) if bandwidth is not None else None
+    compute = report.flops / flops_per_second if flops_per_second and report.flops is not None else None
+    return dataclasses.replace(
+        report,
+        rows=tuple(rows),
+        bandwidth=bandwidth,
+        latency=latency,
+        flops_per_second=flops_per_second,
+        communication_seconds=communication,
+        compute_seconds=compute,
+    )
+
+
+# --- the table --------------------------------------------------------------------------------------
+
+
+def _columns(report: StepReport) -> tuple[list[str], list[list[str]], list[str]]:
+    header = ["kind", "array", "per device", "group", "axes", "times", "phase", "parameter", "source"]
+    estimate = report.bandwidth is not None
+    if estimate:
+        header.insert(6, "time")
+    body = []
+    for row in report.rows:
+        source = row.source.rsplit("/", 1)[-1] if row.source else "-"
+        line = [
+            row.kind,
+            f"{row.dtype}{list(row.shape)}",
+            size_text(row.bytes),
+            str(row.group_size),
+            ",".join(row.axes) if row.axes is not None else "?",
+            f"{row.times}" + ("" if row.times_known else "?"),
+            row.phase or "-",
+            row.param or "-",
+            source,
+        ]
+        if estimate:
+            line.insert(6, seconds_text(row.seconds))
+        body.append(line)
+    kinds = ", ".join(f"{kind} {size_text(b)}" for kind, b in report.bytes_by_kind.items())
+    mesh = " × ".join(f"{name}={size}" for name, size in report.mesh)
+    rewritten = (
+        f", as XLA's {report.accelerator.upper()} compiler makes the program" if report.accelerator else ""
+    )
+    headline = (
+        f"{collectives_text(report.rows)} on {report.n_devices} devices (mesh {mesh}){rewritten}: "
+        f"{size_text(report.bytes)} per device per step" + (f" ({kinds})" if kinds else "")
+    )
+    footer = textwrap.wrap(headline, _HEADLINE_WIDTH, subsequent_indent="  ", break_on_hyphens=False)
+    if report.peak_bytes is not None:
+        footer.append(
+            f"memory per device: {size_text(report.peak_bytes)} at the peak "
+            f"(arguments {size_text(report.argument_bytes or 0)}, "
+            f"outputs {size_text(report.output_bytes or 0)}, "
+            f"aliased {size_text(report.alias_bytes or 0)}, "
+            f"temporaries {size_text(report.temp_bytes or 0)})"
+        )
+    if report.flops is not None:
+        footer.append(f"flops per device: {report.flops:.3g}")
+    if report.communication_seconds is not None and report.bandwidth is not None:
+        text = (
+            f"estimate at {report.bandwidth / 1e9:g} GB/s, latency {seconds_text(report.latency)}: "
+            f"communication {seconds_text(report.communication_seconds)}"
+        )
+        if report.compute_seconds is not None:
+            bound = "communication" if report.communication_bound else "compute"
+            text += (
+                f", compute {seconds_text(report.compute_seconds)} at {report.flops_per_second:.3g} FLOP/s: "
+                f"{bound}-bound"
+            )
+        footer.append(text)
+    footer += _findings_lines(report)
+    return header, body, footer
+
+
+def collectives_text(rows: Sequence[StepRow]) -> str:
+    """``'1 combined all-reduce of 25 arrays, 2 all-gathers'``: instructions and arrays, by kind."""
+    parts = []
+    for kind in KINDS:
+        instructions = {row.instruction for row in rows if row.kind == kind}
+        arrays = sum(1 for row in rows if row.kind == kind)
+        if not arrays:
+            continue
+        count = len(instructions)
+        if count == arrays:
+            parts.append(f"{count} {kind}{'s' if count > 1 else ''}")
+        elif count == 1:
+            parts.append(f"1 combined {kind} of {arrays} arrays")
+        else:
+            parts.append(f"{count} {kind}s of {arrays} arrays")
+    return ", ".join(parts) or "0 collectives"
+
+
+def _findings_lines(report: StepReport) -> list[str]:
+    if not report.findings:
+        return ["no waste found"]
+    sent = report.waste_bytes
+    held = sum(finding.memory_bytes for finding in report.findings)
+    costs = [f"{size_text(sent)} more sent per device per step" if sent else ""]
+    costs.append(f"{size_text(held)} more held per device" if held else "")
+    count = len(report.findings)
+    lines = [
+        f"waste found ({count} finding{'s' if count > 1 else ''}): "
+        f"{', '.join(c for c in costs if c)} than the better program"
+    ]
+    for number, finding in enumerate(report.findings, 1):
+        lines += _wrapped(f"{number}. {finding.headline()}", "   ")
+        lines += _wrapped(f"   cause: {finding.cause}", "          ")
+        lines += _wrapped(f"   fix: {finding.fix}", "        ")
+    return lines
+
+
+_WIDTH = 110  # findings read as paragraphs: a terminal's or a page's width, not the table's
+_HEADLINE_WIDTH = 130
+
+
+def _wrapped(text: str, indent: str) -> list[str]:
+    return textwrap.wrap(
+        text, _WIDTH, subsequent_indent=indent, break_on_hyphens=False, break_long_words=False
+    )
