@@ -12,6 +12,7 @@ with many examples), ``docs`` (runs every example on the documentation pages,
 then builds the site in strict mode), ``docs_serve`` (serves it locally),
 ``docs_screenshots`` (every page in headless Chromium at 1400 px: fails on clipped content),
 ``equinox_dev`` (the Equinox tests against the vendored development snapshot),
+``mutants`` (planted one-line bugs, each of which the tests must catch; not run by default),
 ``examples`` (every ``examples/*.py``), ``benchmarks`` (every
 ``benchmarks/bench_*.py``) and ``benchmarks_quick`` (each once, bounded; CI runs it). Every
 session installs what it needs itself; bare ``nox`` runs lint, types and tests.
@@ -216,13 +217,16 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=NEWEST_PYTHON)
 def fuzz(session: nox.Session) -> None:
-    """Hypothesis with many examples over expressions, rule tables and trees (not run by default)."""
+    """Hypothesis with many examples over expressions, rule tables, trees, the shared mesh, the
+    planner's ranking and FSDP's choice (not run by default)."""
     session.install("--upgrade", "-e", ".[all]", "jax", *_group("test"))
     session.run(
         "pytest",
         "tests/test_fuzz.py",
         "tests/test_expression.py",
         "tests/test_meet.py",
+        "tests/test_planner.py::test_the_ranking_is_the_reference_order_at_any_figures",
+        "tests/test_strategies.py::test_fsdp_splits_the_largest_axis_that_divides_like_the_reference",
         *session.posargs,
         env={
             "EINSHARD_TEST_DEVICES": "8",
@@ -231,6 +235,21 @@ def fuzz(session: nox.Session) -> None:
             **CPU_ONLY,
         },
     )
+
+
+@nox.session(python=NEWEST_PYTHON)
+def mutants(session: nox.Session) -> None:
+    """Plants each one-line bug of ``tools/mutants.py`` in a copy of the package and runs its tests.
+
+    Every planted bug must fail at least 3 tests in at least 2 test functions (8 devices); the
+    session prints a table and fails when one is not caught, or when a mutant's anchor (module
+    and exact snippet) is not found exactly once. Not run by default, nor by CI. Extra arguments
+    go to the script: ``nox -s mutants -- --full`` (the whole suite on each), ``-- --only NAME``,
+    ``-- --check`` (anchors only), ``-- --markdown mutants.md``.
+    """
+    session.install("--upgrade", "-e", ".[all]", "jax", *_group("test"))
+    _show_versions(session, "jax", "jaxlib", "hypothesis")
+    session.run("python", "tools/mutants.py", *session.posargs, env=CPU_ONLY)
 
 
 @nox.session(python=PYTHONS[0])

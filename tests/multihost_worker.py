@@ -235,6 +235,9 @@ def agree_scenario(jax, process_id):
     result["dtype"] = attempt(lambda: einshard.from_process_local(other_dtype, BATCH_EXPRESSION))
     other_rows = rows[: 4 + 4 * process_id]  # process 1 passes 8 rows: a global shape of 16
     result["rows"] = attempt(lambda: einshard.from_process_local(other_rows, BATCH_EXPRESSION))
+    # Process 1 lays its rows out as 'b d -> b4 d 2': the same local shape, another layout.
+    other_expression = "b d -> b4 d 2" if process_id == 1 else BATCH_EXPRESSION
+    result["expression"] = attempt(lambda: einshard.from_process_local(mine, other_expression))
     # 'b d -> * b2 d': every process holds both row blocks (replication across processes).
     whole = rows + (100 * process_id if process_id == 1 else 0)
     result["values_unchecked"] = attempt(lambda: einshard.from_process_local(whole, "b d -> * b2 d"))
@@ -242,6 +245,14 @@ def agree_scenario(jax, process_id):
     result["values_equal"] = attempt(
         lambda: einshard.from_process_local(rows, "b d -> * b2 d", check_values=True)
     )
+    # 'b d -> * b2 d2': both processes hold all four blocks; process 1 changes one of them.
+    for block in ((1, 1), (0, 1)):
+        changed = rows.copy()
+        if process_id == 1:
+            changed[4 * block[0] : 4 * block[0] + 4, 2 * block[1] : 2 * block[1] + 2] += 1
+        result[f"values_{block[0]}{block[1]}"] = attempt(
+            lambda changed=changed: einshard.from_process_local(changed, "b d -> * b2 d2", check_values=True)
+        )
     bad_local = mine[:3] if process_id == 1 else mine  # 3 rows do not split into 4 blocks
     result["one_fails"] = attempt(lambda: einshard.from_process_local(bad_local, "b d -> b* d"))
     # Last: process 1 never calls; process 0 gives up after the timeout.

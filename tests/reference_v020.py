@@ -61,6 +61,28 @@ def blocks_v020(
     c*`` with 64 devices). Raises ``ValueError`` where the counts do not fit;
     it does not check names (the caller's parser has).
     """
+    mesh_shape, axes, _ = _mesh_v020(expression, n_dims, n_devices)
+    blocks = {}
+    for position in range(n_devices):
+        coordinates, rest = [], position
+        for size in reversed(mesh_shape):  # row-major: the last element varies fastest
+            rest, c = divmod(rest, size)
+            coordinates.append(c)
+        coordinates.reverse()
+        blocks[position] = tuple(coordinates[axis] for axis in axes)
+    return tuple(mesh_shape[axis] for axis in axes), blocks
+
+
+def elements_v020(expression: str, n_dims: int, n_devices: int) -> list[tuple[str | None, int]]:
+    """``(name, count)`` of every RIGHT element in order (``...`` as size-1 elements named ``?0``,
+    ``?1``, ...; a standalone count has the name ``None``): 0.2.0's mesh, one axis per element."""
+    return _mesh_v020(expression, n_dims, n_devices)[2]
+
+
+def _mesh_v020(
+    expression: str, n_dims: int, n_devices: int
+) -> tuple[list[int], list[int], list[tuple[str | None, int]]]:
+    """0.2.0's mesh shape, the mesh axis of each array axis, and the elements with their counts."""
     parsed = parse(expression)
     left = [e.name if not e.is_ellipsis else ... for e in parsed.left]
     right = [(e.name, e.number, e.star) if not e.is_ellipsis else ... for e in parsed.right]
@@ -85,16 +107,8 @@ def blocks_v020(
     if prod(mesh_shape) != n_devices:
         raise ValueError("counts do not multiply to the device count")
     index = {name: i for i, (name, _, _) in enumerate(right) if name is not None}
-    axes = [index[name] for name in left]
-    blocks = {}
-    for position in range(n_devices):
-        coordinates, rest = [], position
-        for size in reversed(mesh_shape):  # row-major: the last element varies fastest
-            rest, c = divmod(rest, size)
-            coordinates.append(c)
-        coordinates.reverse()
-        blocks[position] = tuple(coordinates[axis] for axis in axes)
-    return tuple(mesh_shape[axis] for axis in axes), blocks
+    elements = [(name, size) for (name, _, _), size in zip(right, mesh_shape, strict=True)]
+    return mesh_shape, [index[name] for name in left], elements
 
 
 def index_blocks(sharding, shape, shards) -> dict[int, tuple[int, ...]]:

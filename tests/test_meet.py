@@ -36,6 +36,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from reference_v020 import blocks_v020, elements_v020, expected_blocks, index_blocks
 
 import einshard
 from conftest import N_DEVICES  # type: ignore[import-not-found]
@@ -372,3 +375,216 @@ def test_gspmd_compiles_the_case_shardy_aborts_on():
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert np.isclose(float(result.stdout.split()[-1]), 24.0)
+
+
+# --- the one mesh against a reference, without a jit (in this process) ---------------------------
+#
+# The docs' rule, written here a second way: the shared mesh's axes are the prime factors of the
+# device count, smallest first; a layout fits it when every running product of its counts (left
+# to right, size-1 elements aside) is a running product of the mesh's axes, each count then
+# taking the axes in between; a layout that does not fit gets its counts' prime factors, largest
+# first within each count. Under an ambient mesh the same matching runs over its axes.
+
+
+def reference_primes(n: int) -> tuple[int, ...]:
+    """The prime factors of ``n``, smallest first, by trial division."""
+    out, p = [], 2
+    while n > 1:
+        while n % p == 0:
+            out.append(p)
+            n //= p
+        p += 1
+    return tuple(out)
+
+
+def reference_shared(n: int) -> tuple[int, ...]:
+    return reference_primes(n) or (1,)
+
+
+def reference_runs(counts, sizes) -> list[tuple[int, ...]] | None:
+    """For each count, the indices of the axes of ``sizes`` it takes, or ``None`` if it does not fit."""
+    axes = [i for i, size in enumerate(sizes) if size > 1]
+    ends, product = {}, 1  # running product of the axes -> the position of the axis it ends at
+    for position, i in enumerate(axes):
+        product *= sizes[i]
+        ends[product] = position
+    runs, start, total = [], 0, 1
+    for count in counts:
+        total *= count
+        if count == 1:
+            runs.append(())
+            continue
+        if total not in ends:
+            return None
+        runs.append(tuple(axes[start : ends[total] + 1]))
+        start = ends[total] + 1
+    return runs
+
+
+def reference_counts(expression: str, n_dims: int, n_devices: int) -> list[tuple[str | None, int]]:
+    """The ``(name, count)`` a layout needs of the mesh, in order: size-1 elements take nothing,
+    and neighbouring standalone counts (copies, no name) are one (``3 2`` copies 6 times either way)."""
+    counts: list[tuple[str | None, int]] = []
+    for name, count in elements_v020(expression, n_dims, n_devices):
+        if count == 1:
+            continue
+        if name is None and counts and counts[-1][0] is None:
+            counts[-1] = (None, counts[-1][1] * count)
+        else:
+            counts.append((name, count))
+    return counts
+
+
+def reference_own(counts) -> tuple[int, ...]:
+    return tuple(p for count in counts for p in reversed(reference_primes(count))) or (1,)
+
+
+def _assert_layout(sharding, expression: str, shape: tuple[int, ...], devices) -> None:
+    """The devices-to-blocks map is 0.2.0's over ``devices``."""
+    shards, _ = blocks_v020(expression, len(shape), len(devices))
+    assert index_blocks(sharding, shape, shards) == expected_blocks(expression, shape, list(devices)), (
+        expression
+    )
+
+
+@pytest.mark.parametrize("k", range(1, N_DEVICES + 1))
+def test_the_shared_mesh_of_k_devices_is_their_prime_factors_smallest_first(k):
+    devices = jax.devices()[:k]
+    mesh = einshard.make_sharding(f"x -> x{k}", devices=devices).mesh
+    assert mesh.axis_sizes == reference_shared(k)
+    assert mesh is einshard.make_sharding("x y -> x y*", devices=devices).mesh
+    assert [d.id for d in mesh.devices.flat] == [d.id for d in devices]
+
+
+@pytest.mark.parametrize("n_devices", COUNTS)
+@settings(deadline=None)
+@given(data=st.data())
+def test_a_layout_is_on_the_shared_mesh_exactly_when_its_counts_grow_along_it(n_devices, data):
+    expression = data.draw(expressions(n_devices))
+    shape = (2 * n_devices, 2 * n_devices)
+    counts = [count for _, count in reference_counts(expression, 2, n_devices)]
+    sharding = einshard.make_sharding(expression, shape=shape)
+    if reference_runs(counts, reference_shared(n_devices)) is not None:
+        assert sharding.mesh.axis_sizes == reference_shared(n_devices), expression
+        assert sharding.mesh is einshard.make_sharding("x -> x*").mesh, expression
+    else:
+        assert sharding.mesh.axis_sizes == reference_own(counts), expression
+    _assert_layout(sharding, expression, shape, jax.devices())
+
+
+# The docs' table ("Layouts that cannot share a mesh"): device count -> layouts that fit the shared
+# mesh, and those that need a mesh of their own (with its shape).
+FIT = {
+    6: ["x y -> x2 y 3", "x y -> x y*", "x y -> x* y", "x y -> 2 x3 y", "x y -> x2 y3", "x -> 2 x3"],
+    12: ["x -> x4 3", "x y -> x2 y6", "x y -> x y*", "x y -> x2 y2 3", "x y -> 2 x6 y", "x -> 4 x3"],
+}
+OWN = {
+    6: {"x -> x3 2": (3, 2), "x y -> x3 y2": (3, 2), "x -> 3 x2": (3, 2)},
+    12: {"x -> x3 4": (3, 2, 2), "x -> x6 2": (3, 2, 2), "x y -> x3 y2 2": (3, 2, 2), "x -> 3 x4": (3, 2, 2)},
+}
+SHARED = {6: (2, 3), 12: (2, 2, 3)}
+
+
+def _devices(k: int) -> list:
+    if k > N_DEVICES:
+        pytest.skip(f"needs {k} devices")
+    return jax.devices()[:k]
+
+
+def _shape(expression: str, k: int) -> tuple[int, ...]:
+    return (2 * k,) * len(einshard.parse(expression).left)
+
+
+@pytest.mark.parametrize(("k", "expression"), [(k, e) for k, es in FIT.items() for e in es])
+def test_the_docs_layouts_that_fit_share_the_mesh(k, expression):
+    devices = _devices(k)
+    sharding = einshard.make_sharding(expression, shape=_shape(expression, k), devices=devices)
+    assert sharding.mesh.axis_sizes == SHARED[k]
+    assert sharding.mesh is einshard.make_sharding("x -> x*", devices=devices).mesh
+    _assert_layout(sharding, expression, _shape(expression, k), devices)
+
+
+@pytest.mark.parametrize(("k", "expression"), [(k, e) for k, es in OWN.items() for e in es])
+def test_the_docs_layouts_that_do_not_fit_get_a_mesh_of_their_own(k, expression):
+    devices = _devices(k)
+    sharding = einshard.make_sharding(expression, shape=_shape(expression, k), devices=devices)
+    assert sharding.mesh.axis_sizes == OWN[k][expression]
+    assert sharding.mesh is not einshard.make_sharding("x -> x*", devices=devices).mesh
+    _assert_layout(sharding, expression, _shape(expression, k), devices)
+
+
+# Under an ambient mesh: (device count, mesh axes, expression, the spec, by hand; None: does not fit).
+AMBIENT = [
+    (6, (("a", 2), ("b", 3)), "x y -> x y*", P(None, ("a", "b"))),
+    (6, (("a", 2), ("b", 3)), "x y -> x6 y", P(("a", "b"), None)),
+    (6, (("a", 2), ("b", 3)), "x y -> x2 y3", P("a", "b")),
+    (6, (("a", 2), ("b", 3)), "x y -> 2 x3 y", P("b", None)),
+    (6, (("a", 2), ("b", 3)), "x y -> x3 y2", None),
+    (6, (("a", 3), ("b", 2)), "x y -> x3 y2", P("a", "b")),
+    (6, (("a", 3), ("b", 2)), "x y -> x y*", P(None, ("a", "b"))),
+    (6, (("a", 3), ("b", 2)), "x y -> x2 y3", None),
+    (6, (("a", 1), ("b", 6)), "x y -> x* y", P("b", None)),
+    (12, (("a", 2), ("b", 2), ("c", 3)), "x y -> x4 y3", P(("a", "b"), "c")),
+    (12, (("a", 2), ("b", 2), ("c", 3)), "x y -> 2 x6 y", P(("b", "c"), None)),
+    (12, (("a", 2), ("b", 2), ("c", 3)), "x y -> x2 y6", P("a", ("b", "c"))),
+    (12, (("a", 3), ("b", 4)), "x y -> x y12", P(None, ("a", "b"))),
+    (12, (("a", 3), ("b", 4)), "x y -> x4 y3", None),
+]
+
+
+@pytest.mark.parametrize(("k", "axes", "expression", "spec"), AMBIENT)
+def test_under_an_ambient_mesh_each_count_takes_a_run_of_its_axes(k, axes, expression, spec):
+    devices = _devices(k)
+    mesh = Mesh(np.array(devices).reshape([size for _, size in axes]), [name for name, _ in axes])
+    shape = _shape(expression, k)
+    with jax.set_mesh(mesh):
+        if spec is None:
+            with pytest.raises(einshard.EinshardError, match="does not fit the ambient mesh"):
+                einshard.make_sharding(expression, shape=shape)
+            return
+        sharding = einshard.make_sharding(expression, shape=shape)
+    assert sharding.mesh == mesh and sharding.spec == spec
+    _assert_layout(sharding, expression, shape, devices)
+
+
+@st.composite
+def ambient_meshes(draw, n_devices: int) -> tuple[tuple[str, int], ...]:
+    """The prime factors of the count in any order, neighbours merged at random, maybe a size-1 axis."""
+    factors = list(draw(st.permutations(reference_primes(n_devices))))
+    sizes: list[int] = []
+    for factor in factors:
+        if sizes and draw(st.booleans()):
+            sizes[-1] *= factor
+        else:
+            sizes.append(factor)
+    if not sizes or draw(st.integers(0, 3)) == 0:
+        sizes.insert(draw(st.integers(0, len(sizes))), 1)
+    return tuple((f"m{i}", size) for i, size in enumerate(sizes))
+
+
+@pytest.mark.parametrize("n_devices", COUNTS)
+@settings(deadline=None)
+@given(data=st.data())
+def test_under_a_random_ambient_mesh_the_runs_are_the_references(n_devices, data):
+    axes = data.draw(ambient_meshes(n_devices))
+    expression = data.draw(expressions(n_devices))
+    sizes = [size for _, size in axes]
+    mesh = Mesh(np.array(jax.devices()).reshape(sizes), [name for name, _ in axes])
+    shape = (2 * n_devices, 2 * n_devices)
+    counts = reference_counts(expression, 2, n_devices)
+    runs = reference_runs([count for _, count in counts], sizes)
+    with jax.set_mesh(mesh):
+        if runs is None:
+            with pytest.raises(einshard.EinshardError, match="does not fit the ambient mesh"):
+                einshard.make_sharding(expression, shape=shape)
+            return
+        sharding = einshard.make_sharding(expression, shape=shape)
+    assert sharding.mesh == mesh
+    # Each split array axis names its count's run of ambient axes; the others name none.
+    run_of = {name: run for (name, _), run in zip(counts, runs, strict=True)}
+    entries = (*sharding.spec, None, None)[:2]
+    for name, entry in zip(["x", "y"], entries, strict=True):
+        given_names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        expected = tuple(axes[i][0] for i in run_of.get(name, ()))
+        assert given_names == expected, (expression, axes, entry)
+    _assert_layout(sharding, expression, shape, list(mesh.devices.flat))

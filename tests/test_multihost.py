@@ -298,6 +298,26 @@ def test_disagreement_is_an_error_on_every_process(agree_cluster, case, headline
         assert "  process 1: dtype=float64, expression=b d -> b* d, global shape=[8, 4]" in lines
 
 
+def test_processes_that_lay_out_their_parts_differently_disagree(agree_cluster):
+    for process, report in enumerate(agree_cluster):
+        lines = report["expression"]["error"].split("\n")
+        assert lines[0] == "from_process_local: the processes disagree: [0] against [1]"
+        assert "  process 0: dtype=float32, expression=b d -> b* d, global shape=[8, 4]" in lines
+        assert "  process 1: dtype=float32, expression=b d -> b4 d 2, global shape=[8, 4]" in lines
+        assert lines[-1] == f"  in process {process} of 2"
+
+
+@pytest.mark.parametrize("block", ["11", "01"])
+def test_the_block_whose_values_differ_is_named(agree_cluster, block):
+    for process, report in enumerate(agree_cluster):
+        lines = report[f"values_{block}"]["error"].split("\n")
+        assert lines[0] == (
+            f"from_process_local: the processes hold different values for block ({block[0]}, {block[1]}): "
+            "[0] against [1]"
+        )
+        assert lines[-1] == f"  in process {process} of 2"
+
+
 def test_values_are_checked_only_when_asked(agree_cluster):
     for report in agree_cluster:
         assert "ok" in report["values_unchecked"]  # JAX takes each process's blocks as they are

@@ -614,6 +614,26 @@ def test_lookahead_fast_state_follows_the_fast_params_not_the_slow(params):
     assert report.replication_overhead < 1.5
 
 
+def test_a_restored_lookahead_state_follows_the_fast_params_by_structure(params):
+    """Without the optimizer (a restored state), its fast state is found as a copy of ``params.fast``."""
+    fast = einshard.shard_pytree(params, RULES)
+    slow = einshard.shard_pytree(params, [(r".*", REPLICATE)])
+    tx = optax.lookahead(optax.adam(1e-2), 2, 0.5)
+    restored = shard_opt_state(
+        tx.init(optax.LookaheadParams(params, params)), optax.LookaheadParams(fast, slow)
+    )
+    for moment in ("mu", "nu"):
+        for path in (("hidden", "w"), ("out", "w")):
+            leaf = getattr(restored.fast_state[0], moment)[path[0]][path[1]]
+            assert leaf.sharding == fast[path[0]][path[1]].sharding, (moment, path)
+    # Planned for another device count from shapes alone: the same derivations.
+    abstract = jax.eval_shape(lambda: optax.LookaheadParams(params, params))
+    state = jax.eval_shape(tx.init, abstract)
+    rows = {row.path: row for row in explain_opt_state(state, abstract, RULES, n_devices=4 * N_DEVICES).rows}
+    assert rows["fast_state/0/mu/hidden/w"].note == "mirrors fast/hidden/w"
+    assert rows["fast_state/0/mu/hidden/w"].shard_shape == (D_IN, HIDDEN // (4 * N_DEVICES))
+
+
 def test_leading_axes_keep_tuple_spec_entries_on_an_ambient_mesh(params):
     mesh = jax.make_mesh((2, N_DEVICES // 2), ("data", "model"))
     with jax.set_mesh(mesh):

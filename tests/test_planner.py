@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 import einshard
 from einshard import strategies
@@ -85,6 +87,15 @@ def test_too_little_memory_for_data_parallel_rejects_it_and_says_why(planned):
     assert plan.at(memory_per_device=10 * peaks["data parallel"]).best.name == "data parallel"
     with pytest.raises(einshard.EinshardError, match="no candidate strategy fits"):
         _ = planned.at(memory_per_device=1).best
+
+
+@pytest.mark.parametrize("name", [strategy.name for strategy in CANDIDATES])
+def test_a_candidate_whose_peak_is_exactly_the_limit_fits(planned, name):
+    (peak,) = [row.peak_bytes for row in planned.rows if row.name == name]
+    fits = {row.name: row.rejected for row in planned.at(memory_per_device=peak).rows}
+    assert fits[name] is None
+    over = {row.name: row.rejected for row in planned.at(memory_per_device=peak - 1).rows}
+    assert over[name].startswith("does not fit memory: needs ")
 
 
 def test_a_slow_link_with_large_activations_prefers_fewer_bytes(planned):
@@ -226,3 +237,266 @@ def test_the_winner_trains_an_equinox_model_like_one_device():
 def _block(array):
     """Device 0's block of an array (checks the layout really splits)."""
     return array.addressable_shards[0].data
+
+
+# --- the ranking against a plain reference --------------------------------------------------------
+
+TIE_MARGIN = 0.02  # the documented margin: estimates within 2% count as equal
+HOPS = {  # ring steps per run, for a group of g devices (each pays the latency once)
+    "all-reduce": lambda g: 2 * (g - 1),
+    "all-gather": lambda g: g - 1,
+    "reduce-scatter": lambda g: g - 1,
+    "all-to-all": lambda g: g - 1,
+    "collective-permute": lambda g: 1,
+}
+
+
+def _report(collectives, flops, peak) -> einshard.StepReport:
+    """A step report with these collectives ``[(kind, traffic, group size), ...]``, one instruction each."""
+    rows = tuple(
+        einshard.StepRow(
+            kind=kind,
+            dtype="f32",
+            shape=(traffic,),
+            bytes=4 * traffic,
+            group_size=group,
+            axes=None,
+            times=1,
+            times_known=True,
+            traffic=traffic,
+            seconds=None,
+            phase="backward",
+            op_name="",
+            source=None,
+            param=None,
+            instruction=f"{kind}.{i}",
+        )
+        for i, (kind, traffic, group) in enumerate(collectives)
+    )
+    by_kind: dict[str, int] = {}
+    for row in rows:
+        by_kind[row.kind] = by_kind.get(row.kind, 0) + row.bytes
+    return einshard.StepReport(
+        rows=rows,
+        n_devices=N,
+        mesh=(("a0", N),),
+        collectives=len(rows),
+        bytes=sum(row.bytes for row in rows),
+        bytes_by_kind=by_kind,
+        traffic=sum(row.traffic for row in rows),
+        flops=flops,
+        argument_bytes=None if peak is None else peak // 2,
+        output_bytes=None if peak is None else peak - peak // 2,
+        alias_bytes=None if peak is None else 0,
+        temp_bytes=None if peak is None else 0,
+        peak_bytes=peak,
+        bandwidth=None,
+        latency=0.0,
+        flops_per_second=None,
+        communication_seconds=None,
+        compute_seconds=None,
+        compile_seconds=0.0,
+        analysis_seconds=0.0,
+        compiled=(rows, ()),  # what the planner re-prices: the rows as compiled, no findings
+    )
+
+
+# Traffic as a base times one of these: equal, within the margin of each other, just outside it.
+MULTIPLIERS = [1.0, 1.0, 1.005, 1.0199, 1.0201, 1.05, 2.0]
+
+
+@st.composite
+def candidate_lists(draw):
+    """Candidates in the order given, each ``(index, report or None, stale memory rejection)``,
+    the plan's figures, and the order the rows are stored in (a plan's rows need not be in
+    the order given)."""
+    base = draw(st.integers(10**6, 10**9))
+    n = draw(st.integers(1, 6))
+    candidates = []
+    for index in range(n):
+        if draw(st.integers(0, 7)) == 0:  # does not compile, or does not divide
+            candidates.append((index, None, None))
+            continue
+        collectives = []
+        for _ in range(draw(st.integers(0, 2))):
+            kind = draw(st.sampled_from(list(HOPS)))
+            traffic = round(base * draw(st.sampled_from(MULTIPLIERS)))
+            collectives.append((kind, traffic, draw(st.sampled_from([2, 3, 8, 16]))))
+        flops = draw(st.one_of(st.none(), st.sampled_from(MULTIPLIERS).map(lambda m: round(m * base * 1e3))))
+        peak = draw(st.one_of(st.none(), st.sampled_from([1 << 20, 3 << 20, 5 << 20])))
+        stale = draw(st.booleans())  # rejected for memory at earlier figures
+        candidates.append((index, _report(collectives, flops, peak), stale))
+    figures = {
+        "bandwidth": draw(st.sampled_from([None, 1e8, 1e11])),
+        "latency": draw(st.sampled_from([0.0, 1e-6, 1e-3])),
+        "flops_per_second": draw(st.sampled_from([None, 1e12, 1e15])),
+        "memory_per_device": draw(st.sampled_from([None, 1 << 20, (3 << 20) - 1, 3 << 20, 5 << 20])),
+    }
+    storage = draw(st.permutations(range(n)))
+    return candidates, figures, storage
+
+
+def _hand_time(report: einshard.StepReport, figures: dict) -> float:
+    """Communication by the ring (bytes over bandwidth, latency per ring step) plus compute."""
+    total = 0.0
+    for row in report.rows:
+        total += row.traffic / figures["bandwidth"] + HOPS[row.kind](row.group_size) * figures["latency"]
+    if figures["flops_per_second"] is not None and report.flops is not None:
+        total += report.flops / figures["flops_per_second"]
+    return total
+
+
+def reference_ranking(candidates: list[tuple[int, float]]) -> tuple[list[int], bool]:
+    """The documented order of the usable candidates ``(index, estimate)``: by estimate, and among
+    estimates within 2% of the fastest left the one given first; repeated until none is left.
+
+    Also says whether an estimate lies so close to the margin that floating point decides.
+    """
+    left = sorted(candidates)  # in the order given
+    order, close = [], False
+    while left:
+        fastest = min(estimate for _, estimate in left)
+        limit = fastest * (1 + TIE_MARGIN)
+        close = close or any(0 < abs(estimate - limit) <= 1e-9 * fastest for _, estimate in left)
+        pick = next(item for item in left if item[1] <= limit)
+        left.remove(pick)
+        order.append(pick[0])
+    return order, close
+
+
+def _candidate(index: int) -> strategies.Strategy:
+    return strategies.Strategy([(r".*", "... -> * ...")], batch="b ... -> b* ...", name=f"c{index}")
+
+
+@given(candidate_lists())
+def test_the_ranking_is_the_reference_order_at_any_figures(drawn):
+    candidates, figures, storage = drawn
+    rows = []
+    for index, report, stale in candidates:
+        if report is None:
+            rows.append(einshard.PlanRow(_candidate(index), None, "does not compile: XlaRuntimeError", index))
+        else:
+            rejected = "does not fit memory: needs 5.0 MiB > 1.0 MiB per device" if stale else None
+            rows.append(einshard.PlanRow(_candidate(index), report, rejected, index))
+    start = einshard.Plan(tuple(rows[i] for i in storage), N, None, None, 0.0, None)
+    plan = start.at(**{k: v for k, v in figures.items() if v is not None})
+    assert (plan.bandwidth, plan.flops_per_second, plan.memory_per_device) == (
+        figures["bandwidth"],
+        figures["flops_per_second"],
+        figures["memory_per_device"],
+    )
+
+    # Who is rejected: what does not compile, and (decided again at these figures) what needs
+    # more memory than there is.
+    limit = figures["memory_per_device"]
+    by_index = {index: report for index, report, _ in candidates}
+    too_large = {
+        index
+        for index, report in by_index.items()
+        if report is not None and limit is not None and (report.peak_bytes or 0) > limit
+    }
+    rejected = too_large | {index for index, report in by_index.items() if report is None}
+    assert {row.index for row in plan.rows if row.rejected is not None} == rejected
+    for row in plan.rows:
+        if row.index in rejected and row.report is not None:
+            assert row.rejected.startswith("does not fit memory: needs "), row.rejected
+    # Each estimate, by hand; without a bandwidth the bytes sent rank instead.
+    estimates = {}
+    for index, report in by_index.items():
+        if index in rejected:
+            continue
+        if figures["bandwidth"] is None:
+            estimates[index] = float(report.traffic)
+        else:
+            estimates[index] = _hand_time(report, figures)
+            (row,) = [row for row in plan.rows if row.index == index]
+            if report.rows or (figures["flops_per_second"] and report.flops is not None):
+                assert row.seconds == pytest.approx(estimates[index], rel=1e-9, abs=1e-15)
+    expected, close = reference_ranking(list(estimates.items()))
+    assume(not close)  # not a question the reference can answer
+    assert [row.index for row in plan.rows[: len(expected)]] == expected
+    assert len(plan.rows) == len(candidates) and len(plan.usable) == len(expected)
+    if expected:
+        assert plan.best.name == f"c{expected[0]}"
+    else:
+        with pytest.raises(einshard.EinshardError, match="no candidate strategy fits"):
+            _ = plan.best
+    # Ranking the ranked plan again at the same figures changes nothing.
+    assert [row.index for row in plan.at().rows] == [row.index for row in plan.rows]
+
+
+# --- real steps: the winner wherever it stands in the list ----------------------------------------
+
+FIGURES = [  # (bandwidth, FLOP/s): a fast link, a slow one, between
+    (1e15, 1e12),
+    (1e6, 1e12),
+    (1e9, 1e12),
+]
+
+
+def _assert_reference_order(plan: einshard.Plan) -> None:
+    """The plan's order is the reference's, from the rows' own estimates and given positions."""
+    assert all(row.rejected is None for row in plan.rows)
+    expected, close = reference_ranking([(row.index, row.seconds) for row in plan.rows])
+    assert not close
+    assert [row.index for row in plan.rows] == expected, [(row.name, row.seconds) for row in plan.rows]
+
+
+@pytest.fixture(scope="module")
+def planned_in_reverse() -> einshard.Plan:
+    """As ``planned``, with the candidates given in reverse: data parallelism last."""
+    batch = jax.ShapeDtypeStruct((64 * N, D), jnp.float32)
+    return einshard.plan(sgd_step, mlp_params(), batch, candidates=CANDIDATES[::-1])
+
+
+@pytest.mark.parametrize(("bandwidth", "flops_per_second"), FIGURES)
+def test_a_list_in_reverse_ranks_by_the_same_estimates(
+    planned, planned_in_reverse, bandwidth, flops_per_second
+):
+    given = planned.at(bandwidth=bandwidth, flops_per_second=flops_per_second)
+    reverse = planned_in_reverse.at(bandwidth=bandwidth, flops_per_second=flops_per_second)
+    _assert_reference_order(given)
+    _assert_reference_order(reverse)
+    assert [row.name for row in reverse.rows] != [row.name for row in reversed(reverse.rows)] or N == 1
+    # The same compiled steps under both lists: the same estimates, by name; each communication
+    # plus compute, as the reports estimate them at these figures.
+    assert {row.name: row.seconds for row in given.rows} == {row.name: row.seconds for row in reverse.rows}
+    for row in given.rows:
+        report = row.report.at(bandwidth=bandwidth, flops_per_second=flops_per_second)
+        assert row.seconds == pytest.approx(report.communication_seconds + report.compute_seconds, rel=1e-12)
+        assert report.compute_seconds == pytest.approx(row.report.flops / flops_per_second, rel=1e-12)
+    # The large batch makes data parallelism the fastest by more than the margin on the slow link:
+    # first in either list, though the reversed list gives it last.
+    if bandwidth == 1e6:
+        assert given.best.name == reverse.best.name == "data parallel"
+        assert reverse.rows[0].index == len(CANDIDATES) - 1
+    # On the fast link the three are within the margin of each other: the first given wins.
+    fastest = min(row.seconds for row in given.rows)
+    if all(row.seconds <= fastest * (1 + TIE_MARGIN) for row in given.rows):
+        assert given.rows[0].index == reverse.rows[0].index == 0
+        assert given.best.name == "data parallel" and reverse.best.name == "tensor parallel"
+
+
+@pytest.fixture(scope="module")
+def small_batch_plans() -> tuple[einshard.Plan, einshard.Plan]:
+    """A batch much smaller than the weights, planned with the candidates as given and reversed."""
+    batch = jax.ShapeDtypeStruct((2 * N, D), jnp.float32)
+    return tuple(
+        einshard.plan(
+            sgd_step, mlp_params(), batch, bandwidth=1e9, flops_per_second=1e12, candidates=candidates
+        )
+        for candidates in (CANDIDATES, CANDIDATES[::-1])
+    )
+
+
+def test_a_small_batch_ranks_tensor_parallel_first_from_the_end_of_the_list(small_batch_plans):
+    given, reverse = small_batch_plans
+    # Tensor parallelism sends the (small) activations, data parallelism every weight's gradient.
+    traffic = {row.name: row.traffic for row in given.rows}
+    assert traffic["tensor parallel"] < traffic["fsdp"] < traffic["data parallel"]
+    assert given.best.name == reverse.best.name == "tensor parallel"
+    assert given.rows[0].index == len(CANDIDATES) - 1  # the last one given
+    assert [row.name for row in given.rows] == [row.name for row in reverse.rows]
+    for plan in (given, reverse):
+        _assert_reference_order(plan)
+        assert [row.traffic for row in plan.rows] == sorted(row.traffic for row in plan.rows)

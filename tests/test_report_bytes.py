@@ -86,6 +86,20 @@ def test_adam_state_planned_for_256_devices():
     assert report.max_bytes_per_device == 4 + 2 * (2048 + 8192)
 
 
+@pytest.mark.parametrize("split", [0, 1])
+def test_adafactor_statistics_of_a_square_kernel_planned_for_256_devices(split):
+    # A square kernel: optax's v_row keeps axis 0 and v_col axis 1 (its np.argsort tie order), so
+    # the statistic that keeps the split axis is split 256 ways (4 float32 each), the other whole.
+    expression = "x y -> x* y" if split == 0 else "x y -> x y*"
+    params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+    state = jax.eval_shape(optax.adafactor(1e-3).init, params)
+    rows = rows_of(explain_opt_state(state, params, [("w", expression)], n_devices=256))
+    kept = {"0/v_row/w": 0, "0/v_col/w": 1}
+    for path, axis in kept.items():
+        per_device = 4 * 4 if axis == split else 1024 * 4
+        assert rows[path] == ((1024,), "float32", (per_device // 4,), 1024 * 4, per_device), path
+
+
 @pytest.mark.parametrize("tx", [optax.adafactor(1e-3), optax.adam(1e-3)], ids=["adafactor", "adam"])
 def test_opt_state_report_is_what_the_devices_hold(tx):
     params = einshard.shard_pytree(

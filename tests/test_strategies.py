@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import einshard
 from einshard.strategies import SplitLargest, Strategy
@@ -215,3 +217,58 @@ def by_path(tree, rules) -> dict:
     paths = [row.path for row in einshard.explain(tree, rules).rows]
     leaves = [leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array)]
     return dict(zip(paths, leaves, strict=True))
+
+
+# --- fsdp's choice against a reference, over random shapes and device counts ----------------------
+
+DTYPES = {"float32": 4, "bfloat16": 2, "int8": 1}
+
+
+@st.composite
+def fsdp_trees(draw):
+    """A device count, ``min_bytes``, an ``axis`` preference, and a tree of leaves whose axes
+    often divide by the count, often tie in length, and straddle ``min_bytes``."""
+    n = draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16, 64, 256]))
+    lengths = st.sampled_from(sorted({1, 5, 7, 12, 96, n, 2 * n, 3 * n, 2 * n + 1, max(n - 1, 1)}))
+    tree = {}
+    for i in range(draw(st.integers(1, 6))):
+        shape = tuple(draw(st.lists(lengths, max_size=4)))
+        tree[f"leaf{i}"] = jax.ShapeDtypeStruct(shape, draw(st.sampled_from(list(DTYPES))))
+    sizes = [math.prod(leaf.shape) * DTYPES[str(leaf.dtype)] for leaf in tree.values()]
+    # A leaf's own size (not below it) and one byte more (below it by one).
+    min_bytes = draw(st.sampled_from([0, 1, 256, 4096, *sizes, *(size + 1 for size in sizes)]))
+    axis = draw(st.sampled_from(["largest", "largest", 0, 1, -1]))
+    return n, min_bytes, axis, tree
+
+
+def reference_fsdp(shape: tuple[int, ...], itemsize: int, n: int, min_bytes: int, axis) -> tuple[int, ...]:
+    """The block each device holds: the largest axis that ``n`` divides is split ``n`` ways (ties:
+    the first; ``axis``, if it names one, is tried before the others); leaves under ``min_bytes``,
+    scalars, and leaves no axis of which divides stay whole."""
+    if n == 1 or not shape or math.prod(shape) * itemsize < min_bytes:
+        return shape
+    order = sorted(range(len(shape)), key=lambda i: (-shape[i], i))
+    if axis != "largest" and -len(shape) <= axis < len(shape):
+        first = axis % len(shape)
+        order = [first] + [i for i in order if i != first]
+    for i in order:
+        if shape[i] % n == 0:
+            return (*shape[:i], shape[i] // n, *shape[i + 1 :])
+    return shape
+
+
+@given(fsdp_trees())
+def test_fsdp_splits_the_largest_axis_that_divides_like_the_reference(drawn):
+    n, min_bytes, axis, tree = drawn
+    report = einshard.explain(tree, einshard.strategies.fsdp(min_bytes=min_bytes, axis=axis), n_devices=n)
+    assert [row.path for row in report.rows] == list(tree)
+    for row in report.rows:
+        leaf = tree[row.path]
+        size = DTYPES[str(leaf.dtype)]
+        expected = reference_fsdp(leaf.shape, size, n, min_bytes, axis)
+        assert row.shard_shape == expected, (row.path, leaf.shape, leaf.dtype, row.expression, row.note)
+        assert row.bytes == math.prod(leaf.shape) * size
+        assert row.bytes_per_device == math.prod(expected) * size
+        small = bool(leaf.shape) and n > 1 and row.bytes < min_bytes
+        assert ("min_bytes" in (row.note or "")) == small, row.note
+    assert report.max_bytes_per_device == sum(row.bytes_per_device for row in report.rows)

@@ -160,6 +160,28 @@ def test_plain_jit_relays_some_leaves_which_shardings_of_prevents():
     np.testing.assert_array_equal(np.asarray(kept["scale"]), np.asarray(plain["scale"]))
 
 
+@pytest.mark.parametrize("kind", ["arrays", "structs"])
+def test_shardings_of_reads_every_placed_leaf_and_none_elsewhere(kind):
+    expressions = {"w": "x y -> x y*", "b": "... -> * ...", "e": "v d -> v2 d *"}
+    shapes = {"w": (8, 4 * N_DEVICES), "b": (4 * N_DEVICES,), "e": (6, 4)}
+    placed = einshard.shard_pytree(
+        {name: jnp.ones(shape) for name, shape in shapes.items()},
+        [(f"^{name}$", expression) for name, expression in expressions.items()],
+    )
+    if kind == "structs":  # abstract leaves carrying shardings, as for a born-sharded init
+        placed = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in placed.items()}
+    tree = {**placed, "step": 3, "host": np.ones(2), "nothing": None}
+    got = einshard.shardings_of(tree)
+    assert jax.tree.structure(got, is_leaf=lambda x: x is None) == jax.tree.structure(
+        tree, is_leaf=lambda x: x is None
+    )
+    for name, expression in expressions.items():
+        expected = einshard.make_sharding(expression, shape=shapes[name])
+        assert got[name] == expected, name
+        assert got[name].devices_indices_map(shapes[name]) == expected.devices_indices_map(shapes[name])
+    assert got["step"] is None and got["host"] is None and got["nothing"] is None
+
+
 # --- Flax NNX ---------------------------------------------------------------------------------
 
 

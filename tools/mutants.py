@@ -1,0 +1,613 @@
+"""Planted bugs: each one line of the package changed, and the tests run on it. Are they caught?
+
+Every mutant below is a one-line bug in code added since einshard 0.2.0 (the step report, the
+planner, the strategies, the shared mesh, ``shardings_of``, multi-process agreement, the optax
+derivations, and the dataflow roles once they exist). For each, this script copies the
+repository to a temporary directory once, writes the mutated module there, runs that mutant's
+test files at 8 simulated devices (the whole suite with ``--full``) and restores the module. A
+mutant is **caught** when at least 3 tests, in at least 2 test functions (parametrizations of
+one function count as one function), fail on it and passed unmutated.
+
+Each mutant is located by an anchor: its module's path and an exact snippet of source text,
+which must occur exactly once there. Code moves (other branches rename and split modules): a
+snippet that is not found exactly once is an error naming every file of the package where it
+does occur, so the entry can be fixed by hand; ``--check`` checks every anchor without running
+anything.
+
+A run stops as soon as the mutant is caught (3 failed tests in 2 functions: the count is exact,
+not "stopped at the third failure"); ``--all-failures`` runs the files to the end. At the end,
+every test function that failed on some mutant runs once more, unmutated: a test that fails
+there too is not counted (``--baseline`` instead runs every selected file unmutated first). The
+mutants of the shared mesh are also run through ``tests/test_meet.py`` at 6 and 12 devices, to
+the end, and every failing test is listed (``--no-meet`` skips that).
+
+Usage (``nox -s mutants -- ARGS`` does the same in its own environment)::
+
+    python tools/mutants.py                 # every mutant, its own test files, 8 devices
+    python tools/mutants.py --full          # every mutant, the whole suite (and the doctests)
+    python tools/mutants.py --only fsdp-smallest-axis planner-sort-negated
+    python tools/mutants.py --list | --check
+    python tools/mutants.py --markdown mutants.md   # the table, for a note
+
+Exit status: 0 when every mutant selected is caught, 1 when one is not, 2 when an anchor fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "einshard"
+CAUGHT_TESTS, CAUGHT_FUNCTIONS = 3, 2
+TIMEOUT = 1800  # seconds for one run of pytest
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    """One planted bug.
+
+    Attributes:
+        name: A short name, for ``--only`` and the table.
+        module: The file it changes, from the repository root.
+        before: Source text found exactly once in ``module`` (part of a line, or lines).
+        after: What replaces it: the bug.
+        tests: The test files (or node ids) run on it; the whole suite with ``--full``.
+        what: The bug in words.
+        meet: Also list what fails in tests/test_meet.py at 6 and 12 devices.
+    """
+
+    name: str
+    module: str
+    before: str
+    after: str
+    tests: tuple[str, ...]
+    what: str
+    meet: bool = False
+
+
+REPORT = "einshard/_cost/_report.py"
+ATTRIBUTION = "einshard/_cost/_attribution.py"
+PLANNER = "einshard/_cost/_planner.py"
+STRATEGIES = "einshard/_cost/_strategies.py"
+MESH = "einshard/_sharding/_mesh.py"
+VOLUMES = ("tests/test_volumes.py", "tests/test_step.py")
+PLANNING = ("tests/test_planner.py",)
+MEET = ("tests/test_meet.py", "tests/test_arrays.py")
+OPTAX = ("tests/test_optax.py", "tests/test_optax_layouts.py", "tests/test_report_bytes.py")
+
+MUTANTS = [
+    # --- the step report's ring volumes and estimate ---
+    Mutant(
+        "ring-all-gather-doubled",
+        REPORT,
+        '    "all-gather": (lambda n: (n - 1) / n, lambda n: n - 1),',
+        '    "all-gather": (lambda n: 2 * (n - 1) / n, lambda n: n - 1),',
+        VOLUMES,
+        "all-gather ring volume 2(N-1)/N instead of (N-1)/N",
+    ),
+    Mutant(
+        "ring-all-reduce-halved",
+        REPORT,
+        '    "all-reduce": (lambda n: 2 * (n - 1) / n, lambda n: 2 * (n - 1)),',
+        '    "all-reduce": (lambda n: (n - 1) / n, lambda n: 2 * (n - 1)),',
+        VOLUMES,
+        "all-reduce ring volume (N-1)/N instead of 2(N-1)/N",
+    ),
+    Mutant(
+        "ring-reduce-scatter-doubled",
+        REPORT,
+        '    "reduce-scatter": (lambda n: (n - 1) / n, lambda n: n - 1),',
+        '    "reduce-scatter": (lambda n: 2 * (n - 1) / n, lambda n: n - 1),',
+        VOLUMES,
+        "reduce-scatter ring volume 2(N-1)/N instead of (N-1)/N",
+    ),
+    Mutant(
+        "ring-all-to-all-whole",
+        REPORT,
+        '    "all-to-all": (lambda n: (n - 1) / n, lambda n: n - 1),',
+        '    "all-to-all": (lambda n: 1.0, lambda n: n - 1),',
+        VOLUMES,
+        "all-to-all sends its whole buffer instead of (N-1)/N of it",
+    ),
+    Mutant(
+        "ring-permute-fraction",
+        REPORT,
+        '    "collective-permute": (lambda n: 1.0, lambda n: 1),',
+        '    "collective-permute": (lambda n: (n - 1) / n, lambda n: 1),',
+        VOLUMES,
+        "collective-permute sends (N-1)/N of its buffer instead of all of it",
+    ),
+    Mutant(
+        "loop-trip-count-ignored",
+        ATTRIBUTION,
+        "                    traffic=round(fraction(group_size) * shape.bytes) * collective.times",
+        "                    traffic=round(fraction(group_size) * shape.bytes)",
+        VOLUMES,
+        "a collective in a loop sends its bytes once, not once per trip",
+    ),
+    Mutant(
+        "combined-latency-per-array",
+        REPORT,
+        "if row.group_size > 1 and row.instruction not in started else 0",
+        "if row.group_size > 1 else 0",
+        VOLUMES,
+        "a combined collective pays its latency once per array, not once",
+    ),
+    # --- the planner's ranking ---
+    Mutant(
+        "planner-sort-negated",
+        PLANNER,
+        "        return (measure(row), row.traffic or 0, row.peak_bytes or 0, row.index)",
+        "        return (-measure(row), row.traffic or 0, row.peak_bytes or 0, row.index)",
+        PLANNING,
+        "the planner ranks the slowest candidate first (sort key negated)",
+    ),
+    Mutant(
+        "planner-tie-to-the-later",
+        PLANNER,
+        "        pick = min((row for row in usable if measure(row) <= limit), key=lambda row: row.index)",
+        "        pick = max((row for row in usable if measure(row) <= limit), key=lambda row: row.index)",
+        PLANNING,
+        "estimates within the margin go to the candidate given later",
+    ),
+    Mutant(
+        "planner-no-tie-margin",
+        PLANNER,
+        "        limit = measure(usable[0]) * (1 + TIE)",
+        "        limit = measure(usable[0])",
+        PLANNING,
+        "no tie margin: the fastest by any amount wins",
+    ),
+    Mutant(
+        "planner-memory-at-the-limit",
+        PLANNER,
+        "            and report.peak_bytes > memory_per_device",
+        "            and report.peak_bytes >= memory_per_device",
+        PLANNING,
+        "a candidate whose peak equals the memory limit is rejected",
+    ),
+    Mutant(
+        "planner-time-without-compute",
+        PLANNER,
+        "        parts = [self.report.communication_seconds, self.report.compute_seconds]",
+        "        parts = [self.report.communication_seconds]",
+        PLANNING,
+        "a candidate's estimated time leaves out its compute",
+    ),
+    # --- strategies ---
+    Mutant(
+        "fsdp-smallest-axis",
+        STRATEGIES,
+        "        order = sorted(range(len(shape)), key=lambda i: (-shape[i], i))",
+        "        order = sorted(range(len(shape)), key=lambda i: (shape[i], i))",
+        ("tests/test_strategies.py",),
+        "FSDP splits the smallest divisible axis instead of the largest",
+    ),
+    Mutant(
+        "fsdp-min-bytes-inverted",
+        STRATEGIES,
+        "        if size < self.min_bytes:",
+        "        if size > self.min_bytes:",
+        ("tests/test_strategies.py",),
+        "FSDP's min_bytes comparison inverted",
+    ),
+    Mutant(
+        "fsdp-ties-to-the-last",
+        STRATEGIES,
+        "        order = sorted(range(len(shape)), key=lambda i: (-shape[i], i))",
+        "        order = sorted(range(len(shape)), key=lambda i: (-shape[i], -i))",
+        ("tests/test_strategies.py",),
+        "FSDP splits the last of equally long axes, not the first",
+    ),
+    Mutant(
+        "tensor-parallel-column-splits-input",
+        STRATEGIES,
+        '        (_layer_regex(column, "kernel"), f"... i o -> ... i{rest} o{split}"),',
+        '        (_layer_regex(column, "kernel"), f"... i o -> ... i{split} o{rest}"),',
+        ("tests/test_strategies.py", "tests/test_planner.py"),
+        "a column-parallel kernel is split on its input axis",
+    ),
+    # --- the shared mesh ---
+    Mutant(
+        "mesh-largest-prime-first",
+        MESH,
+        "    return prime_factors(n_devices) or (1,)",
+        "    return tuple(reversed(prime_factors(n_devices))) or (1,)",
+        MEET,
+        "the shared mesh's prime factors largest first",
+        meet=True,
+    ),
+    Mutant(
+        "mesh-runs-reversed",
+        MESH,
+        "        runs.append(tuple(run))",
+        "        runs.append(tuple(reversed(run)))",
+        MEET,
+        "run matching: a count's run of mesh axes taken in reverse order",
+        meet=True,
+    ),
+    Mutant(
+        "ambient-run-truncated",
+        MESH,
+        "            run = runs[axis]\n            spec.append(run[0] if len(run) == 1 else run)",
+        "            run = runs[axis]\n            spec.append(run[0])",
+        MEET,
+        "under an ambient mesh, a count spanning several axes gets only the first",
+        meet=True,
+    ),
+    # --- shardings_of ---
+    Mutant(
+        "shardings-of-none",
+        "einshard/_trees/_pytrees.py",
+        "    if isinstance(leaf, jax.Array):\n        return leaf.sharding",
+        "    if isinstance(leaf, jax.Array):\n        return None",
+        ("tests/test_training_steps.py",),
+        "shardings_of returns None for placed arrays",
+    ),
+    # --- multi-process agreement ---
+    Mutant(
+        "agreement-descriptions-unchecked",
+        "einshard/_arrays/_agreement.py",
+        "    _compare_descriptions(what, views, me)",
+        "    pass  # the descriptions are never compared",
+        ("tests/test_multihost.py",),
+        "multi-process agreement: the descriptions are never compared",
+    ),
+    Mutant(
+        "agreement-blocks-unchecked",
+        "einshard/_arrays/_agreement.py",
+        "        _compare_blocks(what, views, me)",
+        "        pass  # the blocks' values are never compared",
+        ("tests/test_multihost.py",),
+        "multi-process agreement: check_values=True compares nothing",
+    ),
+    # --- the optax derivations ---
+    Mutant(
+        "optax-subtree-copy-unrecognised",
+        "einshard/integrations/optax.py",
+        "or self._by_prefix(node) or self._as_part(treedef, leaves, path)",
+        "or self._by_prefix(node)",
+        OPTAX,
+        "optax: a copy of a subtree of the params (lookahead's fast state) never recognised",
+    ),
+    Mutant(
+        "optax-adafactor-rows-and-columns-swapped",
+        "einshard/integrations/optax.py",
+        '        exact = int(order[-1] if field == "v_row" else order[-2])',
+        '        exact = int(order[-2] if field == "v_row" else order[-1])',
+        OPTAX,
+        "optax: Adafactor's v_row taken as reducing v_col's axis and the other way round",
+    ),
+    Mutant(
+        "optax-stacked-history-unrecognised",
+        "einshard/integrations/optax.py",
+        "    if n > rank and shape[n - rank :] == target:  # extra leading axes, such as a history",
+        "    if n > rank and shape[: rank] == target:  # extra leading axes, such as a history",
+        OPTAX,
+        "optax: leading axes (L-BFGS's history) matched at the wrong end",
+    ),
+]
+
+# The tensor-parallel roles read from the step's dataflow (issue 22's branch) are planted here when
+# it is merged: e.g. a column layer read as row-parallel, the vocabulary axis not recognised. Each
+# entry a Mutant like the ones above, with that module's path and its test files.
+DATAFLOW_ROLES: list[Mutant] = []
+
+ALL = MUTANTS + DATAFLOW_ROLES
+
+
+# --- anchors ----------------------------------------------------------------------------------------
+
+
+class AnchorError(Exception):
+    pass
+
+
+def where_else(snippet: str, root: Path) -> list[str]:
+    """Every file of the package holding ``snippet``, with its count: where a moved anchor went."""
+    found = []
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        count = path.read_text().count(snippet)
+        if count:
+            found.append(f"{path.relative_to(root)} ({count}x)")
+    return found
+
+
+def check_anchor(mutant: Mutant, root: Path) -> str:
+    """The module's text, after checking the snippet occurs in it exactly once."""
+    path = root / mutant.module
+    text = path.read_text() if path.is_file() else None
+    count = 0 if text is None else text.count(mutant.before)
+    if text is None or count != 1:
+        where = "is missing" if text is None else f"holds the snippet {count} times"
+        others = where_else(mutant.before, root)
+        raise AnchorError(
+            f"mutant {mutant.name!r}: {mutant.module} {where}, not once:\n    {mutant.before!r}\n"
+            + (f"  it is in: {', '.join(others)}" if others else "  it is nowhere in the package")
+        )
+    return text
+
+
+# --- running the tests --------------------------------------------------------------------------------
+
+
+def copy_repository(destination: Path) -> Path:
+    """A copy of what the tests need: the package, the tests, the docs they read, the configuration."""
+    ignore = shutil.ignore_patterns(
+        ".git", ".venv", ".nox", "__pycache__", ".pytest_cache", ".hypothesis", "site", "*.pyc", "results"
+    )
+    copy = destination / "repo"
+    shutil.copytree(ROOT, copy, ignore=ignore)
+    return copy
+
+
+def run_pytest(copy: Path, targets: list[str], devices: int, stop: bool) -> dict:
+    """Runs pytest in the copy; returns the failed test ids, whether it stopped early, and its time."""
+    result_file = copy / ".mutants-result.json"
+    result_file.unlink(missing_ok=True)
+    env = {
+        **os.environ,
+        "EINSHARD_TEST_DEVICES": str(devices),
+        "JAX_PLATFORMS": "cpu",
+        # The copy first, so that this process's tests and every child they start import it.
+        "PYTHONPATH": os.pathsep.join([str(copy), str(copy / "tools")]),
+        "PYTHONDONTWRITEBYTECODE": "1",  # a mutant of the same size and second must not reuse a .pyc
+        "MUTANTS_RESULT": str(result_file),
+        "MUTANTS_STOP": "1" if stop else "",
+    }
+    env.pop("XLA_FLAGS", None)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "mutants"]
+    command += ["--continue-on-collection-errors"]
+    started = time.monotonic()
+    try:
+        process = subprocess.run(
+            [*command, *targets], cwd=copy, env=env, capture_output=True, text=True, timeout=TIMEOUT
+        )
+    except subprocess.TimeoutExpired:
+        return {"failed": [], "collection": [], "stopped": False, "timeout": True, "seconds": TIMEOUT}
+    seconds = time.monotonic() - started
+    if not result_file.is_file():
+        output = f"{process.stdout[-3000:]}\n{process.stderr[-3000:]}"
+        raise RuntimeError(f"pytest did not run in the copy:\n{output}")
+    result = json.loads(result_file.read_text())
+    result.update(seconds=seconds, timeout=False, tail=process.stdout[-2000:])
+    return result
+
+
+def function_of(test: str) -> str:
+    """``tests/test_x.py::test_f[8]`` -> ``tests/test_x.py::test_f``: parametrizations are one function."""
+    return test.split("[", 1)[0]
+
+
+def check_imports_the_copy(copy: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(copy), "JAX_PLATFORMS": "cpu", "PYTHONDONTWRITEBYTECODE": "1"}
+    found = subprocess.run(
+        [sys.executable, "-c", f"import {PACKAGE}; print({PACKAGE}.__file__)"],
+        cwd=copy,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    if not Path(found).resolve().is_relative_to(copy.resolve()):
+        raise RuntimeError(f"the tests would import {found}, not the copy in {copy}")
+
+
+# --- the pytest plugin (``-p mutants`` in the copy): records failures, stops once caught -------------
+
+_failed: dict[str, None] = {}
+_collection: list[str] = []
+_session = None
+
+
+def pytest_sessionstart(session):
+    global _session
+    _session = session
+
+
+def pytest_collectreport(report):
+    if os.environ.get("MUTANTS_RESULT") and report.failed:
+        _collection.append(str(report.nodeid))
+
+
+def pytest_runtest_logreport(report):
+    if not os.environ.get("MUTANTS_RESULT") or not report.failed:
+        return
+    _failed[report.nodeid] = None
+    functions = {function_of(test) for test in _failed}
+    caught = len(_failed) >= CAUGHT_TESTS and len(functions) >= CAUGHT_FUNCTIONS
+    if os.environ.get("MUTANTS_STOP") and caught and _session is not None:
+        _session.shouldstop = "the mutant is caught"
+
+
+def pytest_sessionfinish(session):
+    path = os.environ.get("MUTANTS_RESULT")
+    if path:
+        stopped = bool(session.shouldstop)
+        result = {"failed": list(_failed), "collection": _collection, "stopped": stopped}
+        Path(path).write_text(json.dumps(result))
+
+
+# --- the table ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Outcome:
+    mutant: Mutant
+    failed: list[str]
+    stopped: bool
+    seconds: float
+    timeout: bool = False
+    collection: list[str] = dataclasses.field(default_factory=list)
+    unmutated: list[str] = dataclasses.field(default_factory=list)  # failed unmutated too: not counted
+    meet: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def functions(self) -> list[str]:
+        return sorted({function_of(test) for test in self.failed})
+
+    @property
+    def caught(self) -> bool:
+        return len(self.failed) >= CAUGHT_TESTS and len(self.functions) >= CAUGHT_FUNCTIONS
+
+
+def table(outcomes: list[Outcome], markdown: bool) -> str:
+    header = ["mutant", "module", "tests failed", "functions failed", "caught", "seconds", "bug"]
+    rows = []
+    for o in outcomes:
+        more = "+" if o.stopped else ""
+        caught = "yes" if o.caught else ("TIMEOUT" if o.timeout else "NO")
+        if o.collection:
+            caught += " (collection errors)"
+        module = o.mutant.module.removeprefix(f"{PACKAGE}/")
+        tests, functions = f"{len(o.failed)}{more}", f"{len(o.functions)}{more}"
+        rows.append([o.mutant.name, module, tests, functions, caught, f"{o.seconds:.0f}", o.mutant.what])
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+        return "\n".join(lines)
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows, strict=True)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def details(outcomes: list[Outcome]) -> str:
+    lines = []
+    for o in outcomes:
+        lines.append(f"{o.mutant.name}: {o.mutant.what}")
+        lines += [f"    {test}" for test in o.failed]
+        lines += [f"    collection error: {c}" for c in o.collection]
+        lines += [f"    (not counted, fails unmutated too: {t})" for t in o.unmutated]
+        for count, failed in o.meet.items():
+            lines.append(f"  tests/test_meet.py at {count} devices: {len(failed)} failed")
+            lines += [f"    {test}" for test in failed]
+    return "\n".join(lines)
+
+
+MEET_COUNTS = (6, 12)
+
+
+def confirm(copy: Path, outcomes: list[Outcome], devices: int) -> None:
+    """Runs the test functions that failed on some mutant, unmutated; what fails there too is not
+    counted (a test that fails anyway catches nothing)."""
+    runs = {devices: {t for o in outcomes for t in o.failed}}
+    for count in MEET_COUNTS:
+        runs.setdefault(count, set()).update(t for o in outcomes for t in o.meet.get(count, []))
+    for count, tests in runs.items():
+        if not tests:
+            continue
+        functions = sorted({function_of(test) for test in tests})
+        print(
+            f"confirming {len(functions)} test functions unmutated at {count} devices ...",
+            end=" ",
+            flush=True,
+        )
+        failing = set(run_pytest(copy, functions, count, stop=False)["failed"])
+        print(f"{len(failing & tests)} fail unmutated too" if failing & tests else "they pass", flush=True)
+        for outcome in outcomes:
+            if count == devices:
+                outcome.unmutated += [t for t in outcome.failed if t in failing]
+                outcome.failed = [t for t in outcome.failed if t not in failing]
+            if count in outcome.meet:
+                outcome.meet[count] = [t for t in outcome.meet[count] if t not in failing]
+
+
+# --- main -------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run these mutants only")
+    parser.add_argument("--full", action="store_true", help="run the whole suite on each mutant")
+    parser.add_argument("--all-failures", action="store_true", help="do not stop once a mutant is caught")
+    parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="run every selected file unmutated first (default: only what failed on a mutant, at the end)",
+    )
+    parser.add_argument("--no-meet", action="store_true", help="skip test_meet.py at 6 and 12 devices")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--check", action="store_true", help="check every anchor and exit")
+    parser.add_argument("--markdown", type=Path, help="also write the table and details to this file")
+    args = parser.parse_args(argv)
+
+    selected = ALL
+    if args.only:
+        unknown = set(args.only) - {m.name for m in ALL}
+        if unknown:
+            parser.error(f"no such mutant: {', '.join(sorted(unknown))}")
+        selected = [m for m in ALL if m.name in args.only]
+    if args.list:
+        for m in ALL:
+            print(f"{m.name:42} {m.module:38} {m.what}")
+        return 0
+    errors = []
+    for mutant in selected:
+        try:
+            check_anchor(mutant, ROOT)
+        except AnchorError as error:
+            errors.append(str(error))
+    if not DATAFLOW_ROLES:
+        print("note: no mutants of the dataflow roles yet (DATAFLOW_ROLES is empty)", file=sys.stderr)
+    if errors:
+        print("\n".join(errors), file=sys.stderr)
+        return 2
+    if args.check:
+        print(f"all {len(selected)} anchors found exactly once")
+        return 0
+
+    with tempfile.TemporaryDirectory(prefix="einshard-mutants-") as tmp:
+        copy = copy_repository(Path(tmp))
+        check_imports_the_copy(copy)
+        baseline: set[str] = set()
+        if args.baseline:
+            targets = [] if args.full else sorted({t for m in selected for t in m.tests})
+            print(f"baseline: {' '.join(targets) or 'the whole suite'}", flush=True)
+            baseline = set(run_pytest(copy, targets, args.devices, stop=False)["failed"])
+        outcomes = []
+        for mutant in selected:
+            path = copy / mutant.module
+            original = check_anchor(mutant, copy)
+            path.write_text(original.replace(mutant.before, mutant.after, 1))
+            try:
+                print(f"{mutant.name} ...", end=" ", flush=True)
+                targets = [] if args.full else list(mutant.tests)
+                result = run_pytest(copy, targets, args.devices, stop=not args.all_failures)
+                failed = [t for t in result["failed"] if t not in baseline]
+                outcome = Outcome(mutant, failed, result["stopped"], result["seconds"], result["timeout"])
+                outcome.collection = result["collection"]
+                if mutant.meet and not args.no_meet:
+                    for count in MEET_COUNTS:
+                        meet = run_pytest(copy, ["tests/test_meet.py"], count, stop=False)
+                        outcome.meet[count] = meet["failed"]
+                        outcome.seconds += meet["seconds"]
+            finally:
+                path.write_text(original)
+            outcomes.append(outcome)
+            print(f"{'caught' if outcome.caught else 'NOT CAUGHT'} ({len(failed)} tests)", flush=True)
+        if not args.baseline:
+            confirm(copy, outcomes, args.devices)
+
+    text = table(outcomes, markdown=False)
+    print()
+    print(text)
+    print()
+    print(details(outcomes))
+    if args.markdown:
+        args.markdown.write_text(table(outcomes, markdown=True) + "\n\n```\n" + details(outcomes) + "\n```\n")
+    return 0 if all(o.caught for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
