@@ -170,7 +170,8 @@ class StepReport:
         findings: The waste in the step (:class:`Finding`), the costliest first.
         accelerator: ``None`` (the program as compiled), or the accelerator whose compiler's
             rewrites of it the rows and totals include (``'gpu'``).
-        compiled: The rows and findings as compiled, before an accelerator's rewrites.
+        compiled: The rows and findings as compiled, before an accelerator's rewrites (by default
+            the report's own).
     """
 
     rows: tuple[StepRow, ...]
@@ -195,9 +196,14 @@ class StepReport:
     analysis_seconds: float
     findings: tuple[Finding, ...] = ()
     accelerator: str | None = None
-    compiled: tuple[tuple[StepRow, ...], tuple[Finding, ...]] = dataclasses.field(
-        default=((), ()), repr=False
+    compiled: tuple[tuple[StepRow, ...], tuple[Finding, ...]] | None = dataclasses.field(
+        default=None, repr=False
     )
+
+    def __post_init__(self) -> None:
+        # A report made without the compiled rows (by hand, or as compiled) keeps its own.
+        if self.compiled is None:
+            object.__setattr__(self, "compiled", (tuple(self.rows), tuple(self.findings)))
 
     @property
     def waste_bytes(self) -> int:
@@ -315,6 +321,7 @@ def accelerated(report: StepReport, accelerator: str | None) -> StepReport:
     ``'cpu'`` or ``None``: the rows as compiled.
     """
     check_accelerator(accelerator)
+    assert report.compiled is not None  # filled in by __post_init__
     rows, findings = report.compiled
     name = None if accelerator in (None, "cpu") else accelerator
     if name is not None:
