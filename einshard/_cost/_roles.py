@@ -447,6 +447,16 @@ class _Reader:
         axes = tuple(_EMPTY if i == axis else t for i, t in enumerate(value.axes))
         return [_Value(value.kind, axes, value.leaves) for _ in eqn.outvars]
 
+    def unstack(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+        """``k, v = kv``: each output is one index of ``axis`` (a slice of size 1, dropped)."""
+        value = ins[0]
+        axis = eqn.params["axis"] % max(len(value.axes), 1)
+        if value.kind == _PARAM:
+            self.role(value.axes[axis], "sliced")
+        self.brk(value.axes[axis], "taken apart into its parts (as k and v)")
+        axes = tuple(t for i, t in enumerate(value.axes) if i != axis)
+        return [_Value(value.kind, axes, value.leaves) for _ in eqn.outvars]
+
     def dynamic_update_slice(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
         operand, update = ins[0], ins[1]
         shape, part = _shape(eqn.invars[0]), _shape(eqn.invars[1])
@@ -810,6 +820,7 @@ _HANDLERS: dict[str, Callable[[_Reader, Any, list[_Value]], list[_Value]]] = {
     "dynamic_slice": _Reader.dynamic_slice,
     "dynamic_update_slice": _Reader.dynamic_update_slice,
     "split": _Reader.split,
+    "unstack": _Reader.unstack,
     "concatenate": _Reader.concatenate,
     "pad": _Reader.pad,
     "sort": _Reader.sort,
@@ -973,7 +984,9 @@ class LeafRole:
             apart), ``vocab`` (gathered by a lookup), ``layer`` (stacked layers), ``window``
             (a convolution window), ``-`` (only elementwise, or not read).
         role: ``column``, ``row``, ``heads``, ``vocabulary`` or ``follows`` (split on
-            ``axis``), or ``replicated`` / ``fsdp`` (no tensor-parallel split).
+            ``axis``), ``replicated`` (read, but not split), or ``unread`` (the forward pass
+            does not read it: optimizer state, say; a derived table gives it no rule of its
+            own, so it follows the parameter whose path its path ends with).
         axis: The axis split over the model axis, or ``None``.
         parts: How many ways it is split (the model axis's size, or less where the axis does
             not divide: then the leaf is copied ``model // parts`` times).
@@ -1121,31 +1134,24 @@ def assign(reading: Reading, model: int) -> tuple[LeafRole, ...]:
         for n, p in group.split.items():
             taken[reading.node_leaf[n]] = (n, p, group)
     by_root = {g.root: g for g in groups}
+    strip = prefix_parts(reading)
     rows = []
     for leaf, path in enumerate(reading.paths):
         if not reading.floating[leaf] or not reading.shapes[leaf]:
             continue
         axes = _axis_words(reading, leaf)
+        shape, dtype = reading.shapes[leaf], reading.dtypes[leaf]
         if leaf in taken:
             node, p, group = taken[leaf]
-            role, note = _split_note(reading, node, group, p, model)
+            role, note = _split_note(reading, node, group, p, model, strip)
+            rows.append(LeafRole(path, shape, dtype, axes, role, reading.node_axis[node], p, note))
+        elif not reading.uses[leaf] and not any(reading.roles[n] for n in _nodes(reading, leaf)):
             rows.append(
-                LeafRole(
-                    path,
-                    reading.shapes[leaf],
-                    reading.dtypes[leaf],
-                    axes,
-                    role,
-                    reading.node_axis[node],
-                    p,
-                    note,
-                )
+                LeafRole(path, shape, dtype, axes, "unread", None, 1, "not read by the step's forward pass")
             )
         else:
-            note = _no_split_note(reading, leaf, by_root, parts)
-            rows.append(
-                LeafRole(path, reading.shapes[leaf], reading.dtypes[leaf], axes, "replicated", None, 1, note)
-            )
+            note = _no_split_note(reading, leaf, by_root, parts, strip)
+            rows.append(LeafRole(path, shape, dtype, axes, "replicated", None, 1, note))
     return tuple(rows)
 
 
@@ -1179,56 +1185,110 @@ def _axis_words(reading: Reading, leaf: int) -> tuple[str, ...]:
     return tuple(words)
 
 
-def _short(path: str) -> str:
-    """A path in a note: layer numbers as ``*``, so that every layer's note reads alike."""
-    return "/".join("*" if part.isdigit() else part for part in path.split("/"))
+def _short(path: str, strip: int = 0) -> str:
+    """A path in a note: the parts every path has in front left out, layer numbers as ``*``."""
+    return "/".join("*" if part.isdigit() else part for part in path.split("/")[strip:])
 
 
-def _names(reading: Reading, nodes: Iterable[int]) -> str:
-    paths = sorted({_short(reading.paths[reading.node_leaf[n]]) for n in nodes})
+def common_parts(paths: Sequence[str]) -> int:
+    """How many leading parts all paths share (each keeps at least its last part)."""
+    split = [path.split("/") for path in paths]
+    common = 0
+    while split and all(len(parts) > common + 1 for parts in split) and len({p[common] for p in split}) == 1:
+        common += 1
+    return common
+
+
+def prefix_parts(reading: Reading) -> int:
+    """How many leading path parts the rules and notes leave out.
+
+    Only when the parameters come with other floating-point leaves the forward pass does not
+    read (``step((params, opt_state), batch)``): then the parts the read leaves share in front
+    (``0/params``) go, so that each rule also matches the optimizer state that mirrors its leaf
+    (``1/0/mu/...``).
+    """
+    floating = [path for leaf, path in enumerate(reading.paths) if reading.floating[leaf]]
+    read = [path for leaf, path in enumerate(reading.paths) if reading.floating[leaf] and reading.uses[leaf]]
+    if not read or len(read) == len(floating):
+        return 0
+    return common_parts(read) if common_parts(floating) < common_parts(read) else 0
+
+
+def _names(reading: Reading, nodes: Iterable[int], strip: int = 0) -> str:
+    nodes = list(nodes)
+    cores = [n for n in nodes if reading.roles[n] & _CORE] or nodes
+    paths = _compact(sorted({_short(reading.paths[reading.node_leaf[n]], strip) for n in cores}))
     if len(paths) > 3:
         return ", ".join(paths[:3]) + f" and {len(paths) - 3} more"
     return ", ".join(paths)
 
 
-def _split_note(reading: Reading, node: int, group: _Group, parts: int, model: int) -> tuple[str, str]:
+def _compact(paths: list[str]) -> list[str]:
+    """Paths that differ in one part only, as one: ``attn/{key,query,value}/kernel``."""
+    split = [path.split("/") for path in paths]
+    if len(split) > 1 and len({len(parts) for parts in split}) == 1:
+        differ = [i for i in range(len(split[0])) if len({parts[i] for parts in split}) > 1]
+        if len(differ) == 1:
+            i = differ[0]
+            parts = list(split[0])
+            parts[i] = "{" + ",".join(p[i] for p in split) + "}"
+            return ["/".join(parts)]
+    return paths
+
+
+def _split_note(
+    reading: Reading, node: int, group: _Group, parts: int, model: int, strip: int
+) -> tuple[str, str]:
     roles = reading.roles[node]
     rows = [r for c, r in reading.feeds if c == node and r in group.split]
     columns = [c for c, r in reading.feeds if r == node and c in group.split]
     if "gathered" in roles:
         role, note = "vocabulary", "vocabulary: the lookup's gathered axis (masked lookup, one all-reduce)"
     elif "heads" in roles and rows:
-        role, note = "heads", f"heads: split by head; {_names(reading, rows)} contracts them"
+        role, note = "heads", f"heads: split by head; {_names(reading, rows, strip)} contracts them"
     elif "heads" in roles:
         role, note = "heads", "heads: split by head"
     elif roles & {"free", "conv-out"} and rows:
-        role, note = "column", f"column: its output feeds {_names(reading, rows)}'s contraction axis"
+        role, note = "column", f"column: its output feeds {_names(reading, rows, strip)}'s contraction axis"
     elif roles & {"contraction", "conv-in"} and columns:
         heads = any("heads" in reading.roles[c] for c in columns)
         role = "heads" if heads else "row"
         what = "the heads of " if heads else "the output of "
-        note = f"{role}: contracts {what}{_names(reading, columns)} (one all-reduce)"
+        note = f"{role}: contracts {what}{_names(reading, columns, strip)} (one all-reduce)"
     elif roles & {"free", "conv-out"}:
         role, note = "vocabulary", "vocabulary: its output is only reduced after (softmax, loss)"
     elif roles & {"contraction", "conv-in"}:
         role, note = "row", "row: its input axis is split (one all-reduce of its output)"
     else:
-        cores = [n for n in group.split if reading.roles[n] & _CORE and n != node]
-        role, note = "follows", f"follows {_names(reading, cores[:1]) or 'its layer'}'s split axis"
+        cores = [n for n in group.split if reading.roles[n] & {"free", "conv-out", "gathered"}]
+        cores = cores or [n for n in group.split if reading.roles[n] & _CORE]
+        own = reading.paths[reading.node_leaf[node]].split("/")
+        nearest = sorted(cores, key=lambda n: -_shared(own, reading.paths[reading.node_leaf[n]].split("/")))
+        role, note = "follows", f"follows {_names(reading, nearest[:1], strip) or 'its layer'}'s split axis"
     if parts < model:
         size = reading.shapes[reading.node_leaf[node]][reading.node_axis[node]]
-        note += f"; {parts} of {model} ways ({size} does not divide by {model}), {model // parts} copies"
+        if size % model:
+            why = f"{size} does not divide by {model}"
+        else:
+            unit = "heads" if "heads" in roles else "parts"
+            finer = reading.why.get(node, "split unevenly")
+            why = f"{reading.limit[node]} whole {unit}: finer, it would be {finer}"
+        note += f"; {parts} of {model} ways, {model // parts} copies ({why})"
     return role, note
 
 
-def _no_split_note(reading: Reading, leaf: int, groups: dict[int, _Group], parts: list[int]) -> str:
+def _shared(a: list[str], b: list[str]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def _no_split_note(
+    reading: Reading, leaf: int, groups: dict[int, _Group], parts: list[int], strip: int
+) -> str:
     uses = reading.uses[leaf]
     nodes = list(_nodes(reading, leaf))
     if "opaque" in uses or any("opaque" in reading.roles[n] for n in nodes):
         reason = next((reading.why[n] for n in nodes if n in reading.why), "read by an opaque operation")
         return f"no split: {reason}"
-    if not uses and not any(reading.roles[n] for n in nodes):
-        return "not read by the step's forward pass"
     cores = [n for n in nodes if reading.roles[n] & _CORE and "layer" not in reading.roles[n]]
     if not cores:
         if any(reading.group[n] in groups and groups[reading.group[n]].chosen for n in nodes):
@@ -1246,7 +1306,7 @@ def _no_split_note(reading: Reading, leaf: int, groups: dict[int, _Group], parts
                 )
             return (
                 f"no split: axis {reading.node_axis[n]} pairs with "
-                f"{_names(reading, group.split) or 'nothing'}, which is split on another axis"
+                f"{_names(reading, group.split, strip) or 'nothing'}, which is split on another axis"
             )
     reasons = [reading.why[n] for n in cores if n in reading.why]
     if reasons:
@@ -1358,22 +1418,20 @@ def tp_expression(row: LeafRole, model: int, data: int, fsdp_axis: int | None) -
     return f"{left} -> {' '.join([*rest, first, split, *copies])}"
 
 
-def rule_patterns(paths: Sequence[str], choices: Sequence[tuple[Any, str]]) -> list[tuple[str, Any, str]]:
+def rule_patterns(
+    paths: Sequence[str], choices: Sequence[tuple[Any, str]], strip: int = 0
+) -> list[tuple[str, Any, str]]:
     r"""Compact ``(regex, expression, note)`` rules that give each path its choice.
 
     Each path becomes ``(^|/)`` + its parts + ``$`` (so it matches with or without the step's
     parameter name in front, and inside optimizer state that mirrors the parameters), with the
-    parts every path has in front left out, layer numbers as ``\d+`` where every layer agrees,
+    first ``strip`` parts left out, layer numbers as ``\d+`` where every layer agrees,
     and paths differing in one part combined (``(q|k|v)``). Checked: every path resolves to its
     own choice.
     """
     if not paths:
         return []
-    split = [path.split("/") for path in paths]
-    common = 0
-    while all(len(parts) > common + 1 for parts in split) and len({parts[common] for parts in split}) == 1:
-        common += 1
-    relative = [tuple(parts[common:]) for parts in split]
+    relative = [tuple(path.split("/")[strip:]) for path in paths]
     general: dict[tuple, list[int]] = {}
     for i, parts in enumerate(relative):
         general.setdefault(tuple(None if p.isdigit() else p for p in parts), []).append(i)
