@@ -91,36 +91,52 @@ def _is_jaxpr(value: Any) -> bool:
     return hasattr(_inner(value), "eqns")
 
 
+def _words(text: str) -> list[str]:
+    return text.split()
+
+
 # Primitives that act on each element alone (their outputs have their inputs' shape). Others of
 # the same shape are taken as elementwise unless a parameter names an axis (see _same_shape).
 _ELEMENTWISE = frozenset(
-    """abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt ceil
-    clamp clz conj convert_element_type copy copy_p cos cosh digamma div erf erf_inv erfc exp exp2
-    expm1 floor igamma igammac imag integer_pow is_finite lgamma log log1p logistic max min mul ne
-    eq ge gt le lt neg nextafter not or polygamma population_count pow real reduce_precision
-    regularized_incomplete_beta rem round rsqrt select_n shift_left shift_right_arithmetic
-    shift_right_logical sign sin sinh sqrt square stop_gradient sub tan tanh xor zeta
-    one_minus_square random_gamma_grad""".split()
+    _words(
+        """
+        abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt ceil
+        clamp clz conj convert_element_type copy copy_p cos cosh digamma div erf erf_inv erfc exp
+        exp2 expm1 floor igamma igammac imag integer_pow is_finite lgamma log log1p logistic max min
+        mul ne eq ge gt le lt neg nextafter not or polygamma population_count pow real
+        reduce_precision regularized_incomplete_beta rem round rsqrt select_n shift_left
+        shift_right_arithmetic shift_right_logical sign sin sinh sqrt square stop_gradient sub tan
+        tanh xor zeta one_minus_square random_gamma_grad
+        """
+    )
 )
 # One output per operand, each the operand itself (placement and scheduling hints).
 _IDENTITY = frozenset(
-    "optimization_barrier device_put sharding_constraint mesh_cast reshard pvary name".split()
+    _words("optimization_barrier device_put sharding_constraint mesh_cast reshard pvary name")
 )
 _REDUCE = frozenset(
-    "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin".split()
+    _words("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin")
 )
-_CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
+_CUMULATIVE = frozenset(_words("cumsum cumprod cummax cummin cumlogsumexp"))
 _RANDOM = frozenset(
-    """random_bits random_seed random_split random_fold_in random_wrap random_unwrap threefry2x32
-    rng_bit_generator rng_uniform iota""".split()
+    _words(
+        """
+        random_bits random_seed random_split random_fold_in random_wrap random_unwrap threefry2x32
+        rng_bit_generator rng_uniform iota
+        """
+    )
 )
-_CALLBACKS = frozenset("pure_callback io_callback ffi_call custom_call debug_callback".split())
+_CALLBACKS = frozenset(_words("pure_callback io_callback ffi_call custom_call debug_callback"))
 _AXIS_PARAMS = frozenset(
-    "axis axes dimension dimensions permutation fft_type fft_lengths window_dimensions".split()
+    _words("axis axes dimension dimensions permutation fft_type fft_lengths window_dimensions")
 )
 _MIXING = frozenset(
-    """cholesky lu qr eig eigh svd triangular_solve tridiagonal tridiagonal_solve schur hessenberg
-    householder_product lu_pivots_to_permutation fft rev""".split()
+    _words(
+        """
+        cholesky lu qr eig eigh svd triangular_solve tridiagonal tridiagonal_solve schur hessenberg
+        householder_product lu_pivots_to_permutation fft rev
+        """
+    )
 )
 
 
@@ -228,7 +244,7 @@ class _Reader:
 
     def call(self, eqn: Any, jaxpr: Any, ins: list[_Value], scale: float = 1.0) -> list[_Value]:
         path, old_scale = self.path, self.scale
-        self.path, self.scale = path + (id(eqn),), old_scale * scale
+        self.path, self.scale = (*path, id(eqn)), old_scale * scale
         try:
             return self.run(jaxpr, ins)
         finally:
@@ -321,7 +337,9 @@ class _Reader:
             for o in outs_group:
                 size = out_shape[o]
                 if size != 1:  # a tag covers the major factors of the merged axis it came from
-                    axes[o] = frozenset((node, base * outer, size) for node, base, extent in merged if outer < extent)
+                    axes[o] = frozenset(
+                        (node, base * outer, size) for node, base, extent in merged if outer < extent
+                    )
                 outer *= size
         return [_Value(value.kind, tuple(axes), value.leaves)]
 
@@ -469,12 +487,12 @@ class _Reader:
         if kind == _CONST:
             return [_plain(_CONST, _rank(eqn.outvars[0]))]
         if lhs.kind == _PARAM and rhs.kind == _ACT:
-            batch, free = self.weight(eqn, lhs, rhs, lc, rc, lb, rb)
+            batch, _ = self.weight(eqn, lhs, rhs, lc, rc, lb, rb)
             axes = batch + [lhs.axes[i] for i in lfree] + [rhs.axes[i] for i in rfree]
             self.role((t for i in lfree for t in lhs.axes[i]), "free")
             return [_Value(_ACT, tuple(axes))]
         if rhs.kind == _PARAM and lhs.kind == _ACT:
-            batch, free = self.weight(eqn, rhs, lhs, rc, lc, rb, lb)
+            batch, _ = self.weight(eqn, rhs, lhs, rc, lc, rb, lb)
             self.role((t for i in rfree for t in rhs.axes[i]), "free")
             axes = batch + [lhs.axes[i] for i in lfree] + [rhs.axes[i] for i in rfree]
             return [_Value(_ACT, tuple(axes))]
@@ -728,7 +746,9 @@ def _same_shape(eqn: Any) -> bool:
     return len(shapes) <= 1
 
 
-def _reshape_groups(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+def _reshape_groups(
+    in_shape: tuple[int, ...], out_shape: tuple[int, ...]
+) -> list[tuple[list[int], list[int]]]:
     """Runs of input and output axes with equal products: each run is merged, then split."""
     groups: list[tuple[list[int], list[int]]] = []
     i = j = 0
@@ -767,14 +787,14 @@ def _backward(eqn: Any) -> bool:
 
 
 def _where(eqn: Any) -> str:
-    """``file:line`` of the user code behind an operation, or ``''``."""
-    try:
-        import jax
-
-        frame = jax._src.source_info_util.user_frame(eqn.source_info.traceback)  # noqa: SLF001
-        return f"{frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line}" if frame is not None else ""
-    except Exception:
-        return ""
+    """``file:line`` of the innermost user code behind an operation (not JAX's own), or ``''``."""
+    frames = getattr(getattr(eqn.source_info, "traceback", None), "frames", None) or ()
+    for frame in frames:
+        name = str(getattr(frame, "file_name", ""))
+        if not any(f"/{package}/" in name for package in ("jax", "jaxlib", "einshard")):
+            line = getattr(frame, "line_num", None) or getattr(frame, "start_line", "")
+            return f"{name.rsplit('/', 1)[-1]}:{line}"
+    return ""
 
 
 _HANDLERS: dict[str, Callable[[_Reader, Any, list[_Value]], list[_Value]]] = {
@@ -843,7 +863,7 @@ def _step_function(step: Callable[..., Any] | str) -> Callable[..., Any]:
     """The step as a function: the one place this module uses the step report's helpers."""
     from . import _step
 
-    return _step._resolve(step)  # noqa: SLF001
+    return _step._resolve(step)
 
 
 def read(step: Callable[..., Any] | str, params: Any, batch: Any) -> Reading:
@@ -1015,7 +1035,9 @@ class Roles:
         ]
         for name, where in self.stops.items():
             footer.append(
-                f"reading stopped at {name}" + (f" ({where})" if where else "") + ": what it reads is not split"
+                f"reading stopped at {name}"
+                + (f" ({where})" if where else "")
+                + ": what it reads is not split"
             )
         return table_text(header, body, footer, empty="no floating-point parameters")
 
@@ -1108,11 +1130,22 @@ def assign(reading: Reading, model: int) -> tuple[LeafRole, ...]:
             node, p, group = taken[leaf]
             role, note = _split_note(reading, node, group, p, model)
             rows.append(
-                LeafRole(path, reading.shapes[leaf], reading.dtypes[leaf], axes, role, reading.node_axis[node], p, note)
+                LeafRole(
+                    path,
+                    reading.shapes[leaf],
+                    reading.dtypes[leaf],
+                    axes,
+                    role,
+                    reading.node_axis[node],
+                    p,
+                    note,
+                )
             )
         else:
             note = _no_split_note(reading, leaf, by_root, parts)
-            rows.append(LeafRole(path, reading.shapes[leaf], reading.dtypes[leaf], axes, "replicated", None, 1, note))
+            rows.append(
+                LeafRole(path, reading.shapes[leaf], reading.dtypes[leaf], axes, "replicated", None, 1, note)
+            )
     return tuple(rows)
 
 
@@ -1212,8 +1245,8 @@ def _no_split_note(reading: Reading, leaf: int, groups: dict[int, _Group], parts
                     "communication than the ones chosen"
                 )
             return (
-                f"no split: axis {reading.node_axis[n]} pairs with {_names(reading, group.split) or 'nothing'}, "
-                "which is split on another axis"
+                f"no split: axis {reading.node_axis[n]} pairs with "
+                f"{_names(reading, group.split) or 'nothing'}, which is split on another axis"
             )
     reasons = [reading.why[n] for n in cores if n in reading.why]
     if reasons:
@@ -1224,9 +1257,7 @@ def _no_split_note(reading: Reading, leaf: int, groups: dict[int, _Group], parts
     return "no split: no partner for its axes"
 
 
-def roles(
-    step: Callable[..., Any] | str, params: Any, batch: Any, *, n_devices: int | None = None
-) -> Roles:
+def roles(step: Callable[..., Any] | str, params: Any, batch: Any, *, n_devices: int | None = None) -> Roles:
     """Reads each parameter's tensor-parallel role from ``step(params, batch)``'s dataflow.
 
     The step is traced with ``jax.make_jaxpr`` on abstract inputs (nothing runs, nothing is
@@ -1328,11 +1359,11 @@ def tp_expression(row: LeafRole, model: int, data: int, fsdp_axis: int | None) -
 
 
 def rule_patterns(paths: Sequence[str], choices: Sequence[tuple[Any, str]]) -> list[tuple[str, Any, str]]:
-    """Compact ``(regex, expression, note)`` rules that give each path its choice.
+    r"""Compact ``(regex, expression, note)`` rules that give each path its choice.
 
     Each path becomes ``(^|/)`` + its parts + ``$`` (so it matches with or without the step's
     parameter name in front, and inside optimizer state that mirrors the parameters), with the
-    parts every path has in front left out, layer numbers as ``\\d+`` where every layer agrees,
+    parts every path has in front left out, layer numbers as ``\d+`` where every layer agrees,
     and paths differing in one part combined (``(q|k|v)``). Checked: every path resolves to its
     own choice.
     """
@@ -1368,7 +1399,9 @@ def rule_patterns(paths: Sequence[str], choices: Sequence[tuple[Any, str]]) -> l
         if first is None or _choice_key((first[1], first[2])) != _choice_key(choice):
             return [
                 (_regex(tuple({p} for p in parts)), expression, note)
-                for parts, (expression, note) in sorted(zip(relative, choices, strict=True), key=lambda e: -len(e[0]))
+                for parts, (expression, note) in sorted(
+                    zip(relative, choices, strict=True), key=lambda e: -len(e[0])
+                )
             ]
     return rules
 
@@ -1393,7 +1426,9 @@ def _combine(entries: list[tuple[tuple, Any, str]]) -> list[tuple[tuple, Any, st
                 if position >= len(parts) or parts[position] is None:
                     out.append((parts, expression, note))
                     continue
-                rest = tuple(None if p is None else frozenset(p) for i, p in enumerate(parts) if i != position)
+                rest = tuple(
+                    None if p is None else frozenset(p) for i, p in enumerate(parts) if i != position
+                )
                 key = (len(parts), rest, repr(expression), note)
                 index = buckets.get(key)
                 if index is None:
@@ -1401,7 +1436,7 @@ def _combine(entries: list[tuple[tuple, Any, str]]) -> list[tuple[tuple, Any, st
                     out.append((parts, expression, note))
                 else:
                     old = out[index][0]
-                    merged = old[:position] + (old[position] | parts[position],) + old[position + 1 :]
+                    merged = (*old[:position], old[position] | parts[position], *old[position + 1 :])
                     out[index] = (merged, expression, note)
                     changed = True
             entries = out

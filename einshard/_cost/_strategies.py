@@ -332,7 +332,7 @@ def tensor_parallel(
     """
     if step is not None and not _is_names(step):
         count = _device_count(n_devices)
-        reading = _read(step, params, batch)
+        reading = _read(step, params, batch)  # type: ignore[arg-type]  # not names: a step
         return _derived(reading, count, count, DEFAULT_MIN_BYTES)
     if step is not None:  # the name-based table's first argument, given by position
         column = step  # type: ignore[assignment]
@@ -444,7 +444,7 @@ def _check_model(model: Any) -> None:
 def _device_count(n_devices: int | None) -> int:
     from .._sharding._devices import device_target
 
-    return _roles._count(n_devices, device_target(None).count)  # noqa: SLF001
+    return _roles._count(n_devices, device_target(None).count)
 
 
 def _read(step: Callable[..., Any] | str, params: Any, batch: Any) -> _roles.Reading:
@@ -465,7 +465,9 @@ def _derived(reading: _roles.Reading, n_devices: int, model: int, min_bytes: int
     for row in _roles.assign(reading, model):
         paths.append(row.path)
         if row.axis is not None:
-            choices.append((_roles.tp_expression(row, model, data, _fsdp_axis(row, data, min_bytes)), row.note))
+            choices.append(
+                (_roles.tp_expression(row, model, data, _fsdp_axis(row, data, min_bytes)), row.note)
+            )
         elif data > 1:
             choices.append((SplitLargest(min_bytes=min_bytes), f"fsdp: {row.note}"))
         else:

@@ -71,7 +71,9 @@ class Rule:
 
 
 RulesLike = Union[
-    "Rules", Sequence["tuple[str, str | ByShape] | tuple[str, str | ByShape, str | None]"], Mapping[str, "str | ByShape"]
+    "Rules",
+    Sequence["tuple[str, str | ByShape] | tuple[str, str | ByShape, str | None]"],
+    Mapping[str, "str | ByShape"],
 ]
 """What a rule table may be given as: a :class:`Rules`, a list of pairs (or of
 ``(regex, expression, note)`` triples), or a dict."""
