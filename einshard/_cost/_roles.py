@@ -362,7 +362,7 @@ class _Reader:
                 elif known is not None and known[1] * known[2] == outer:
                     merged[node] = (node, known[1], known[2] * size)
                 else:
-                    self.brk([(node, outer, size)], "a reshape interleaves it with another axis")
+                    self.brk([(node, outer, size)], "interleaved with another axis by a reshape")
             first = False
         return frozenset(merged.values())
 
@@ -401,16 +401,16 @@ class _Reader:
         return [value if _rank(v) == rank else _plain(kind, _rank(v)) for v in eqn.outvars]
 
     def cumulative(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
-        return self.along(eqn, ins, {eqn.params["axis"]}, f"a {eqn.primitive.name} runs along it")
+        return self.along(eqn, ins, {eqn.params["axis"]}, f"run along by {eqn.primitive.name}")
 
     def sort(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
-        return self.along(eqn, ins, {eqn.params["dimension"]}, "sorted along it")
+        return self.along(eqn, ins, {eqn.params["dimension"]}, "sorted along")
 
     def top_k(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
         rank = len(ins[0].axes)
         axis = eqn.params.get("axis", -1) % rank if rank else 0
         value = ins[0]
-        self.brk(value.axes[axis] if rank else (), "top_k runs along it")
+        self.brk(value.axes[axis] if rank else (), "searched along by top_k")
         axes = tuple(_EMPTY if i == axis else t for i, t in enumerate(value.axes))
         return [_Value(value.kind, axes, value.leaves), _plain(value.kind, _rank(eqn.outvars[1]))]
 
@@ -443,7 +443,10 @@ class _Reader:
         axis = eqn.params["axis"]
         if value.kind == _PARAM:
             self.role(value.axes[axis], "sliced")
-        self.brk(value.axes[axis], "split into parts")
+        self.brk(
+            value.axes[axis],
+            "split into parts (as q, k and v one after another: a contiguous split cuts across them)",
+        )
         axes = tuple(_EMPTY if i == axis else t for i, t in enumerate(value.axes))
         return [_Value(value.kind, axes, value.leaves) for _ in eqn.outvars]
 
@@ -474,17 +477,17 @@ class _Reader:
         return [_Value(kind, tuple(axes), operand.leaves | update.leaves if kind == _PARAM else _EMPTY)]
 
     def concatenate(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
-        return self.along(eqn, ins, {eqn.params["dimension"]}, "concatenated along it")
+        return self.along(eqn, ins, {eqn.params["dimension"]}, "concatenated with other arrays")
 
     def pad(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
         padded = {i for i, (lo, hi, inner) in enumerate(eqn.params["padding_config"]) if lo or hi or inner}
-        return self.along(eqn, ins[:1], padded, "padded along it")
+        return self.along(eqn, ins[:1], padded, "padded")
 
     def windowed(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
         window = eqn.params.get("window_dimensions", ())
         strides = eqn.params.get("window_strides", ()) or (1,) * len(window)
         mixed = {i for i, (w, s) in enumerate(zip(window, strides, strict=False)) if w != 1 or s != 1}
-        return self.along(eqn, ins, mixed, "a window (pooling) runs along it")
+        return self.along(eqn, ins, mixed, "pooled over (a window runs along it)")
 
     # --- where weights meet activations ---------------------------------------------------------
 
@@ -583,7 +586,7 @@ class _Reader:
             self.role(rhs.axes[axis], "window")
             self.brk(rhs.axes[axis], "a convolution window")
         for axis in lhs_spec[2:]:
-            self.brk(lhs.axes[axis], "a convolution's window runs along it")
+            self.brk(lhs.axes[axis], "run along by a convolution's window")
         if groups == 1:
             self.role(in_features, "conv-in")
             self.cost(eqn, (node for node, _, _ in in_features), _nbytes(eqn.outvars[0]))
@@ -1072,6 +1075,10 @@ class _Group:
     chosen: bool = False
 
 
+def split_nodes(groups: Sequence[_Group]) -> set[int]:
+    return {n for group in groups for n in group.split}
+
+
 def _largest_divisor(model: int, limit: int) -> int:
     return math.gcd(model, limit) if limit > 0 else 1
 
@@ -1089,12 +1096,19 @@ def assign(reading: Reading, model: int) -> tuple[LeafRole, ...]:
     for column, row in reading.feeds:
         columns_of.setdefault(row, []).append(column)
     groups: list[_Group] = []
+    invalid: dict[int, str] = {}  # groups that cannot be split, by root: why
     for root, nodes in members.items():
         if not any(reading.roles[n] & _CORE for n in nodes):
             continue
         leaves = [reading.node_leaf[n] for n in nodes]
-        if len(set(leaves)) != len(leaves):
-            continue  # it would split two axes of one leaf
+        if len(set(leaves)) != len(leaves):  # it would split two axes of one leaf
+            twice = next(leaf for leaf in leaves if leaves.count(leaf) > 1)
+            axes = sorted(reading.node_axis[n] for n in nodes if reading.node_leaf[n] == twice)
+            invalid[root] = (
+                f"{_short(reading.paths[twice])}'s axes {', '.join(map(str, axes))} meet through the "
+                "activations (a residual stream, a tied embedding), so no one split fits"
+            )
+            continue
         top = max((parts[n] for n in nodes if reading.roles[n] & {"free", "gathered", "conv-out"}), default=0)
         split = {}
         for n in nodes:
@@ -1107,23 +1121,34 @@ def assign(reading: Reading, model: int) -> tuple[LeafRole, ...]:
             if p > 1:
                 split[n] = p
         if not split:
+            invalid[root] = "no axis it meets through the activations divides by the model axis"
             continue
         size = sum(reading.nbytes[reading.node_leaf[n]] for n in split)
         cost = sum(reading.cost[n] for n in nodes)
         if size:
             groups.append(_Group(root, nodes, split, size, cost))
     # Megatron pairs (a split output axis feeding a split contraction axis) first, then the
-    # output-only splits (a lookup's vocabulary, logits), then lone rows; within each, the
-    # most parameter bytes per byte of communication. A lone column that is cheap on its own
-    # must not take a weight from the pair it belongs to.
-    paired = {reading.group[c] for c, r in reading.feeds}
+    # output-only splits (a lookup's vocabulary, logits); within each, the most parameter bytes
+    # per byte of communication. A lone column that is cheap on its own must not take a weight
+    # from the pair it belongs to. A lone row (a contraction axis no earlier weight splits) has
+    # no partner: splitting it would add an all-reduce of its output, and it is not split.
+    pairs = {
+        reading.group[c] for c, r in reading.feeds if c in split_nodes(groups) and r in split_nodes(groups)
+    }
+    ranked = []
+    for group in groups:
+        output = any(reading.roles[n] & {"gathered", "free", "conv-out"} for n in group.split)
+        if group.root in pairs or output:
+            ranked.append(group)
+        else:
+            invalid[group.root] = (
+                "no partner: no earlier weight splits the activations it contracts, and splitting it "
+                "alone would add an all-reduce of its output"
+            )
+    groups = ranked
 
     def order(group: _Group) -> tuple:
-        pair = group.root in paired and any(
-            c in group.split and r in group.split for c, r in reading.feeds if reading.group[c] == group.root
-        )
-        output = any(reading.roles[n] & {"gathered", "free", "conv-out"} for n in group.split)
-        return (0 if pair else 1 if output else 2, group.cost / group.bytes, -group.bytes, group.root)
+        return (0 if group.root in pairs else 1, group.cost / group.bytes, -group.bytes, group.root)
 
     groups.sort(key=order)
     taken: dict[int, tuple[int, int, _Group]] = {}
@@ -1150,7 +1175,7 @@ def assign(reading: Reading, model: int) -> tuple[LeafRole, ...]:
                 LeafRole(path, shape, dtype, axes, "unread", None, 1, "not read by the step's forward pass")
             )
         else:
-            note = _no_split_note(reading, leaf, by_root, parts, strip)
+            note = _no_split_note(reading, leaf, by_root, invalid, strip)
             rows.append(LeafRole(path, shape, dtype, axes, "replicated", None, 1, note))
     return tuple(rows)
 
@@ -1282,7 +1307,7 @@ def _shared(a: list[str], b: list[str]) -> int:
 
 
 def _no_split_note(
-    reading: Reading, leaf: int, groups: dict[int, _Group], parts: list[int], strip: int
+    reading: Reading, leaf: int, groups: dict[int, _Group], invalid: dict[int, str], strip: int
 ) -> str:
     uses = reading.uses[leaf]
     nodes = list(_nodes(reading, leaf))
@@ -1294,26 +1319,32 @@ def _no_split_note(
         if any(reading.group[n] in groups and groups[reading.group[n]].chosen for n in nodes):
             return "no split: it meets a split axis only elementwise"
         return "elementwise on activations whose axes stay whole (a scale, a norm, a bias)"
-    for n in sorted(cores, key=lambda n: -reading.shapes[leaf][reading.node_axis[n]]):
+
+    # The largest axis first: why it is not split.
+    def shared(n: int) -> bool:  # a residual stream's axis: the least telling reason
         group = groups.get(reading.group[n])
+        return group is not None and len({reading.node_leaf[m] for m in group.split}) > 4
+
+    for n in sorted(cores, key=lambda n: (shared(n), -reading.shapes[leaf][reading.node_axis[n]])):
+        axis = reading.node_axis[n]
+        group = groups.get(reading.group[n])
+        if n in reading.why and reading.limit[n] == 1:
+            return f"no split: axis {axis} is {reading.why[n]}"
         if group is not None and not group.chosen:
             others = {reading.node_leaf[m] for m in group.split} - {leaf}
             if len(others) > 3:
                 return (
-                    f"no split: axis {reading.node_axis[n]} is shared through the activations with "
-                    f"{len(others)} other weights (e.g. a residual stream), a split that costs more "
-                    "communication than the ones chosen"
+                    f"no split: axis {axis} is shared through the activations with {len(others)} other "
+                    "weights (a residual stream), a split that costs more communication than the ones chosen"
                 )
             return (
-                f"no split: axis {reading.node_axis[n]} pairs with "
+                f"no split: axis {axis} pairs with "
                 f"{_names(reading, group.split, strip) or 'nothing'}, which is split on another axis"
             )
-    reasons = [reading.why[n] for n in cores if n in reading.why]
-    if reasons:
-        return f"no split: {reasons[0]}"
-    if all(parts[n] == 1 for n in cores):
-        sizes = ", ".join(str(reading.shapes[leaf][reading.node_axis[n]]) for n in cores)
-        return f"no split: its axes ({sizes}) do not divide by the model axis"
+        if reading.group[n] in invalid:
+            return f"no split: {invalid[reading.group[n]]}"
+        if n in reading.why:
+            return f"no split: axis {axis} is {reading.why[n]}"
     return "no split: no partner for its axes"
 
 
