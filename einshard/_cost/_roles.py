@@ -1075,6 +1075,16 @@ class _Group:
     chosen: bool = False
 
 
+def _feeds(reading: Reading) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """The column -> row edges of a reading, by column and by row."""
+    rows: dict[int, list[int]] = {}
+    columns: dict[int, list[int]] = {}
+    for column, row in reading.feeds:
+        rows.setdefault(column, []).append(row)
+        columns.setdefault(row, []).append(column)
+    return rows, columns
+
+
 def split_nodes(groups: Sequence[_Group]) -> set[int]:
     return {n for group in groups for n in group.split}
 
@@ -1092,9 +1102,7 @@ def assign(reading: Reading, model: int) -> tuple[LeafRole, ...]:
         if reading.roles[node] and reading.floating[reading.node_leaf[node]]:
             members.setdefault(reading.group[node], []).append(node)
     # Column-side split: a row weight splits no more ways than the columns that feed it.
-    columns_of: dict[int, list[int]] = {}
-    for column, row in reading.feeds:
-        columns_of.setdefault(row, []).append(column)
+    rows_of, columns_of = _feeds(reading)
     groups: list[_Group] = []
     invalid: dict[int, str] = {}  # groups that cannot be split, by root: why
     for root, nodes in members.items():
@@ -1132,9 +1140,8 @@ def assign(reading: Reading, model: int) -> tuple[LeafRole, ...]:
     # per byte of communication. A lone column that is cheap on its own must not take a weight
     # from the pair it belongs to. A lone row (a contraction axis no earlier weight splits) has
     # no partner: splitting it would add an all-reduce of its output, and it is not split.
-    pairs = {
-        reading.group[c] for c, r in reading.feeds if c in split_nodes(groups) and r in split_nodes(groups)
-    }
+    splits = split_nodes(groups)
+    pairs = {reading.group[c] for c, r in reading.feeds if c in splits and r in splits}
     ranked = []
     for group in groups:
         output = any(reading.roles[n] & {"gathered", "free", "conv-out"} for n in group.split)
@@ -1168,7 +1175,7 @@ def assign(reading: Reading, model: int) -> tuple[LeafRole, ...]:
         shape, dtype = reading.shapes[leaf], reading.dtypes[leaf]
         if leaf in taken:
             node, p, group = taken[leaf]
-            role, note = _split_note(reading, node, group, p, model, strip)
+            role, note = _split_note(reading, node, group, p, model, strip, (rows_of, columns_of))
             rows.append(LeafRole(path, shape, dtype, axes, role, reading.node_axis[node], p, note))
         elif not reading.uses[leaf] and not any(reading.roles[n] for n in _nodes(reading, leaf)):
             rows.append(
@@ -1262,11 +1269,17 @@ def _compact(paths: list[str]) -> list[str]:
 
 
 def _split_note(
-    reading: Reading, node: int, group: _Group, parts: int, model: int, strip: int
+    reading: Reading,
+    node: int,
+    group: _Group,
+    parts: int,
+    model: int,
+    strip: int,
+    feeds: tuple[dict[int, list[int]], dict[int, list[int]]],
 ) -> tuple[str, str]:
     roles = reading.roles[node]
-    rows = [r for c, r in reading.feeds if c == node and r in group.split]
-    columns = [c for c, r in reading.feeds if r == node and c in group.split]
+    rows = [r for r in feeds[0].get(node, ()) if r in group.split]
+    columns = [c for c in feeds[1].get(node, ()) if c in group.split]
     if "gathered" in roles:
         role, note = "vocabulary", "vocabulary: the lookup's gathered axis (masked lookup, one all-reduce)"
     elif "heads" in roles and rows:
