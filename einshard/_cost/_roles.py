@@ -1325,13 +1325,15 @@ def _no_split_note(
     uses = reading.uses[leaf]
     nodes = list(_nodes(reading, leaf))
     if "opaque" in uses or any("opaque" in reading.roles[n] for n in nodes):
-        reason = next((reading.why[n] for n in nodes if n in reading.why), "read by an opaque operation")
-        return f"no split: {reason}"
+        stopped = next((n for n in nodes if n in reading.why), None)
+        if stopped is None:
+            return "no split: read by an operation einshard cannot see into"
+        return f"no split: axis {reading.node_axis[stopped]} is {reading.why[stopped]}"
     cores = [n for n in nodes if reading.roles[n] & _CORE and "layer" not in reading.roles[n]]
     if not cores:
         if any(reading.group[n] in groups and groups[reading.group[n]].chosen for n in nodes):
             return "no split: it meets a split axis only elementwise"
-        return "elementwise on activations whose axes stay whole (a scale, a norm, a bias)"
+        return "only elementwise, on axes that stay whole (a norm, a bias)"
 
     # The largest axis first: why it is not split.
     def shared(n: int) -> bool:  # a residual stream's axis: the least telling reason
