@@ -326,8 +326,7 @@ def _pairs(rules: object) -> list[tuple[str, str | ByShape, str | None]]:
         ):
             raise EinshardError(
                 f"rule {i} is {item!r}, not a (regex, expression) pair of strings",
-                hint="Write each rule as (r'regex', 'expression'), e.g. (r'w1/kernel$', 'x y -> x y*'), "
-                "or with a note: (r'w1/kernel$', 'x y -> x y*', 'column').",
+                hint="Write each rule as (r'regex', 'expression'), e.g. (r'w1/kernel$', 'x y -> x y*').",
             )
         pairs.append((item[0], item[1], item[2] if len(item) == 3 else None))
     return pairs
