@@ -126,7 +126,9 @@ _RANDOM = frozenset(
         """
     )
 )
-_CALLBACKS = frozenset(_words("pure_callback io_callback ffi_call custom_call debug_callback"))
+_CALLBACKS = frozenset(
+    _words("pure_callback io_callback ffi_call custom_call debug_callback pallas_call custom_partitioning")
+)
 _AXIS_PARAMS = frozenset(
     _words("axis axes dimension dimensions permutation fft_type fft_lengths window_dimensions")
 )
@@ -636,6 +638,9 @@ class _Reader:
             if lookup:
                 self.role(tags, "gathered")
                 self.cost(eqn, (node for node, _, _ in tags), amount)
+            elif indexing and math.prod(_shape(eqn.invars[1])[:-1]) > 1:  # a table read by fixed indices
+                self.role(tags, "indexed")
+                self.brk(tags, "looked up by indices the step computes, not from the batch")
             elif indexing:
                 self.role(tags, "layer" if sizes[axis] == 1 else "sliced")
                 self.brk(tags, "indexed (a layer axis)" if sizes[axis] == 1 else "sliced into parts")
@@ -1198,6 +1203,8 @@ def _axis_words(reading: Reading, leaf: int, columns_of: dict[int, list[int]]) -
         roles = reading.roles[node]
         if "layer" in roles:
             words.append("layer")
+        elif "indexed" in roles:
+            words.append("index")
         elif "gathered" in roles:
             words.append("vocab")
         elif "heads" in roles or any("heads" in reading.roles[c] for c in columns_of.get(node, ())):
@@ -1425,6 +1432,7 @@ _LETTERS = {
     "out": "opqr",
     "window": "stu",
     "batch": "ef",
+    "index": "nk",
     "elem": "xyz",
     "-": "abcd",
 }

@@ -361,10 +361,14 @@ def hybrid(
 
     ``model`` neighbouring devices share each tensor-parallel weight as :func:`tensor_parallel`
     splits it; the weight's largest other axis is split over the rest of the devices (the
-    data axis), and every other leaf as :func:`fsdp` splits it. The batch is split over the
-    data axis and copied over the model axis. With ``step``, ``params`` and ``batch`` the
-    tensor-parallel roles are read from the step's dataflow (see :func:`tensor_parallel`),
-    for ``n_devices`` devices (default: this machine's); without, by layer names.
+    data axis). The batch is split over the data axis and copied over the model axis.
+
+    With ``step``, ``params`` and ``batch`` the tensor-parallel roles are read from the step's
+    dataflow (see :func:`tensor_parallel`), for ``n_devices`` devices (default: this
+    machine's), and every weight without a tensor-parallel split is split as :func:`fsdp`
+    splits it over the data axis, and copied over the model axis (ZeRO within each
+    data-parallel group). Without a step, the roles go by layer names, and every other leaf
+    is split as :func:`fsdp` splits it, over all devices.
 
     Args:
         model: Devices on the model axis; it must divide the device count.
@@ -474,8 +478,10 @@ def _derived(reading: _roles.Reading, n_devices: int, model: int, min_bytes: int
             choices.append(
                 (_roles.tp_expression(row, model, data, _fsdp_axis(row, data, min_bytes)), row.note)
             )
-        elif data > 1:
-            choices.append((SplitLargest(min_bytes=min_bytes), f"fsdp: {row.note}"))
+        elif data > 1:  # over the data axis only, copied over the model axis (ZeRO within a data group)
+            choices.append(
+                (SplitLargest(min_bytes=min_bytes, parts=data), f"fsdp over the data axis: {row.note}")
+            )
         else:
             choices.append((REPLICATE, f"replicated: {row.note}"))
     rules: list[tuple[str, Any, str | None]] = list(
@@ -490,7 +496,9 @@ def _derived(reading: _roles.Reading, n_devices: int, model: int, min_bytes: int
     )
     if data > 1:
         if rest:
-            rules.append((r".*", SplitLargest(min_bytes=min_bytes), "the rest: fsdp"))
+            rules.append(
+                (r".*", SplitLargest(min_bytes=min_bytes, parts=data), "the rest: fsdp over the data axis")
+            )
         batch = f"b ... -> b* ... {model}"
         return Strategy(rules, batch=batch, name=f"hybrid model={model}", model=model, unmatched="replicate")
     if rest:
