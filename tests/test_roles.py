@@ -579,3 +579,25 @@ def test_data_parallel_bytes_equal_the_textbook():
     )
     parameter_bytes = sum(math.prod(leaf.shape) * 4 for leaf in jax.tree.leaves(params))
     assert report.traffic == pytest.approx(2 * (N - 1) / N * parameter_bytes, rel=0.01)
+
+
+def test_a_derived_table_serves_init_sharded_and_optax_state():
+    optax = pytest.importorskip("optax")
+    from einshard.integrations.optax import init_sharded as init_opt_state
+
+    params = gpt_params(jax.random.key(0))
+    table = tensor_parallel(gpt_step(), params, tokens())
+    born = einshard.init_sharded(lambda key: gpt_params(key), table, jax.random.key(0))
+    placed = einshard.shard_pytree(params, table)
+    for a, b in zip(jax.tree.leaves(born), jax.tree.leaves(placed), strict=True):
+        assert a.sharding.devices_indices_map(a.shape) == b.sharding.devices_indices_map(b.shape)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    state = init_opt_state(optax.adam(1e-3), born)
+    w1 = born["blocks"][0]["w1"]
+    for moment in (state[0].mu, state[0].nu):
+        got = moment["blocks"][0]["w1"]
+        assert got.sharding.devices_indices_map(got.shape) == w1.sharding.devices_indices_map(w1.shape)
+    # The same table shards the state by its paths too: the rules match the ends of paths.
+    by_rules = einshard.shard_pytree(optax.adam(1e-3).init(params), table)
+    got = by_rules[0].mu["blocks"][0]["w1"]
+    assert got.sharding.devices_indices_map(got.shape) == w1.sharding.devices_indices_map(w1.shape)
