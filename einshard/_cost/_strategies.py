@@ -509,8 +509,13 @@ def _derived(reading: _roles.Reading, n_devices: int, model: int, min_bytes: int
 
 
 def _fsdp_axis(row: _roles.LeafRole, data: int, min_bytes: int) -> int | None:
-    """The hybrid's data-axis split of a tensor-parallel weight: its largest other axis that divides."""
-    if data == 1 or math.prod(row.shape) * itemsize(row.dtype) < min_bytes:
+    """The hybrid's data-axis split of a tensor-parallel weight: its largest other axis that divides.
+
+    Not for a vocabulary (an embedding, logits): a lookup or a loss over a table split on both
+    axes makes XLA move the activations instead of gathering the table (on a LLaMA-shaped step,
+    twice the bytes); copied over the data axis, it costs one all-reduce as in tensor parallelism.
+    """
+    if data == 1 or row.role == "vocabulary" or math.prod(row.shape) * itemsize(row.dtype) < min_bytes:
         return None
     others = sorted((i for i in range(len(row.shape)) if i != row.axis), key=lambda i: (-row.shape[i], i))
     return next((i for i in others if row.shape[i] % data == 0), None)
