@@ -601,3 +601,27 @@ def test_a_derived_table_serves_init_sharded_and_optax_state():
     by_rules = einshard.shard_pytree(optax.adam(1e-3).init(params), table)
     got = by_rules[0].mu["blocks"][0]["w1"]
     assert got.sharding.devices_indices_map(got.shape) == w1.sharding.devices_indices_map(w1.shape)
+
+
+def test_cond_while_and_a_layer_loop_with_a_traced_count_are_read_through():
+    layers = 3
+    key = jax.random.key(0)
+    params = {
+        "up": jax.random.normal(key, (layers, D, FFN)) * 0.1,
+        "down": jax.random.normal(key, (layers, FFN, D)) * 0.1,
+    }
+
+    def loss(p, batch):
+        x, count = batch
+
+        def body(i, x):
+            h = x @ p["up"][i]  # the layer index is traced: a dynamic slice of the stacked weights
+            h = jax.lax.cond(jnp.sum(h) > 0, jax.nn.relu, jax.nn.gelu, h)
+            return x + h @ p["down"][i]
+
+        return jnp.mean(jax.lax.fori_loop(0, count[0], body, x) ** 2)  # a traced count: a while loop
+
+    batch = (np.ones((BATCH, D), np.float32), np.array([layers], np.int32))
+    found = by_path(roles(loss, params, batch))
+    assert (found["up"].role, found["up"].axis, found["up"].axes[0]) == ("column", 2, "layer")
+    assert (found["down"].role, found["down"].axis) == ("row", 1)
