@@ -58,7 +58,7 @@ class Rule:
     pattern: str
     expression: str | ByShape
     index: int
-    note: str | None = None
+    note: str | None = dataclasses.field(default=None, repr=False)
 
     def expression_for(self, shape: tuple[int, ...], dtype: Any, n_devices: int) -> tuple[str, str | None]:
         """The expression for a leaf of this shape and dtype, and why (``None`` for a fixed one)."""
