@@ -591,7 +591,7 @@ def test_a_derived_table_serves_init_sharded_and_optax_state():
     placed = einshard.shard_pytree(params, table)
     for a, b in zip(jax.tree.leaves(born), jax.tree.leaves(placed), strict=True):
         assert a.sharding.devices_indices_map(a.shape) == b.sharding.devices_indices_map(b.shape)
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)  # compiled vs eager: an ulp
     state = init_opt_state(optax.adam(1e-3), born)
     w1 = born["blocks"][0]["w1"]
     for moment in (state[0].mu, state[0].nu):
