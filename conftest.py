@@ -39,6 +39,9 @@ collect_ignore = [
     )
     if _missing(module)
 ]
+# Real models from PyPI, installed only by `nox -s real_models` (which sets EINSHARD_REAL_MODELS=1).
+if not os.environ.get("EINSHARD_REAL_MODELS"):
+    collect_ignore.append("tests/real_models")
 
 try:
     import hypothesis

@@ -13,7 +13,9 @@ then builds the site in strict mode), ``docs_serve`` (serves it locally),
 ``docs_screenshots`` (every page in headless Chromium at 1400 px: fails on clipped content),
 ``equinox_dev`` (the Equinox tests against the vendored development snapshot),
 ``mutants`` (planted one-line bugs, each of which the tests must catch; not run by default),
-``examples`` (every ``examples/*.py``), ``benchmarks`` (every
+``examples`` (every ``examples/*.py``), ``real_models`` (strategies and the planner on real
+models from PyPI, at 8, 16 and 6 devices) and ``real_models_quick`` (the same at 8 only; CI runs
+it), ``benchmarks`` (every
 ``benchmarks/bench_*.py``) and ``benchmarks_quick`` (each once, bounded; CI runs it). Every
 session installs what it needs itself; bare ``nox`` runs lint, types and tests.
 
@@ -353,6 +355,47 @@ def examples(session: nox.Session) -> None:
         session.run("python", str(script), env={"JAX_NUM_CPU_DEVICES": "8", **CPU_ONLY})
 
 
+# Real models from PyPI that nobody here wrote, for tests/real_models/ only: pinned, never
+# dependencies of einshard. Gemma goes in without its declared dependencies (kauldron, grain,
+# sentencepiece and, through them, TensorFlow: about 150 packages for `gemma.gm`); the
+# `gemma.transformer` module the tests use needs only Flax and orbax, which `.[all]` brings.
+REAL_MODELS = ["equimo==1.1.0", "esm2quinox==0.2.0", "mamba2-jax==1.1.2", "transformers==4.57.6"]
+REAL_MODELS_WITHOUT_DEPENDENCIES = ["gemma==2.0.8"]
+REAL_MODEL_DEVICE_COUNTS = [8, 16, 6]
+
+
+def _real_models(session: nox.Session, counts: list[int]) -> None:
+    session.install("--upgrade", "-e", ".[all]", "jax", *_group("test"), *REAL_MODELS)
+    session.install("--no-deps", *REAL_MODELS_WITHOUT_DEPENDENCIES)
+    packages = [pin.split("==")[0] for pin in REAL_MODELS_WITHOUT_DEPENDENCIES + REAL_MODELS]
+    _show_versions(session, "jax", "flax", "equinox", *packages)
+    for count in counts:
+        session.log(f"--- real models, {count} simulated CPU devices ---")
+        session.run(
+            "pytest",
+            "tests/real_models",
+            *session.posargs,
+            env={"EINSHARD_TEST_DEVICES": str(count), "EINSHARD_REAL_MODELS": "1", **CPU_ONLY},
+        )
+
+
+@nox.session(python=NEWEST_PYTHON)
+def real_models(session: nox.Session) -> None:
+    """Strategies, derived tensor parallelism and the planner on real models from PyPI (8, 16, 6 devices).
+
+    Installs the pinned model packages of ``REAL_MODELS`` (nothing is downloaded at run time:
+    every model is built small from random weights) and runs ``tests/real_models/``, which the
+    ``tests`` session does not collect. Extra arguments go to pytest: ``nox -s real_models -- -k gemma``.
+    """
+    _real_models(session, REAL_MODEL_DEVICE_COUNTS)
+
+
+@nox.session(python=NEWEST_PYTHON)
+def real_models_quick(session: nox.Session) -> None:
+    """``real_models`` at 8 devices only: the bounded run CI makes."""
+    _real_models(session, REAL_MODEL_DEVICE_COUNTS[:1])
+
+
 @nox.session(python=NEWEST_PYTHON)
 def benchmarks(session: nox.Session) -> None:
     """Runs every ``benchmarks/bench_*.py``; fails if a benchmark misses its bar.
@@ -376,6 +419,7 @@ def benchmarks(session: nox.Session) -> None:
 # not the published ones), bars reported but not enforced, results kept out of benchmarks/results/.
 QUICK_BENCHMARK_ARGS = {
     "bench_curves.py": ["--quick"],
+    "bench_roles.py": ["--warmup", "0", "--reps", "1"],  # two fresh processes per layout: ~1 min
     "bench_rules.py": ["--skip-memory"],
 }
 

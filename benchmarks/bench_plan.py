@@ -5,8 +5,9 @@
 The step is ``examples/llama_step.py``'s (a 4-layer LLaMA-shaped transformer, 15 MiB of float32
 parameters, a batch of 64 sequences of 64 tokens, plain SGD), planned with ``einshard.plan`` and
 its default candidates (data parallel, FSDP, tensor parallel, and a hybrid for every (data,
-model) factorization of the device count) at 100 GB/s per device, 5 µs latency per ring step,
-100 TFLOP/s and 96 MiB per device (``examples/plan_llama.py``'s figures).
+model) factorization of the device count, the last two read from the step's dataflow) at
+100 GB/s per device, 5 µs latency per ring step, 100 TFLOP/s and 96 MiB per device
+(``examples/plan_llama.py``'s figures).
 
 1. **plans**: the ranked candidates at 8 devices (compiled in this process) and at 64 (one
    child process with 64 simulated CPU devices), as ``print(plan)`` shows them: the
@@ -44,8 +45,14 @@ SCALING = ((8, 1), (8, 3), (8, None), (16, None), (32, None), (64, None))  # (de
 
 
 def _plan(n_devices: int, count: int | None) -> tuple[einshard.Plan, float]:
-    candidates = einshard.strategies.defaults(n_devices)
     start = time.perf_counter()
+    # The defaults plan makes: the tensor-parallel tables read from the step (timed: part of planning).
+    candidates = einshard.strategies.defaults(
+        n_devices,
+        step=llama_step.train_step,
+        params=llama_step.abstract_params(),
+        batch=llama_step.abstract_batch(),
+    )
     plan = einshard.plan(
         llama_step.train_step,
         llama_step.abstract_params(),

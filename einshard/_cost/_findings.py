@@ -257,7 +257,7 @@ class _Context:
     uses: _Uses
     n_devices: int
     messages: Sequence[str]
-    layouts: Sequence[Any] | None  # the leaves' plans under the rules (LeafPlan or None), or None
+    layouts: Sequence[Any] | None  # the leaves' plans under the rules (Assignment or None), or None
     paths: Sequence[str]  # every argument leaf's path, aligned with ``layouts``
     parameter_paths: Sequence[str | None]  # the program's parameters' paths, by position
     operands: list[str | None]  # each row's input value

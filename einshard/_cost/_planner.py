@@ -10,10 +10,12 @@ process with simulated CPU devices for all candidates). Ranking needs no recompi
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._arrays._build import itemsize
 from .._language._errors import EinshardError
 from .._language._text import seconds_text, size_text, table_text
 from .._trees._rules import Rules
@@ -27,6 +29,8 @@ __all__ = ["Plan", "PlanRow", "plan"]
 _BAR_WIDTH = 40
 TIE = 0.02
 """Estimated step times within 2% of each other count as equal: the earlier candidate ranks first."""
+SPLIT_ENOUGH = 0.5
+"""A model-parallel candidate splitting less than this share of the parameter bytes says so."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,12 +44,29 @@ class PlanRow:
         rejected: Why the candidate cannot be used (does not fit memory, does not divide),
             or ``None``.
         index: The candidate's position in the list given (ties go to the earlier one).
+        split_share: The share of the parameters' bytes split over the candidate's model axis
+            (tensor parallelism, hybrids), or over all devices (data parallel, FSDP: no model
+            axis); ``None`` when its rules do not fit the parameters.
+        unused_rules: The candidate's rules that matched no parameter (a final catch-all
+            ``.*`` left with nothing to catch is not counted).
     """
+
+    @property
+    def model_parallel(self) -> bool:
+        """Whether the candidate has a model axis (tensor parallelism or a hybrid)."""
+        return self.strategy.model is not None
+
+    @property
+    def splits_little(self) -> bool:
+        """A model-parallel candidate that splits less than half of the parameter bytes."""
+        return self.model_parallel and self.split_share is not None and self.split_share < SPLIT_ENOUGH
 
     strategy: Strategy
     report: StepReport | None
     rejected: str | None
     index: int = 0
+    split_share: float | None = None
+    unused_rules: tuple[Any, ...] = ()
 
     @property
     def name(self) -> str:
@@ -245,16 +266,15 @@ def plan(
     local = device_target(None).count
     count = local if n_devices is None else n_devices
     if strategies is None:
-        strategies = defaults(count, min_bytes=min_bytes)
+        strategies = defaults(count, min_bytes=min_bytes, step=step, params=params, batch=batch)
     call = StepCall.of(step, (params, batch), {})
     tables = [_with_batch(strategy, call.names[1]) for strategy in strategies]
     answers = reports(call, tables, None if count == local else count)
     rows = []
     for index, (strategy, answer) in enumerate(zip(strategies, answers, strict=True)):
-        if answer.report is not None:
-            rows.append(PlanRow(strategy, answer.report, None, index))
-        else:
-            rows.append(PlanRow(strategy, None, _reason(answer.error), index))
+        share, unused = _split_share(strategy, {call.names[0]: params}, count)
+        rejected = None if answer.report is not None else _reason(answer.error)
+        rows.append(PlanRow(strategy, answer.report, rejected, index, share, unused))
     return _ranked(rows, count, memory_per_device, bandwidth, latency, flops_per_second, accelerator)
 
 
@@ -262,6 +282,51 @@ def _with_batch(strategy: Strategy, batch_name: str) -> Rules:
     """The strategy's table with the batch rule in front, for the step's argument paths."""
     batch_rule = (rf"^{re.escape(batch_name)}(/|$)", strategy.batch)
     return Rules([batch_rule, *strategy.pairs()], **strategy._policies())
+
+
+def _split_share(strategy: Strategy, params: Any, n_devices: int) -> tuple[float | None, tuple[Any, ...]]:
+    """The share of ``params``' bytes the strategy splits over its model axis, and its unused rules.
+
+    A leaf counts when the devices of one model group (``model`` neighbours in the device
+    order) hold different blocks of it along an axis that the data groups do not split too:
+    a weight split over all devices (FSDP inside a hybrid) is not split over the model axis.
+    Without a model axis (data parallel, FSDP), the share split over all devices.
+    """
+    from .._trees._assign import assign_rules
+
+    try:
+        assigned, _, unused = assign_rules(params, strategy, n_devices=n_devices)
+    except EinshardError:
+        return None, ()
+    model = strategy.model or n_devices
+    if n_devices % model:
+        return None, ()
+    groups = n_devices // model
+    seen: dict[int, bool] = {}
+    total = split = 0
+    for _, leaf in assigned:
+        if leaf is None or not leaf.shape:
+            continue
+        size = math.prod(leaf.shape) * itemsize(leaf.dtype)
+        total += size
+        layout = leaf.layout
+        known = seen.get(id(layout))
+        if known is None:
+            within = [layout.block_index(position) for position in range(model)]
+            across = [layout.block_index(group * model) for group in range(groups)]
+            known = any(
+                len({block[axis] for block in within}) > 1
+                and (strategy.model is None or len({block[axis] for block in across}) == 1)
+                for axis in range(len(leaf.shape))
+            )
+            seen[id(layout)] = known
+        split += size if known else 0
+    catch_all = [
+        rule
+        for rule in unused
+        if not (rule.pattern in (".*", "^.*$", "") and rule.index == len(strategy) - 1)
+    ]
+    return (split / total if total else 0.0), tuple(catch_all)
 
 
 def _reason(error: Any) -> str:
@@ -303,7 +368,7 @@ def _ranked(
         ):
             needs, has = size_text(report.peak_bytes), size_text(memory_per_device)
             rejected = f"{_MEMORY}: needs {needs} > {has} per device"
-        priced.append(PlanRow(row.strategy, report, rejected, row.index))
+        priced.append(dataclasses.replace(row, report=report, rejected=rejected))
 
     def measure(row: PlanRow) -> float:
         # Without a bandwidth the communication has no time: the bytes sent rank instead.
@@ -334,7 +399,7 @@ def _ranked(
 
 def _columns(plan: Plan) -> tuple[list[str], list[list[str]]]:
     kinds = [k for k in KINDS if any(row.bytes_by_kind.get(k) for row in plan.rows)]
-    header = ["#", "strategy", "step time", "comm", "compute", "peak/device", "sent/device"]
+    header = ["#", "strategy", "split", "step time", "comm", "compute", "peak/device", "sent/device"]
     header += [_SHORT_KIND.get(kind, kind) for kind in kinds]
     header += ["findings", "verdict"]
     body = []
@@ -347,6 +412,7 @@ def _columns(plan: Plan) -> tuple[list[str], list[list[str]]]:
             [
                 str(rank) if row.rejected is None else "-",
                 row.name,
+                f"{row.split_share:.0%}" if row.split_share is not None else "-",
                 seconds_text(row.seconds) if report is not None else "-",
                 seconds_text(report.communication_seconds) if report is not None else "-",
                 seconds_text(report.compute_seconds) if report is not None else "-",
@@ -354,9 +420,7 @@ def _columns(plan: Plan) -> tuple[list[str], list[list[str]]]:
                 size_text(row.traffic) if row.traffic is not None else "-",
                 *[size_text(row.bytes_by_kind.get(kind, 0)) for kind in kinds],
                 _findings_cell(report),
-                ("best" if rank == 1 else "fits")
-                if row.rejected is None
-                else f"rejected ({_short_reason(row.rejected)})",  # the reason in full below
+                _verdict(row, rank),  # a rejection's reason in full below
             ]
         )
     return header, body
@@ -404,6 +468,15 @@ def _chart(plan: Plan) -> list[str]:
     return ["estimated step time (█ communication, ░ compute):", *lines]
 
 
+def _verdict(row: PlanRow, rank: int) -> str:
+    if row.rejected is not None:
+        return f"rejected ({_short_reason(row.rejected)})"
+    if row.splits_little:
+        little = f"splits only {row.split_share:.0%}"
+        return f"best, {little}" if rank == 1 else little
+    return "best" if rank == 1 else "fits"
+
+
 def _short_reason(reason: str) -> str:
     if reason.startswith(_MEMORY):
         return "memory"
@@ -415,6 +488,19 @@ _SHORT_KIND = {"collective-permute": "permute", "reduce-scatter": "reduce-scatte
 
 def _footer(plan: Plan) -> list[str]:
     rejected = [f"rejected {row.name}: {row.rejected}" for row in plan.rows if row.rejected is not None]
+    for row in plan.rows:
+        if row.splits_little:
+            rejected.append(
+                f"{row.name} splits only {row.split_share:.0%} of the parameter bytes over its model axis "
+                f"of {row.strategy.model or plan.n_devices}: the rest is replicated or split as FSDP"
+            )
+        if row.unused_rules:
+            listed = ", ".join(repr(rule.pattern) for rule in row.unused_rules[:5])
+            more = f" and {len(row.unused_rules) - 5} more" if len(row.unused_rules) > 5 else ""
+            count = len(row.unused_rules)
+            rejected.append(
+                f"{row.name}: {count} rule{'' if count == 1 else 's'} matched no parameter: {listed}{more}"
+            )
     figures = []
     if plan.bandwidth is not None:
         figures.append(f"{plan.bandwidth / 1e9:g} GB/s per device, latency {seconds_text(plan.latency)}")
@@ -431,7 +517,8 @@ def _footer(plan: Plan) -> list[str]:
         *rejected,
         *_findings_lines(plan),
         f"{len(plan.rows)} candidates on {plan.n_devices} devices ({given}); "
-        f"times within {TIE:.0%} count as equal (the simpler strategy first).",
+        f"times within {TIE:.0%} count as equal (the simpler strategy first); split: the share of the "
+        "parameter bytes split over the model axis (over all devices for data parallel and FSDP).",
         "Estimates, not measurements: collectives of the compiled program by ring formulas at the "
         "given bandwidth, plus XLA's flop count at the given FLOP/s, without overlap; peak memory "
         "from XLA's memory analysis of the program compiled for CPU devices. Findings: the waste each "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._arrays._build import itemsize
@@ -18,6 +18,7 @@ from .._language._errors import EinshardError
 from .._language._expression import REPLICATE, parse
 from .._language._text import size_text
 from .._trees._rules import ByShape, Indivisible, Rules, RulesLike, Unmatched
+from . import _roles
 
 __all__ = [
     "COLUMN",
@@ -27,15 +28,16 @@ __all__ = [
     "data_parallel",
     "fsdp",
     "hybrid",
+    "roles",
     "tensor_parallel",
 ]
 
 BATCH_SPLIT = "b ... -> b* ..."
 
 COLUMN = ("q", "k", "v", "query", "key", "value", "wq", "wk", "wv", "up", "gate")
-"""Layer names that are column-parallel by default (their output axis is split)."""
+"""Layer names the name-based :func:`tensor_parallel` table splits on the output axis by default."""
 ROW = ("o", "out", "wo", "down")
-"""Layer names that are row-parallel by default (their input axis is split)."""
+"""Layer names the name-based :func:`tensor_parallel` table splits on the input axis by default."""
 
 _NAMES = "abcdefghijklmnopqrstuvwxyz"
 DEFAULT_MIN_BYTES = 1 << 20
@@ -52,6 +54,10 @@ class Strategy(Rules):
         name: What the strategy is, e.g. ``'fsdp'`` or ``'hybrid model=4'``.
         batch: The expression to shard each batch array with (its first axis is the batch
             axis), so that the batch is laid out consistently with the parameters.
+        model: How many neighbouring devices share each split weight (the model axis): a
+            hybrid's ``model``, a derived tensor-parallel table's device count, ``0`` for the
+            name-based tensor-parallel table (all devices, whatever their count), ``None``
+            for strategies without a model axis (data parallel, FSDP).
 
     >>> import einshard
     >>> strategy = einshard.strategies.data_parallel()
@@ -61,7 +67,7 @@ class Strategy(Rules):
     'b ... -> b* ...'
     """
 
-    __slots__ = ("batch", "name")
+    __slots__ = ("batch", "model", "name")
 
     def __init__(
         self,
@@ -69,17 +75,24 @@ class Strategy(Rules):
         *,
         batch: str,
         name: str,
+        model: int | None = None,
         unmatched: Unmatched | None = None,
         indivisible: Indivisible | None = None,
         strict: bool | None = None,
     ) -> None:
         super().__init__(rules, unmatched=unmatched, indivisible=indivisible, strict=strict)
         parse(batch)
+        if model is not None and (isinstance(model, bool) or not isinstance(model, int) or model < 0):
+            raise EinshardError(
+                f"model must be a non-negative integer or None, not {model!r}",
+                hint="Give how many devices share each split weight, e.g. model=4 (0: all devices).",
+            )
         self.batch = batch
         self.name = name
+        self.model = model
 
     def _like(self, rules: Rules) -> Strategy:
-        return Strategy(rules, batch=self.batch, name=self.name)
+        return Strategy(rules, batch=self.batch, name=self.name, model=self.model)
 
     def __add__(self, other: RulesLike) -> Strategy:
         return self._like(Rules.__add__(self, other))
@@ -105,7 +118,9 @@ class Strategy(Rules):
         return Rules.__hash__(self)
 
     def __repr__(self) -> str:
-        return f"Strategy({self.name!r}, batch={self.batch!r}, {Rules.__repr__(self)})"
+        defaults = {"unmatched": "error", "indivisible": "error", "strict": False}
+        policies = "".join(f", {k}={v!r}" for k, v in self._policies().items() if v != defaults[k])
+        return f"Strategy({self.name!r}, batch={self.batch!r}, {Rules.__repr__(self)}{policies})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,28 +270,79 @@ def _tensor_rules(column: Sequence[str], row: Sequence[str], model: int | None) 
     ]
 
 
-def tensor_parallel(column: Sequence[str] = COLUMN, row: Sequence[str] = ROW) -> Strategy:
-    """Tensor parallelism over all devices: Megatron column/row pairs, everything else replicated.
+def tensor_parallel(
+    step: Callable[..., Any] | str | Sequence[str] | None = None,
+    params: Any = None,
+    batch: Any = None,
+    *,
+    column: Sequence[str] = COLUMN,
+    row: Sequence[str] = ROW,
+    n_devices: int | None = None,
+) -> Strategy:
+    """Tensor parallelism over all devices: Megatron column / row pairs, everything else replicated.
 
-    A column-parallel layer (``q``, ``k``, ``v``, ``up``, ``gate`` ...) splits its output axis,
-    a row-parallel one (``o``, ``down`` ...) its input axis, so the pair needs one all-reduce.
-    ``kernel`` leaves are read as Flax lays them out, ``(..., in, out)``; ``weight`` leaves as
-    Equinox and PyTorch do, ``(..., out, in)``; a column layer's ``bias`` is split with its
-    output. The batch is replicated: every device sees all of it.
+    Given the step, its parameters and a batch, the roles are read from the step's dataflow
+    (see :func:`roles`), whatever the layers are called: a weight whose output axis reaches a
+    later weight's contraction axis is split on that axis (*column*), the later weight on its
+    contraction axis (*row*), so the pair costs one all-reduce; attention's q, k, v and output
+    projections by head; an embedding on its vocabulary; biases with their layer. Every rule
+    carries a note saying why; weights without a partner are replicated, and their note says
+    why too. Leaves the step does not read (optimizer state) get no rule of their own: the
+    rules match the end of a path, so state that mirrors a parameter follows its rule, and a
+    leaf no rule matches is replicated (``unmatched='replicate'``). The table is derived for
+    ``n_devices`` (default: this machine's device count).
+
+    Without a step, the table goes by layer names: a column-parallel layer (``q``, ``k``,
+    ``v``, ``up``, ``gate`` ...) splits its output axis, a row-parallel one (``o``, ``down``
+    ...) its input axis. ``kernel`` leaves are read as Flax lays them out, ``(..., in, out)``;
+    ``weight`` leaves as Equinox and PyTorch do, ``(..., out, in)``; a column layer's ``bias``
+    is split with its output.
+
+    The batch is replicated: every device sees all of it.
 
     Args:
-        column: Column-parallel layer names: regexes for the path part before the leaf name
-            (a ``_proj`` suffix is allowed, so ``'q'`` matches ``q_proj/kernel``).
-        row: Row-parallel layer names, likewise.
+        step: The training step, ``step(params, batch)``, or an importable
+            ``'module:function'``; ``None`` for the table by layer names.
+        params: The step's parameters (arrays or ``jax.ShapeDtypeStruct`` leaves).
+        batch: A batch (arrays or ``jax.ShapeDtypeStruct`` leaves).
+        column: Without a step: column-parallel layer names, regexes for the path part before
+            the leaf name (a ``_proj`` suffix is allowed, so ``'q'`` matches ``q_proj/kernel``).
+        row: Without a step: row-parallel layer names, likewise.
+        n_devices: With a step: the device count to derive the table for.
+
+    Raises:
+        EinshardError: If the step cannot be traced on abstract inputs, or ``params`` or
+            ``batch`` is missing.
 
     >>> import jax, jax.numpy as jnp, einshard
+    >>> def step(params, x):
+    ...     return jnp.mean((jax.nn.relu(x @ params['w1']) @ params['w2']) ** 2)
+    >>> params = {'w1': jax.ShapeDtypeStruct((64, 256), jnp.float32),
+    ...           'w2': jax.ShapeDtypeStruct((256, 64), jnp.float32)}
+    >>> batch = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+    >>> print(einshard.strategies.tensor_parallel(step, params, batch))
+    Strategy('tensor parallel', batch='... -> * ...', Rules([
+        ('(^|/)w1$', 'i o -> i o*'),  # column: its output feeds w2's contraction axis
+        ('(^|/)w2$', 'i o -> i* o'),  # row: contracts the output of w1 (one all-reduce)
+    ]), unmatched='replicate')
+
+    By names:
+
     >>> tree = {'up_proj': {'kernel': jax.ShapeDtypeStruct((64, 256), jnp.float32)},
     ...         'down_proj': {'kernel': jax.ShapeDtypeStruct((256, 64), jnp.float32)}}
     >>> [row.shard_shape for row in einshard.explain(tree, einshard.strategies.tensor_parallel()).rows]
     [(32, 64), (64, 32)]
     """
+    if step is not None and not _is_names(step):
+        count = _device_count(n_devices)
+        reading = _read(step, params, batch)  # type: ignore[arg-type]  # not names: a step
+        return _derived(reading, count, count, DEFAULT_MIN_BYTES)
+    if step is not None:  # the name-based table's first argument, given by position
+        column = step  # type: ignore[assignment]
+        if params is not None:
+            row = params
     rules = [*_tensor_rules(column, row, None), (r".*", REPLICATE)]
-    return Strategy(rules, batch=REPLICATE, name="tensor parallel")
+    return Strategy(rules, batch=REPLICATE, name="tensor parallel", model=0)
 
 
 def hybrid(
@@ -284,19 +350,34 @@ def hybrid(
     column: Sequence[str] = COLUMN,
     row: Sequence[str] = ROW,
     min_bytes: int = DEFAULT_MIN_BYTES,
+    *,
+    step: Callable[..., Any] | str | None = None,
+    params: Any = None,
+    batch: Any = None,
+    n_devices: int | None = None,
 ) -> Strategy:
     """FSDP × tensor parallelism on a (data, model) factorization of the devices.
 
-    ``model`` neighbouring devices share each column/row-parallel matrix as
-    :func:`tensor_parallel` splits it; the other axis of the matrix is split over the rest of
-    the devices (the data axis), and every other leaf is split as :func:`fsdp` splits it. The
-    batch is split over the data axis and copied over the model axis.
+    ``model`` neighbouring devices share each tensor-parallel weight as :func:`tensor_parallel`
+    splits it; the weight's largest other axis is split over the rest of the devices (the
+    data axis). The batch is split over the data axis and copied over the model axis.
+
+    With ``step``, ``params`` and ``batch`` the tensor-parallel roles are read from the step's
+    dataflow (see :func:`tensor_parallel`), for ``n_devices`` devices (default: this
+    machine's), and every weight without a tensor-parallel split is split as :func:`fsdp`
+    splits it over the data axis, and copied over the model axis (ZeRO within each
+    data-parallel group). Without a step, the roles go by layer names, and every other leaf
+    is split as :func:`fsdp` splits it, over all devices.
 
     Args:
         model: Devices on the model axis; it must divide the device count.
-        column: Column-parallel layer names (see :func:`tensor_parallel`).
-        row: Row-parallel layer names.
+        column: Without a step: column-parallel layer names (see :func:`tensor_parallel`).
+        row: Without a step: row-parallel layer names.
         min_bytes: The other leaves smaller than this are replicated.
+        step: The training step ``step(params, batch)``, to read the roles from.
+        params: The step's parameters.
+        batch: A batch.
+        n_devices: With a step: the device count to derive the table for.
 
     >>> import jax, jax.numpy as jnp, einshard
     >>> tree = {'up_proj': {'kernel': jax.ShapeDtypeStruct((64, 256), jnp.float32)}}
@@ -304,17 +385,136 @@ def hybrid(
     >>> strategy.batch, einshard.explain(tree, strategy, n_devices=8).rows[0].shard_shape
     ('b ... -> b* ... 4', (32, 64))
     """
+    _check_model(model)
+    if step is not None:
+        count = _device_count(n_devices)
+        if count % model:
+            raise EinshardError(
+                f"model={model} does not divide the {count} devices",
+                hint=f"Choose a model axis that divides {count}, e.g. "
+                f"model={max(d for d in range(1, count + 1) if count % d == 0 and d < count) or 1}.",
+            )
+        return _derived(_read(step, params, batch), count, model, min_bytes)
+    rules = [*_tensor_rules(column, row, model), (r".*", SplitLargest(min_bytes=min_bytes))]
+    return Strategy(rules, batch=f"b ... -> b* ... {model}", name=f"hybrid model={model}", model=model)
+
+
+def defaults(
+    n_devices: int,
+    min_bytes: int = DEFAULT_MIN_BYTES,
+    *,
+    step: Callable[..., Any] | str | None = None,
+    params: Any = None,
+    batch: Any = None,
+) -> list[Strategy]:
+    """The planner's default candidates: data parallel, FSDP, tensor parallel, every hybrid.
+
+    With ``step``, ``params`` and ``batch``, the tensor-parallel and hybrid tables are derived
+    from the step's dataflow (read once for all of them); without, they go by layer names.
+    """
+    out = [data_parallel(), fsdp(min_bytes=min_bytes)]
+    models = [m for m in range(2, n_devices) if n_devices % m == 0]
+    if step is None:
+        return [*out, tensor_parallel()] + [hybrid(m, min_bytes=min_bytes) for m in models]
+    reading = _read(step, params, batch)
+    out.append(_derived(reading, n_devices, n_devices, min_bytes))
+    return out + [_derived(reading, n_devices, m, min_bytes) for m in models]
+
+
+def roles(
+    step: Callable[..., Any] | str, params: Any, batch: Any, *, n_devices: int | None = None
+) -> _roles.Roles:
+    return _roles.roles(step, params, batch, n_devices=n_devices)
+
+
+roles.__doc__ = _roles.roles.__doc__
+
+
+def _is_names(value: Any) -> bool:
+    """Whether a first argument is the name-based table's ``column`` (a list of names), not a step."""
+    return (
+        not callable(value)
+        and not isinstance(value, str)
+        and isinstance(value, Sequence)
+        and all(isinstance(v, str) for v in value)
+    )
+
+
+def _check_model(model: Any) -> None:
     if isinstance(model, bool) or not isinstance(model, int) or model < 1:
         raise EinshardError(
             f"model must be a positive integer, not {model!r}",
             hint="Give how many devices the model axis has, e.g. model=4 (the data axis takes the rest).",
         )
-    rules = [*_tensor_rules(column, row, model), (r".*", SplitLargest(min_bytes=min_bytes))]
-    return Strategy(rules, batch=f"b ... -> b* ... {model}", name=f"hybrid model={model}")
 
 
-def defaults(n_devices: int, min_bytes: int = DEFAULT_MIN_BYTES) -> list[Strategy]:
-    """The planner's default candidates: data parallel, FSDP, tensor parallel, every hybrid."""
-    out = [data_parallel(), fsdp(min_bytes=min_bytes), tensor_parallel()]
-    out += [hybrid(m, min_bytes=min_bytes) for m in range(2, n_devices) if n_devices % m == 0]
-    return out
+def _device_count(n_devices: int | None) -> int:
+    from .._sharding._devices import device_target
+
+    return _roles._count(n_devices, device_target(None).count)
+
+
+def _read(step: Callable[..., Any] | str, params: Any, batch: Any) -> _roles.Reading:
+    if params is None or batch is None:
+        raise EinshardError(
+            "a table read from the step needs the step's params and a batch",
+            hint="Call it as tensor_parallel(step, params, batch) (ShapeDtypeStructs will do), or "
+            "give layer names instead: tensor_parallel(column=['q', 'k', 'v'], row=['o']).",
+        )
+    return _roles.read(step, params, batch)
+
+
+def _derived(reading: _roles.Reading, n_devices: int, model: int, min_bytes: int) -> Strategy:
+    """The tensor-parallel (``model == n_devices``) or hybrid table for the roles read."""
+    data = n_devices // model
+    paths: list[str] = []
+    choices: list[tuple[Any, str]] = []
+    for row in _roles.assign(reading, model):
+        if row.role == "unread":  # optimizer state and the like: its parameter's rule matches it
+            continue
+        paths.append(row.path)
+        if row.axis is not None:
+            choices.append(
+                (_roles.tp_expression(row, model, data, _fsdp_axis(row, data, min_bytes)), row.note)
+            )
+        elif data > 1:  # over the data axis only, copied over the model axis (ZeRO within a data group)
+            choices.append(
+                (SplitLargest(min_bytes=min_bytes, parts=data), f"fsdp over the data axis: {row.note}")
+            )
+        else:
+            choices.append((REPLICATE, f"replicated: {row.note}"))
+    rules: list[tuple[str, Any, str | None]] = list(
+        _roles.rule_patterns(paths, choices, _roles.prefix_parts(reading))
+    )
+    # Leaves without a rule of their own (integer leaves, state the forward pass does not read
+    # that mirrors no parameter): the rest, when there are any; in any other tree (optimizer
+    # state) a leaf no rule matches is replicated.
+    table = Rules(rules)
+    rest = any(
+        shape and table.match(path) is None for path, shape in zip(reading.paths, reading.shapes, strict=True)
+    )
+    if data > 1:
+        if rest:
+            rules.append(
+                (r".*", SplitLargest(min_bytes=min_bytes, parts=data), "the rest: fsdp over the data axis")
+            )
+        batch = f"b ... -> b* ... {model}"
+        return Strategy(rules, batch=batch, name=f"hybrid model={model}", model=model, unmatched="replicate")
+    if rest:
+        rules.append(
+            (r".*", REPLICATE, "the rest (integer leaves, state the step does not read): replicated")
+        )
+    return Strategy(rules, batch=REPLICATE, name="tensor parallel", model=model, unmatched="replicate")
+
+
+def _fsdp_axis(row: _roles.LeafRole, data: int, min_bytes: int) -> int | None:
+    """The hybrid's data-axis split of a tensor-parallel weight: its largest other axis that divides.
+
+    Not for a vocabulary (an embedding, logits): a lookup or a loss over a table split on both
+    axes makes XLA move the activations instead of gathering the table (on a LLaMA-shaped step,
+    twice the bytes); copied over the data axis, it costs one all-reduce as in tensor parallelism.
+    """
+    if data == 1 or row.role == "vocabulary" or math.prod(row.shape) * itemsize(row.dtype) < min_bytes:
+        return None
+    others = sorted((i for i in range(len(row.shape)) if i != row.axis), key=lambda i: (-row.shape[i], i))
+    return next((i for i in others if row.shape[i] % data == 0), None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 from .._arrays._build import itemsize as _itemsize
@@ -54,6 +55,9 @@ class Report:
         total_bytes: The bytes of all array leaves (the model, once).
         max_bytes_per_device: The bytes the busiest device holds.
         unused_rules: The rules that decided no leaf.
+        unmatched_rules: Of those, the rules whose regex matches no path of the tree at all
+            (a layer name the model does not have, a typo); a final catch-all ``.*`` is never
+            one.
     """
 
     rows: tuple[ReportRow, ...]
@@ -61,6 +65,7 @@ class Report:
     total_bytes: int
     max_bytes_per_device: int
     unused_rules: tuple[Rule, ...]
+    unmatched_rules: tuple[Rule, ...] = ()
 
     @property
     def replication_overhead(self) -> float:
@@ -106,6 +111,8 @@ def explain(
     """
     count = n_devices if n_devices is not None else device_target(devices).count
     assigned, _, unused = assign_rules(tree, rules, n_devices=count)
+    paths = [assignment.path for _, assignment in assigned if assignment is not None]
+    unmatched = tuple(rule for rule in unused if not any(re.search(rule.pattern, path) for path in paths))
     rows = [
         report_row(
             assignment.path,
@@ -127,6 +134,7 @@ def explain(
         total_bytes=sum(row.bytes for row in rows),
         max_bytes_per_device=per_device,
         unused_rules=unused,
+        unmatched_rules=unmatched,
     )
 
 
@@ -183,6 +191,13 @@ def _columns(report: Report) -> tuple[list[str], list[list[str]], list[str]]:
         footer.append(copies)
     if report.unused_rules:
         footer.append("unused rules: " + ", ".join(str(rule) for rule in report.unused_rules))
+    if report.unmatched_rules:
+        count = len(report.unmatched_rules)
+        footer.append(
+            f"{count} rule{' matches' if count == 1 else 's match'} no path of this tree "
+            "(a layer name it does not have?): "
+            + ", ".join(repr(rule.pattern) for rule in report.unmatched_rules)
+        )
     return header, body, footer
 
 

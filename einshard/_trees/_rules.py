@@ -50,11 +50,13 @@ class Rule:
         expression: The einshard expression for the leaves it matches, or a :class:`ByShape`
             that decides it per leaf.
         index: The rule's position in its table.
+        note: Why the rule is there (a derived table says why for each rule), or ``None``.
     """
 
     pattern: str
     expression: str | ByShape
     index: int
+    note: str | None = dataclasses.field(default=None, repr=False)
 
     def expression_for(self, shape: tuple[int, ...], dtype: Any, n_devices: int) -> tuple[str, str | None]:
         """The expression for a leaf of this shape and dtype, and why (``None`` for a fixed one)."""
@@ -66,8 +68,13 @@ class Rule:
         return f"({self.pattern!r}, {self.expression!r})"
 
 
-RulesLike = Union["Rules", Sequence[tuple[str, "str | ByShape"]], Mapping[str, "str | ByShape"]]
-"""What a rule table may be given as: a :class:`Rules`, a list of pairs, or a dict."""
+RulesLike = Union[
+    "Rules",
+    Sequence["tuple[str, str | ByShape] | tuple[str, str | ByShape, str | None]"],
+    Mapping[str, "str | ByShape"],
+]
+"""What a rule table may be given as: a :class:`Rules`, a list of pairs (or of
+``(regex, expression, note)`` triples), or a dict."""
 
 
 class Rules:
@@ -81,7 +88,8 @@ class Rules:
     general table can be refined by putting specific rules before it.
 
     Args:
-        rules: A list of ``(regex, expression)`` pairs, a dict from regex to
+        rules: A list of ``(regex, expression)`` pairs (a third element, a
+            note saying why, is kept and printed), a dict from regex to
             expression (in insertion order), or another ``Rules``.
         unmatched: What to do with an array leaf no rule matches: ``'error'``
             (the default) or ``'replicate'``.
@@ -139,10 +147,13 @@ class Rules:
         return self.rules[index]
 
     def __add__(self, other: RulesLike) -> Rules:
-        return Rules([*self.pairs(), *Rules(other).pairs()], **self._policies())
+        return Rules([*self._triples(), *Rules(other)._triples()], **self._policies())
 
     def __radd__(self, other: RulesLike) -> Rules:
-        return Rules([*Rules(other).pairs(), *self.pairs()], **self._policies())
+        return Rules([*Rules(other)._triples(), *self._triples()], **self._policies())
+
+    def _triples(self) -> list[tuple[str, str | ByShape, str | None]]:
+        return [(rule.pattern, rule.expression, rule.note) for rule in self.rules]
 
     def replace(
         self,
@@ -174,7 +185,9 @@ class Rules:
         return hash(self.pairs())
 
     def __repr__(self) -> str:
-        rows = "".join(f"\n    ({r.pattern!r}, {r.expression!r})," for r in self.rules)
+        rows = "".join(
+            f"\n    ({r.pattern!r}, {r.expression!r}),{f'  # {r.note}' if r.note else ''}" for r in self.rules
+        )
         return f"Rules([{rows}\n])" if rows else "Rules([])"
 
     def pairs(self) -> tuple[tuple[str, str | ByShape], ...]:
@@ -256,7 +269,7 @@ def _check_policies(unmatched: object, indivisible: object, strict: object) -> N
         raise EinshardError(f"strict={strict!r} is not a policy", hint="Use strict=True or strict=False.")
 
 
-def _pairs(rules: object) -> list[tuple[str, str | ByShape]]:
+def _pairs(rules: object) -> list[tuple[str, str | ByShape, str | None]]:
     if isinstance(rules, Mapping):
         items: Iterable[Any] = rules.items()
     elif isinstance(rules, (str, bytes)) or not isinstance(rules, Iterable):
@@ -271,22 +284,23 @@ def _pairs(rules: object) -> list[tuple[str, str | ByShape]]:
     for i, item in enumerate(items):
         if (
             not isinstance(item, (tuple, list))
-            or len(item) != 2
+            or len(item) not in (2, 3)
             or not isinstance(item[0], str)
             or not isinstance(item[1], (str, ByShape))
+            or (len(item) == 3 and not isinstance(item[2], (str, type(None))))
         ):
             raise EinshardError(
                 f"rule {i} is {item!r}, not a (regex, expression) pair of strings",
                 hint="Write each rule as (r'regex', 'expression'), e.g. (r'w1/kernel$', 'x y -> x y*').",
             )
-        pairs.append((item[0], item[1]))
+        pairs.append((item[0], item[1], item[2] if len(item) == 3 else None))
     return pairs
 
 
 @functools.lru_cache(maxsize=64)
-def _compile_table(pairs: tuple[tuple[str, str | ByShape], ...]) -> _Table:
+def _compile_table(pairs: tuple[tuple[str, str | ByShape, str | None], ...]) -> _Table:
     """Compiles a table once per process; tables built from the same pairs share the work."""
-    rules = tuple(Rule(pattern, expression, i) for i, (pattern, expression) in enumerate(pairs))
+    rules = tuple(Rule(pattern, expression, i, note) for i, (pattern, expression, note) in enumerate(pairs))
     compiled = []
     doubts = []
     with warnings.catch_warnings(record=True) as caught:  # one context for all: entering costs
