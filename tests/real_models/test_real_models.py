@@ -30,7 +30,7 @@ TRANSFORMERS = {"gemma_lm", "equimo_vit", "esm2_lm", "gpt2_lm"}  # the issue's 5
 STEPS = 3
 RTOL = 1e-4
 MIN_BYTES = 4096  # these models are small: FSDP's default 1 MiB floor would replicate them whole
-MODEL_AXES = [m for m in (2, 4) if N_DEVICES % m == 0 and m < N_DEVICES]
+MODEL_AXES = [m for m in (2, 3, 4) if N_DEVICES % m == 0 and m < N_DEVICES]
 
 
 @functools.cache
@@ -191,3 +191,45 @@ def test_plan_model_parallel_rows_split_half(name):
         elif share < 0.5:  # the verdict must say so, not "fits"
             assert row.splits_little, (row.name, share)
             assert f"{row.name} splits only {share:.0%}" in str(result), str(result)
+
+
+# --- the step report ---------------------------------------------------------------------------------
+
+
+REPORT_GAPS = {
+    "mamba2_lm": "explain_step names NNX State leaves 'params/.../kernel/value'; explain and the "
+    "rules say '.../kernel' (the SPEC leaves wrappers' .value out of paths)",
+    "esm2_lm": "the gradients of the scan-stacked layers are all-reduced inside the backward loop, "
+    "one layer's slice per iteration, and explain_step attributes those rows to no parameter",
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=pytest.mark.xfail(reason=REPORT_GAPS[name])) if name in REPORT_GAPS else name
+        for name in MODELS
+    ],
+)
+def test_data_parallel_report_reduces_every_gradient(name):
+    """Under data parallelism each parameter's gradient is all-reduced over all devices, whole.
+
+    Each parameter's rows add up to at least its bytes (a gradient reduced in pieces, e.g. a
+    convolution kernel tap by tap, adds up to it; one reduced twice, e.g. Gemma's tied embedding,
+    to twice it: ``report.py`` prints those, waste the step report should name).
+    """
+    real = model(name)
+    params, batch = placed(real, strategies.data_parallel())
+    report = einshard.explain_step(real.step, params, batch)
+    assert set(report.bytes_by_kind) == {"all-reduce"}
+    assert all(row.group_size == N_DEVICES for row in report.rows)
+    rows = einshard.explain(real.abstract_params, strategies.data_parallel()).rows
+    sizes = {f"params/{row.path}": row.bytes for row in rows}
+    reduced: dict[str, int] = {}
+    for row in report.rows:
+        if row.param is not None:
+            assert row.param in sizes, f"{row.param} is no parameter path of explain: {sorted(sizes)[:3]}..."
+            reduced[row.param] = reduced.get(row.param, 0) + row.total_bytes
+    short = {path: (reduced.get(path, 0), n) for path, n in sizes.items() if reduced.get(path, 0) < n}
+    assert not short, f"gradients not reduced whole (reduced, size): {short}"
+    assert report.bytes >= parameter_bytes(real.abstract_params)
