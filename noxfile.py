@@ -336,7 +336,7 @@ def real_models(session: nox.Session) -> None:
 
 @nox.session(python=NEWEST_PYTHON)
 def real_models_quick(session: nox.Session) -> None:
-    """``real_models`` bounded for CI: Gemma and equimo's ViT (the models issue 22 names), 8 devices."""
+    """``real_models`` bounded for CI: Gemma and equimo's ViT only, at 8 devices."""
     _real_models(session, REAL_MODEL_DEVICE_COUNTS[:1], ("-k", "gemma_lm or equimo_vit"))
 
 
