@@ -363,6 +363,7 @@ def benchmarks(session: nox.Session) -> None:
 # not the published ones), bars reported but not enforced, results kept out of benchmarks/results/.
 QUICK_BENCHMARK_ARGS = {
     "bench_curves.py": ["--quick"],
+    "bench_roles.py": ["--warmup", "0", "--reps", "1"],  # two fresh processes per layout: ~1 min
     "bench_rules.py": ["--skip-memory"],
 }
 

@@ -362,7 +362,7 @@ class _Reader:
                 elif known is not None and known[1] * known[2] == outer:
                     merged[node] = (node, known[1], known[2] * size)
                 else:
-                    self.brk([(node, outer, size)], "a reshape interleaves it with another axis")
+                    self.brk([(node, outer, size)], "interleaved with another axis by a reshape")
             first = False
         return frozenset(merged.values())
 
@@ -401,16 +401,16 @@ class _Reader:
         return [value if _rank(v) == rank else _plain(kind, _rank(v)) for v in eqn.outvars]
 
     def cumulative(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
-        return self.along(eqn, ins, {eqn.params["axis"]}, f"a {eqn.primitive.name} runs along it")
+        return self.along(eqn, ins, {eqn.params["axis"]}, f"run along by {eqn.primitive.name}")
 
     def sort(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
-        return self.along(eqn, ins, {eqn.params["dimension"]}, "sorted along it")
+        return self.along(eqn, ins, {eqn.params["dimension"]}, "sorted along")
 
     def top_k(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
         rank = len(ins[0].axes)
         axis = eqn.params.get("axis", -1) % rank if rank else 0
         value = ins[0]
-        self.brk(value.axes[axis] if rank else (), "top_k runs along it")
+        self.brk(value.axes[axis] if rank else (), "searched along by top_k")
         axes = tuple(_EMPTY if i == axis else t for i, t in enumerate(value.axes))
         return [_Value(value.kind, axes, value.leaves), _plain(value.kind, _rank(eqn.outvars[1]))]
 
@@ -443,8 +443,21 @@ class _Reader:
         axis = eqn.params["axis"]
         if value.kind == _PARAM:
             self.role(value.axes[axis], "sliced")
-        self.brk(value.axes[axis], "split into parts")
+        self.brk(
+            value.axes[axis],
+            "split into parts (as q, k and v one after another: a contiguous split cuts across them)",
+        )
         axes = tuple(_EMPTY if i == axis else t for i, t in enumerate(value.axes))
+        return [_Value(value.kind, axes, value.leaves) for _ in eqn.outvars]
+
+    def unstack(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+        """``k, v = kv``: each output is one index of ``axis`` (a slice of size 1, dropped)."""
+        value = ins[0]
+        axis = eqn.params["axis"] % max(len(value.axes), 1)
+        if value.kind == _PARAM:
+            self.role(value.axes[axis], "sliced")
+        self.brk(value.axes[axis], "taken apart into its parts (as k and v)")
+        axes = tuple(t for i, t in enumerate(value.axes) if i != axis)
         return [_Value(value.kind, axes, value.leaves) for _ in eqn.outvars]
 
     def dynamic_update_slice(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
@@ -464,17 +477,17 @@ class _Reader:
         return [_Value(kind, tuple(axes), operand.leaves | update.leaves if kind == _PARAM else _EMPTY)]
 
     def concatenate(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
-        return self.along(eqn, ins, {eqn.params["dimension"]}, "concatenated along it")
+        return self.along(eqn, ins, {eqn.params["dimension"]}, "concatenated with other arrays")
 
     def pad(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
         padded = {i for i, (lo, hi, inner) in enumerate(eqn.params["padding_config"]) if lo or hi or inner}
-        return self.along(eqn, ins[:1], padded, "padded along it")
+        return self.along(eqn, ins[:1], padded, "padded")
 
     def windowed(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
         window = eqn.params.get("window_dimensions", ())
         strides = eqn.params.get("window_strides", ()) or (1,) * len(window)
         mixed = {i for i, (w, s) in enumerate(zip(window, strides, strict=False)) if w != 1 or s != 1}
-        return self.along(eqn, ins, mixed, "a window (pooling) runs along it")
+        return self.along(eqn, ins, mixed, "pooled over (a window runs along it)")
 
     # --- where weights meet activations ---------------------------------------------------------
 
@@ -573,7 +586,7 @@ class _Reader:
             self.role(rhs.axes[axis], "window")
             self.brk(rhs.axes[axis], "a convolution window")
         for axis in lhs_spec[2:]:
-            self.brk(lhs.axes[axis], "a convolution's window runs along it")
+            self.brk(lhs.axes[axis], "run along by a convolution's window")
         if groups == 1:
             self.role(in_features, "conv-in")
             self.cost(eqn, (node for node, _, _ in in_features), _nbytes(eqn.outvars[0]))
@@ -810,6 +823,7 @@ _HANDLERS: dict[str, Callable[[_Reader, Any, list[_Value]], list[_Value]]] = {
     "dynamic_slice": _Reader.dynamic_slice,
     "dynamic_update_slice": _Reader.dynamic_update_slice,
     "split": _Reader.split,
+    "unstack": _Reader.unstack,
     "concatenate": _Reader.concatenate,
     "pad": _Reader.pad,
     "sort": _Reader.sort,
@@ -973,7 +987,9 @@ class LeafRole:
             apart), ``vocab`` (gathered by a lookup), ``layer`` (stacked layers), ``window``
             (a convolution window), ``-`` (only elementwise, or not read).
         role: ``column``, ``row``, ``heads``, ``vocabulary`` or ``follows`` (split on
-            ``axis``), or ``replicated`` / ``fsdp`` (no tensor-parallel split).
+            ``axis``), ``replicated`` (read, but not split), or ``unread`` (the forward pass
+            does not read it: optimizer state, say; a derived table gives it no rule of its
+            own, so it follows the parameter whose path its path ends with).
         axis: The axis split over the model axis, or ``None``.
         parts: How many ways it is split (the model axis's size, or less where the axis does
             not divide: then the leaf is copied ``model // parts`` times).
@@ -1059,6 +1075,20 @@ class _Group:
     chosen: bool = False
 
 
+def _feeds(reading: Reading) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """The column -> row edges of a reading, by column and by row."""
+    rows: dict[int, list[int]] = {}
+    columns: dict[int, list[int]] = {}
+    for column, row in reading.feeds:
+        rows.setdefault(column, []).append(row)
+        columns.setdefault(row, []).append(column)
+    return rows, columns
+
+
+def split_nodes(groups: Sequence[_Group]) -> set[int]:
+    return {n for group in groups for n in group.split}
+
+
 def _largest_divisor(model: int, limit: int) -> int:
     return math.gcd(model, limit) if limit > 0 else 1
 
@@ -1072,16 +1102,21 @@ def assign(reading: Reading, model: int) -> tuple[LeafRole, ...]:
         if reading.roles[node] and reading.floating[reading.node_leaf[node]]:
             members.setdefault(reading.group[node], []).append(node)
     # Column-side split: a row weight splits no more ways than the columns that feed it.
-    columns_of: dict[int, list[int]] = {}
-    for column, row in reading.feeds:
-        columns_of.setdefault(row, []).append(column)
+    rows_of, columns_of = _feeds(reading)
     groups: list[_Group] = []
+    invalid: dict[int, str] = {}  # groups that cannot be split, by root: why
     for root, nodes in members.items():
         if not any(reading.roles[n] & _CORE for n in nodes):
             continue
         leaves = [reading.node_leaf[n] for n in nodes]
-        if len(set(leaves)) != len(leaves):
-            continue  # it would split two axes of one leaf
+        if len(set(leaves)) != len(leaves):  # it would split two axes of one leaf
+            twice = next(leaf for leaf in leaves if leaves.count(leaf) > 1)
+            axes = sorted(reading.node_axis[n] for n in nodes if reading.node_leaf[n] == twice)
+            invalid[root] = (
+                f"{_short(reading.paths[twice])}'s axes {', '.join(map(str, axes))} meet through the "
+                "activations (a residual stream, a tied embedding), so no one split fits"
+            )
+            continue
         top = max((parts[n] for n in nodes if reading.roles[n] & {"free", "gathered", "conv-out"}), default=0)
         split = {}
         for n in nodes:
@@ -1094,23 +1129,33 @@ def assign(reading: Reading, model: int) -> tuple[LeafRole, ...]:
             if p > 1:
                 split[n] = p
         if not split:
+            invalid[root] = "no axis it meets through the activations divides by the model axis"
             continue
         size = sum(reading.nbytes[reading.node_leaf[n]] for n in split)
         cost = sum(reading.cost[n] for n in nodes)
         if size:
             groups.append(_Group(root, nodes, split, size, cost))
     # Megatron pairs (a split output axis feeding a split contraction axis) first, then the
-    # output-only splits (a lookup's vocabulary, logits), then lone rows; within each, the
-    # most parameter bytes per byte of communication. A lone column that is cheap on its own
-    # must not take a weight from the pair it belongs to.
-    paired = {reading.group[c] for c, r in reading.feeds}
+    # output-only splits (a lookup's vocabulary, logits); within each, the most parameter bytes
+    # per byte of communication. A lone column that is cheap on its own must not take a weight
+    # from the pair it belongs to. A lone row (a contraction axis no earlier weight splits) has
+    # no partner: splitting it would add an all-reduce of its output, and it is not split.
+    splits = split_nodes(groups)
+    pairs = {reading.group[c] for c, r in reading.feeds if c in splits and r in splits}
+    ranked = []
+    for group in groups:
+        output = any(reading.roles[n] & {"gathered", "free", "conv-out"} for n in group.split)
+        if group.root in pairs or output:
+            ranked.append(group)
+        else:
+            invalid[group.root] = (
+                "no partner: no earlier weight splits the activations it contracts, and splitting it "
+                "alone would add an all-reduce of its output"
+            )
+    groups = ranked
 
     def order(group: _Group) -> tuple:
-        pair = group.root in paired and any(
-            c in group.split and r in group.split for c, r in reading.feeds if reading.group[c] == group.root
-        )
-        output = any(reading.roles[n] & {"gathered", "free", "conv-out"} for n in group.split)
-        return (0 if pair else 1 if output else 2, group.cost / group.bytes, -group.bytes, group.root)
+        return (0 if group.root in pairs else 1, group.cost / group.bytes, -group.bytes, group.root)
 
     groups.sort(key=order)
     taken: dict[int, tuple[int, int, _Group]] = {}
@@ -1121,31 +1166,24 @@ def assign(reading: Reading, model: int) -> tuple[LeafRole, ...]:
         for n, p in group.split.items():
             taken[reading.node_leaf[n]] = (n, p, group)
     by_root = {g.root: g for g in groups}
+    strip = prefix_parts(reading)
     rows = []
     for leaf, path in enumerate(reading.paths):
         if not reading.floating[leaf] or not reading.shapes[leaf]:
             continue
         axes = _axis_words(reading, leaf)
+        shape, dtype = reading.shapes[leaf], reading.dtypes[leaf]
         if leaf in taken:
             node, p, group = taken[leaf]
-            role, note = _split_note(reading, node, group, p, model)
+            role, note = _split_note(reading, node, group, p, model, strip, (rows_of, columns_of))
+            rows.append(LeafRole(path, shape, dtype, axes, role, reading.node_axis[node], p, note))
+        elif not reading.uses[leaf] and not any(reading.roles[n] for n in _nodes(reading, leaf)):
             rows.append(
-                LeafRole(
-                    path,
-                    reading.shapes[leaf],
-                    reading.dtypes[leaf],
-                    axes,
-                    role,
-                    reading.node_axis[node],
-                    p,
-                    note,
-                )
+                LeafRole(path, shape, dtype, axes, "unread", None, 1, "not read by the step's forward pass")
             )
         else:
-            note = _no_split_note(reading, leaf, by_root, parts)
-            rows.append(
-                LeafRole(path, reading.shapes[leaf], reading.dtypes[leaf], axes, "replicated", None, 1, note)
-            )
+            note = _no_split_note(reading, leaf, by_root, invalid, strip)
+            rows.append(LeafRole(path, shape, dtype, axes, "replicated", None, 1, note))
     return tuple(rows)
 
 
@@ -1179,81 +1217,147 @@ def _axis_words(reading: Reading, leaf: int) -> tuple[str, ...]:
     return tuple(words)
 
 
-def _short(path: str) -> str:
-    """A path in a note: layer numbers as ``*``, so that every layer's note reads alike."""
-    return "/".join("*" if part.isdigit() else part for part in path.split("/"))
+def _short(path: str, strip: int = 0) -> str:
+    """A path in a note: the parts every path has in front left out, layer numbers as ``*``."""
+    return "/".join("*" if part.isdigit() else part for part in path.split("/")[strip:])
 
 
-def _names(reading: Reading, nodes: Iterable[int]) -> str:
-    paths = sorted({_short(reading.paths[reading.node_leaf[n]]) for n in nodes})
+def common_parts(paths: Sequence[str]) -> int:
+    """How many leading parts all paths share (each keeps at least its last part)."""
+    split = [path.split("/") for path in paths]
+    common = 0
+    while split and all(len(parts) > common + 1 for parts in split) and len({p[common] for p in split}) == 1:
+        common += 1
+    return common
+
+
+def prefix_parts(reading: Reading) -> int:
+    """How many leading path parts the rules and notes leave out.
+
+    Only when the parameters come with other floating-point leaves the forward pass does not
+    read (``step((params, opt_state), batch)``): then the parts the read leaves share in front
+    (``0/params``) go, so that each rule also matches the optimizer state that mirrors its leaf
+    (``1/0/mu/...``).
+    """
+    floating = [path for leaf, path in enumerate(reading.paths) if reading.floating[leaf]]
+    read = [path for leaf, path in enumerate(reading.paths) if reading.floating[leaf] and reading.uses[leaf]]
+    if not read or len(read) == len(floating):
+        return 0
+    return common_parts(read) if common_parts(floating) < common_parts(read) else 0
+
+
+def _names(reading: Reading, nodes: Iterable[int], strip: int = 0) -> str:
+    nodes = list(nodes)
+    cores = [n for n in nodes if reading.roles[n] & _CORE] or nodes
+    paths = _compact(sorted({_short(reading.paths[reading.node_leaf[n]], strip) for n in cores}))
     if len(paths) > 3:
         return ", ".join(paths[:3]) + f" and {len(paths) - 3} more"
     return ", ".join(paths)
 
 
-def _split_note(reading: Reading, node: int, group: _Group, parts: int, model: int) -> tuple[str, str]:
+def _compact(paths: list[str]) -> list[str]:
+    """Paths that differ in one part only, as one: ``attn/{key,query,value}/kernel``."""
+    split = [path.split("/") for path in paths]
+    if len(split) > 1 and len({len(parts) for parts in split}) == 1:
+        differ = [i for i in range(len(split[0])) if len({parts[i] for parts in split}) > 1]
+        if len(differ) == 1:
+            i = differ[0]
+            parts = list(split[0])
+            parts[i] = "{" + ",".join(p[i] for p in split) + "}"
+            return ["/".join(parts)]
+    return paths
+
+
+def _split_note(
+    reading: Reading,
+    node: int,
+    group: _Group,
+    parts: int,
+    model: int,
+    strip: int,
+    feeds: tuple[dict[int, list[int]], dict[int, list[int]]],
+) -> tuple[str, str]:
     roles = reading.roles[node]
-    rows = [r for c, r in reading.feeds if c == node and r in group.split]
-    columns = [c for c, r in reading.feeds if r == node and c in group.split]
+    rows = [r for r in feeds[0].get(node, ()) if r in group.split]
+    columns = [c for c in feeds[1].get(node, ()) if c in group.split]
     if "gathered" in roles:
         role, note = "vocabulary", "vocabulary: the lookup's gathered axis (masked lookup, one all-reduce)"
     elif "heads" in roles and rows:
-        role, note = "heads", f"heads: split by head; {_names(reading, rows)} contracts them"
+        role, note = "heads", f"heads: split by head; {_names(reading, rows, strip)} contracts them"
     elif "heads" in roles:
         role, note = "heads", "heads: split by head"
     elif roles & {"free", "conv-out"} and rows:
-        role, note = "column", f"column: its output feeds {_names(reading, rows)}'s contraction axis"
+        role, note = "column", f"column: its output feeds {_names(reading, rows, strip)}'s contraction axis"
     elif roles & {"contraction", "conv-in"} and columns:
         heads = any("heads" in reading.roles[c] for c in columns)
         role = "heads" if heads else "row"
         what = "the heads of " if heads else "the output of "
-        note = f"{role}: contracts {what}{_names(reading, columns)} (one all-reduce)"
+        note = f"{role}: contracts {what}{_names(reading, columns, strip)} (one all-reduce)"
     elif roles & {"free", "conv-out"}:
         role, note = "vocabulary", "vocabulary: its output is only reduced after (softmax, loss)"
     elif roles & {"contraction", "conv-in"}:
         role, note = "row", "row: its input axis is split (one all-reduce of its output)"
     else:
-        cores = [n for n in group.split if reading.roles[n] & _CORE and n != node]
-        role, note = "follows", f"follows {_names(reading, cores[:1]) or 'its layer'}'s split axis"
+        cores = [n for n in group.split if reading.roles[n] & {"free", "conv-out", "gathered"}]
+        cores = cores or [n for n in group.split if reading.roles[n] & _CORE]
+        own = reading.paths[reading.node_leaf[node]].split("/")
+        nearest = sorted(cores, key=lambda n: -_shared(own, reading.paths[reading.node_leaf[n]].split("/")))
+        role, note = "follows", f"follows {_names(reading, nearest[:1], strip) or 'its layer'}'s split axis"
     if parts < model:
         size = reading.shapes[reading.node_leaf[node]][reading.node_axis[node]]
-        note += f"; {parts} of {model} ways ({size} does not divide by {model}), {model // parts} copies"
+        if size % model:
+            why = f"{size} does not divide by {model}"
+        else:
+            unit = "heads" if "heads" in roles else "parts"
+            finer = reading.why.get(node, "split unevenly")
+            why = f"{reading.limit[node]} whole {unit}: finer, it would be {finer}"
+        note += f"; {parts} of {model} ways, {model // parts} copies ({why})"
     return role, note
 
 
-def _no_split_note(reading: Reading, leaf: int, groups: dict[int, _Group], parts: list[int]) -> str:
+def _shared(a: list[str], b: list[str]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def _no_split_note(
+    reading: Reading, leaf: int, groups: dict[int, _Group], invalid: dict[int, str], strip: int
+) -> str:
     uses = reading.uses[leaf]
     nodes = list(_nodes(reading, leaf))
     if "opaque" in uses or any("opaque" in reading.roles[n] for n in nodes):
         reason = next((reading.why[n] for n in nodes if n in reading.why), "read by an opaque operation")
         return f"no split: {reason}"
-    if not uses and not any(reading.roles[n] for n in nodes):
-        return "not read by the step's forward pass"
     cores = [n for n in nodes if reading.roles[n] & _CORE and "layer" not in reading.roles[n]]
     if not cores:
         if any(reading.group[n] in groups and groups[reading.group[n]].chosen for n in nodes):
             return "no split: it meets a split axis only elementwise"
         return "elementwise on activations whose axes stay whole (a scale, a norm, a bias)"
-    for n in sorted(cores, key=lambda n: -reading.shapes[leaf][reading.node_axis[n]]):
+
+    # The largest axis first: why it is not split.
+    def shared(n: int) -> bool:  # a residual stream's axis: the least telling reason
         group = groups.get(reading.group[n])
+        return group is not None and len({reading.node_leaf[m] for m in group.split}) > 4
+
+    for n in sorted(cores, key=lambda n: (shared(n), -reading.shapes[leaf][reading.node_axis[n]])):
+        axis = reading.node_axis[n]
+        group = groups.get(reading.group[n])
+        if n in reading.why and reading.limit[n] == 1:
+            return f"no split: axis {axis} is {reading.why[n]}"
         if group is not None and not group.chosen:
             others = {reading.node_leaf[m] for m in group.split} - {leaf}
             if len(others) > 3:
                 return (
-                    f"no split: axis {reading.node_axis[n]} is shared through the activations with "
-                    f"{len(others)} other weights (e.g. a residual stream), a split that costs more "
-                    "communication than the ones chosen"
+                    f"no split: axis {axis} is shared through the activations with {len(others)} other "
+                    "weights (a residual stream), a split that costs more communication than the ones chosen"
                 )
             return (
-                f"no split: axis {reading.node_axis[n]} pairs with "
-                f"{_names(reading, group.split) or 'nothing'}, which is split on another axis"
+                f"no split: axis {axis} pairs with "
+                f"{_names(reading, group.split, strip) or 'nothing'}, which is split on another axis"
             )
-    reasons = [reading.why[n] for n in cores if n in reading.why]
-    if reasons:
-        return f"no split: {reasons[0]}"
-    if all(parts[n] == 1 for n in cores):
-        sizes = ", ".join(str(reading.shapes[leaf][reading.node_axis[n]]) for n in cores)
-        return f"no split: its axes ({sizes}) do not divide by the model axis"
+        if reading.group[n] in invalid:
+            return f"no split: {invalid[reading.group[n]]}"
+        if n in reading.why:
+            return f"no split: axis {axis} is {reading.why[n]}"
     return "no split: no partner for its axes"
 
 
@@ -1358,22 +1462,20 @@ def tp_expression(row: LeafRole, model: int, data: int, fsdp_axis: int | None) -
     return f"{left} -> {' '.join([*rest, first, split, *copies])}"
 
 
-def rule_patterns(paths: Sequence[str], choices: Sequence[tuple[Any, str]]) -> list[tuple[str, Any, str]]:
+def rule_patterns(
+    paths: Sequence[str], choices: Sequence[tuple[Any, str]], strip: int = 0
+) -> list[tuple[str, Any, str]]:
     r"""Compact ``(regex, expression, note)`` rules that give each path its choice.
 
     Each path becomes ``(^|/)`` + its parts + ``$`` (so it matches with or without the step's
     parameter name in front, and inside optimizer state that mirrors the parameters), with the
-    parts every path has in front left out, layer numbers as ``\d+`` where every layer agrees,
+    first ``strip`` parts left out, layer numbers as ``\d+`` where every layer agrees,
     and paths differing in one part combined (``(q|k|v)``). Checked: every path resolves to its
     own choice.
     """
     if not paths:
         return []
-    split = [path.split("/") for path in paths]
-    common = 0
-    while all(len(parts) > common + 1 for parts in split) and len({parts[common] for parts in split}) == 1:
-        common += 1
-    relative = [tuple(parts[common:]) for parts in split]
+    relative = [tuple(path.split("/")[strip:]) for path in paths]
     general: dict[tuple, list[int]] = {}
     for i, parts in enumerate(relative):
         general.setdefault(tuple(None if p.isdigit() else p for p in parts), []).append(i)

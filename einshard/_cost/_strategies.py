@@ -463,6 +463,8 @@ def _derived(reading: _roles.Reading, n_devices: int, model: int, min_bytes: int
     paths: list[str] = []
     choices: list[tuple[Any, str]] = []
     for row in _roles.assign(reading, model):
+        if row.role == "unread":  # optimizer state and the like: its parameter's rule matches it
+            continue
         paths.append(row.path)
         if row.axis is not None:
             choices.append(
@@ -472,7 +474,9 @@ def _derived(reading: _roles.Reading, n_devices: int, model: int, min_bytes: int
             choices.append((SplitLargest(min_bytes=min_bytes), f"fsdp: {row.note}"))
         else:
             choices.append((REPLICATE, f"replicated: {row.note}"))
-    rules: list[tuple[str, Any, str | None]] = list(_roles.rule_patterns(paths, choices))
+    rules: list[tuple[str, Any, str | None]] = list(
+        _roles.rule_patterns(paths, choices, _roles.prefix_parts(reading))
+    )
     if data > 1:
         rules.append((r".*", SplitLargest(min_bytes=min_bytes), "the rest: fsdp"))
         return Strategy(rules, batch=f"b ... -> b* ... {model}", name=f"hybrid model={model}", model=model)
