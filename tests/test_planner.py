@@ -226,3 +226,63 @@ def test_the_winner_trains_an_equinox_model_like_one_device():
 def _block(array):
     """Device 0's block of an array (checks the layout really splits)."""
     return array.addressable_shards[0].data
+
+
+# --- derived tables, and what each row splits -------------------------------------------------------
+
+
+def _gpt():
+    from test_roles import gpt_params, gpt_step, tokens
+
+    params = jax.eval_shape(lambda: gpt_params(jax.random.key(0)))
+    return gpt_step(), params, jax.ShapeDtypeStruct(tokens(batch=2 * N).shape, jnp.int32)
+
+
+def test_plan_reads_the_tensor_parallel_tables_from_the_step():
+    step, params, batch = _gpt()
+    plan = einshard.plan(step, params, batch, min_bytes=0, bandwidth=1e10)
+    rows = {row.name: row for row in plan.rows}
+    models = [m for m in range(2, N) if N % m == 0]
+    assert set(rows) == {"data parallel", "fsdp", "tensor parallel", *(f"hybrid model={m}" for m in models)}
+    # The names (e, blocks/0/x, w1 ...) match no name-based rule: the tables come from the dataflow.
+    for name in ("tensor parallel", *(f"hybrid model={m}" for m in models)):
+        row = rows[name]
+        assert row.model_parallel and row.split_share >= 0.5 and not row.splits_little, name
+        assert all(rule.note for rule in row.strategy), name
+        assert not row.unused_rules, name
+    assert rows["data parallel"].split_share == 0 and not rows["data parallel"].model_parallel
+    assert rows["fsdp"].split_share > 0.9  # FSDP splits over all devices (no model axis)
+    text = str(plan)
+    assert " split " in text.splitlines()[0] and "splits only" not in text
+
+
+def test_a_model_parallel_candidate_that_splits_little_says_so():
+    step, params, batch = _gpt()
+    named = strategies.tensor_parallel()  # by layer names: none of them is in this model
+    plan = einshard.plan(step, params, batch, candidates=[strategies.data_parallel(), named], bandwidth=1e10)
+    row = next(row for row in plan.rows if row.name == "tensor parallel")
+    assert row.split_share == 0 and row.splits_little and len(row.unused_rules) == 5
+    text = str(plan)
+    assert "splits only 0%" in text and "fits" not in text.split("tensor parallel")[1].splitlines()[0]
+    assert "tensor parallel splits only 0% of the parameter bytes over its model axis" in text
+    assert "tensor parallel: 5 rules matched no parameter" in text
+    # explain flags the same rules: their regexes match no path of this tree at all.
+    report = einshard.explain(params, named)
+    assert len(report.unmatched_rules) == 5 and "5 rules match no path of this tree" in str(report)
+
+
+def test_a_hybrid_split_counts_only_the_model_axis():
+    if N % 2 or N == 2:
+        pytest.skip("needs a (data, model=2) grid")
+    step, params, batch = _gpt()
+    fsdp_only = strategies.Strategy(
+        [(".*", strategies.SplitLargest(min_bytes=0))],
+        batch="b ... -> b* ... 2",
+        name="fsdp as hybrid",
+        model=2,
+    )
+    derived = strategies.hybrid(2, step=step, params=params, batch=batch, min_bytes=0)
+    plan = einshard.plan(step, params, batch, candidates=[fsdp_only, derived], bandwidth=1e10)
+    shares = {row.name: row.split_share for row in plan.rows}
+    assert shares["fsdp as hybrid"] == 0  # split over every device: over the data axis too
+    assert shares["hybrid model=2"] >= 0.5

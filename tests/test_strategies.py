@@ -215,3 +215,56 @@ def by_path(tree, rules) -> dict:
     paths = [row.path for row in einshard.explain(tree, rules).rows]
     leaves = [leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array)]
     return dict(zip(paths, leaves, strict=True))
+
+
+def test_the_name_based_tables_keep_their_signatures_and_every_strategy_says_its_model_axis():
+    tree = {
+        "up": {"kernel": jax.ShapeDtypeStruct((16, 64), F32)},
+        "down": {"kernel": jax.ShapeDtypeStruct((64, 16), F32)},
+    }
+    positional = einshard.strategies.tensor_parallel(["up"], ["down"])
+    assert positional == einshard.strategies.tensor_parallel(column=["up"], row=["down"])
+    rows = {r.path: r.shard_shape for r in einshard.explain(tree, positional, n_devices=8).rows}
+    assert rows == {"up/kernel": (16, 8), "down/kernel": (8, 16)}
+    assert einshard.strategies.data_parallel().model is None and einshard.strategies.fsdp().model is None
+    assert positional.model == 0  # by names: all devices, whatever their count
+    assert (
+        einshard.strategies.hybrid(4).model == 4
+        and (einshard.Rules([("x", "x -> x")]) + einshard.strategies.hybrid(4)).model == 4
+    )
+    with pytest.raises(einshard.EinshardError, match="model must be"):
+        Strategy([], batch="... -> * ...", name="x", model=-1)
+
+
+def test_rules_keep_their_notes():
+    rules = einshard.Rules([("w1$", "x y -> x y*", "column: feeds w2"), ("w2$", "y z -> y* z")])
+    assert [rule.note for rule in rules] == ["column: feeds w2", None]
+    assert "# column: feeds w2" in repr(rules)
+    assert rules == einshard.Rules([("w1$", "x y -> x y*"), ("w2$", "y z -> y* z")])  # notes are commentary
+    combined = einshard.Rules([("b$", "x -> x*")]) + rules
+    assert [rule.note for rule in combined] == [None, "column: feeds w2", None]
+    assert pickle.loads(pickle.dumps(rules))[0].note == "column: feeds w2"
+    with pytest.raises(einshard.EinshardError, match="not a \\(regex, expression\\) pair"):
+        einshard.Rules([("w1$", "x y -> x y*", 3)])
+
+
+def test_defaults_read_the_step_once_for_every_derived_table(monkeypatch):
+    from einshard._cost import _roles
+
+    calls = []
+    read = _roles.read
+    monkeypatch.setattr(_roles, "read", lambda *a: calls.append(1) or read(*a))
+
+    def step(params, x):
+        return jnp.mean((jax.nn.relu(x @ params["a"]) @ params["b"]) ** 2)
+
+    params = {"a": jax.ShapeDtypeStruct((16, 48), F32), "b": jax.ShapeDtypeStruct((48, 16), F32)}
+    candidates = einshard.strategies.defaults(
+        N, step=step, params=params, batch=jax.ShapeDtypeStruct((4, 16), F32)
+    )
+    assert len(calls) == 1
+    names = [c.name for c in candidates]
+    assert names[:3] == ["data parallel", "fsdp", "tensor parallel"]
+    derived = candidates[2]
+    assert derived.match("a").expression == "i o -> i o*" and "column" in derived.match("a").note
+    assert derived.match("b").expression == "i o -> i* o" and "row" in derived.match("b").note

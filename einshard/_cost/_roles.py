@@ -1171,7 +1171,7 @@ def assign(reading: Reading, model: int) -> tuple[LeafRole, ...]:
     for leaf, path in enumerate(reading.paths):
         if not reading.floating[leaf] or not reading.shapes[leaf]:
             continue
-        axes = _axis_words(reading, leaf)
+        axes = _axis_words(reading, leaf, columns_of)
         shape, dtype = reading.shapes[leaf], reading.dtypes[leaf]
         if leaf in taken:
             node, p, group = taken[leaf]
@@ -1192,7 +1192,7 @@ def _nodes(reading: Reading, leaf: int) -> range:
     return range(start, start + len(reading.shapes[leaf]))
 
 
-def _axis_words(reading: Reading, leaf: int) -> tuple[str, ...]:
+def _axis_words(reading: Reading, leaf: int, columns_of: dict[int, list[int]]) -> tuple[str, ...]:
     words = []
     for node in _nodes(reading, leaf):
         roles = reading.roles[node]
@@ -1200,8 +1200,8 @@ def _axis_words(reading: Reading, leaf: int) -> tuple[str, ...]:
             words.append("layer")
         elif "gathered" in roles:
             words.append("vocab")
-        elif "heads" in roles:
-            words.append("heads")
+        elif "heads" in roles or any("heads" in reading.roles[c] for c in columns_of.get(node, ())):
+            words.append("heads")  # split by head, or contracting what was
         elif roles & {"contraction", "conv-in"}:
             words.append("in")
         elif roles & {"free", "conv-out"}:
@@ -1325,13 +1325,15 @@ def _no_split_note(
     uses = reading.uses[leaf]
     nodes = list(_nodes(reading, leaf))
     if "opaque" in uses or any("opaque" in reading.roles[n] for n in nodes):
-        reason = next((reading.why[n] for n in nodes if n in reading.why), "read by an opaque operation")
-        return f"no split: {reason}"
+        stopped = next((n for n in nodes if n in reading.why), None)
+        if stopped is None:
+            return "no split: read by an operation einshard cannot see into"
+        return f"no split: axis {reading.node_axis[stopped]} is {reading.why[stopped]}"
     cores = [n for n in nodes if reading.roles[n] & _CORE and "layer" not in reading.roles[n]]
     if not cores:
         if any(reading.group[n] in groups and groups[reading.group[n]].chosen for n in nodes):
             return "no split: it meets a split axis only elementwise"
-        return "elementwise on activations whose axes stay whole (a scale, a norm, a bias)"
+        return "only elementwise, on axes that stay whole (a norm, a bias)"
 
     # The largest axis first: why it is not split.
     def shared(n: int) -> bool:  # a residual stream's axis: the least telling reason
@@ -1462,6 +1464,18 @@ def tp_expression(row: LeafRole, model: int, data: int, fsdp_axis: int | None) -
     return f"{left} -> {' '.join([*rest, first, split, *copies])}"
 
 
+class _Pattern(str):
+    r"""A path part given as a regex (``layer_\d+``), not as text to match literally."""
+
+
+_DIGIT_RUN = re.compile(r"\d+")
+
+
+def _numbered(part: str) -> bool:
+    """A part that numbers its layer inside a name: ``layer_3``, ``h3`` (not ``3``)."""
+    return not part.isdigit() and _DIGIT_RUN.search(part) is not None
+
+
 def rule_patterns(
     paths: Sequence[str], choices: Sequence[tuple[Any, str]], strip: int = 0
 ) -> list[tuple[str, Any, str]]:
@@ -1469,19 +1483,44 @@ def rule_patterns(
 
     Each path becomes ``(^|/)`` + its parts + ``$`` (so it matches with or without the step's
     parameter name in front, and inside optimizer state that mirrors the parameters), with the
-    first ``strip`` parts left out, layer numbers as ``\d+`` where every layer agrees,
-    and paths differing in one part combined (``(q|k|v)``). Checked: every path resolves to its
-    own choice.
+    first ``strip`` parts left out; layer numbers become ``\d+`` (``layers/\d+``) where the
+    layers agree (for ``layer_\d+``, where all of them agree, notes included); paths differing
+    in one part are combined (``(q|k|v)``). Checked: every path resolves to its own expression.
     """
     if not paths:
         return []
     relative = [tuple(path.split("/")[strip:]) for path in paths]
-    general: dict[tuple, list[int]] = {}
+    # Layers numbered inside a name (layer_0, layer_1): one rule when every layer agrees.
+    by_name: dict[tuple, list[int]] = {}
     for i, parts in enumerate(relative):
-        general.setdefault(tuple(None if p.isdigit() else p for p in parts), []).append(i)
-    exact: list[tuple[tuple, Any, str]] = []
+        if any(_numbered(p) for p in parts):
+            key = tuple(
+                None
+                if p.isdigit()
+                else _Pattern(_DIGIT_RUN.sub(r"\\d+", re.escape(p)))
+                if _numbered(p)
+                else p
+                for p in parts
+            )
+            by_name.setdefault(key, []).append(i)
     entries: list[tuple[tuple, Any, str]] = []
-    for key, indices in general.items():
+    taken: set[int] = set()
+    for key, indices in by_name.items():
+        if len(indices) < 2:
+            continue
+        notes = {_unnumbered(choices[i][1], relative[i]) for i in indices}
+        expressions = {repr(choices[i][0]) for i in indices}
+        if len(notes) == 1 and len(expressions) == 1:
+            entries.append(
+                (tuple(None if p is None else {p} for p in key), choices[indices[0]][0], notes.pop())
+            )
+            taken.update(indices)
+    groups: dict[tuple, list[int]] = {}
+    for i, parts in enumerate(relative):
+        if i not in taken:
+            groups.setdefault(tuple(None if p.isdigit() else p for p in parts), []).append(i)
+    exact: list[tuple[tuple, Any, str]] = []
+    for key, indices in groups.items():
         counts: dict[tuple, int] = {}
         for i in indices:
             counts[_choice_key(choices[i])] = counts.get(_choice_key(choices[i]), 0) + 1
@@ -1492,13 +1531,17 @@ def rule_patterns(
             if _choice_key(choices[i]) != majority:
                 exact.append((tuple({p} for p in relative[i]), *choices[i]))
     entries = _combine(entries)
-    ordered = sorted(exact, key=lambda e: -len(e[0])) + sorted(entries, key=lambda e: -len(e[0]))
-    rules = [(_regex(parts), expression, note) for parts, expression, note in ordered]
-    # Check: each path's first matching rule is its own choice; else fall back to exact paths.
-    compiled = [re.compile(r[0]) for r in rules]
-    for path, choice in zip(paths, choices, strict=True):
-        first = next((r for r, c in zip(rules, compiled, strict=True) if c.search(path)), None)
-        if first is None or _choice_key((first[1], first[2])) != _choice_key(choice):
+    # Exceptions first (longest first: a path ending another's is more specific); the general
+    # rules match disjoint sets of paths, so their order is free: by path, a layer's together.
+    exact = sorted(exact, key=lambda e: -len(e[0]))
+    rules = [(_regex(parts), expression, note) for parts, expression, note in exact]
+    general = [(_regex(parts), expression, note) for parts, expression, note in entries]
+    rules += sorted(general, key=lambda rule: rule[0].replace("(^|/)", "").replace("(", "").lower())
+    # Check: each path's first matching rule gives it its expression; else exact paths.
+    compiled = [re.compile(rule[0]) for rule in rules]
+    for path, (expression, _) in zip(paths, choices, strict=True):
+        first = next((rule for rule, c in zip(rules, compiled, strict=True) if c.search(path)), None)
+        if first is None or repr(first[1]) != repr(expression):
             return [
                 (_regex(tuple({p} for p in parts)), expression, note)
                 for parts, (expression, note) in sorted(
@@ -1506,6 +1549,14 @@ def rule_patterns(
                 )
             ]
     return rules
+
+
+def _unnumbered(note: str, parts: tuple[str, ...]) -> str:
+    """A note with the layer names of its own path numbered ``*`` (``layer_*``), to compare layers."""
+    for part in parts:
+        if _numbered(part):
+            note = re.sub(rf"(?<![\w]){re.escape(part)}(?![\w])", _DIGIT_RUN.sub("*", part), note)
+    return note
 
 
 def _choice_key(choice: tuple[Any, str]) -> tuple:
@@ -1550,8 +1601,7 @@ def _regex(parts: tuple) -> str:
     for part in parts:
         if part is None:
             pieces.append(r"\d+")
-        elif len(part) == 1:
-            pieces.append(re.escape(next(iter(part))))
-        else:
-            pieces.append("(" + "|".join(re.escape(p) for p in sorted(part)) + ")")
+            continue
+        texts = sorted(p if isinstance(p, _Pattern) else re.escape(p) for p in part)
+        pieces.append(texts[0] if len(texts) == 1 else "(" + "|".join(texts) + ")")
     return "(^|/)" + "/".join(pieces) + "$"

@@ -119,7 +119,9 @@ class Strategy(Rules):
         return Rules.__hash__(self)
 
     def __repr__(self) -> str:
-        return f"Strategy({self.name!r}, batch={self.batch!r}, {Rules.__repr__(self)})"
+        defaults = {"unmatched": "error", "indivisible": "error", "strict": False}
+        policies = "".join(f", {k}={v!r}" for k, v in self._policies().items() if v != defaults[k])
+        return f"Strategy({self.name!r}, batch={self.batch!r}, {Rules.__repr__(self)}{policies})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,7 +288,10 @@ def tensor_parallel(
     contraction axis (*row*), so the pair costs one all-reduce; attention's q, k, v and output
     projections by head; an embedding on its vocabulary; biases with their layer. Every rule
     carries a note saying why; weights without a partner are replicated, and their note says
-    why too. The table is derived for ``n_devices`` (default: this machine's device count).
+    why too. Leaves the step does not read (optimizer state) get no rule of their own: the
+    rules match the end of a path, so state that mirrors a parameter follows its rule, and a
+    leaf no rule matches is replicated (``unmatched='replicate'``). The table is derived for
+    ``n_devices`` (default: this machine's device count).
 
     Without a step, the table goes by layer names: a column-parallel layer (``q``, ``k``,
     ``v``, ``up``, ``gate`` ...) splits its output axis, a row-parallel one (``o``, ``down``
@@ -320,8 +325,7 @@ def tensor_parallel(
     Strategy('tensor parallel', batch='... -> * ...', Rules([
         ('(^|/)w1$', 'i o -> i o*'),  # column: its output feeds w2's contraction axis
         ('(^|/)w2$', 'i o -> i* o'),  # row: contracts the output of w1 (one all-reduce)
-        ('.*', '... -> * ...'),  # the rest (optimizer counters, integer leaves): replicated
-    ]))
+    ]), unmatched='replicate')
 
     By names:
 
@@ -477,11 +481,23 @@ def _derived(reading: _roles.Reading, n_devices: int, model: int, min_bytes: int
     rules: list[tuple[str, Any, str | None]] = list(
         _roles.rule_patterns(paths, choices, _roles.prefix_parts(reading))
     )
+    # Leaves without a rule of their own (integer leaves, state the forward pass does not read
+    # that mirrors no parameter): the rest, when there are any; in any other tree (optimizer
+    # state) a leaf no rule matches is replicated.
+    table = Rules(rules)
+    rest = any(
+        shape and table.match(path) is None for path, shape in zip(reading.paths, reading.shapes, strict=True)
+    )
     if data > 1:
-        rules.append((r".*", SplitLargest(min_bytes=min_bytes), "the rest: fsdp"))
-        return Strategy(rules, batch=f"b ... -> b* ... {model}", name=f"hybrid model={model}", model=model)
-    rules.append((r".*", REPLICATE, "the rest (optimizer counters, integer leaves): replicated"))
-    return Strategy(rules, batch=REPLICATE, name="tensor parallel", model=model)
+        if rest:
+            rules.append((r".*", SplitLargest(min_bytes=min_bytes), "the rest: fsdp"))
+        batch = f"b ... -> b* ... {model}"
+        return Strategy(rules, batch=batch, name=f"hybrid model={model}", model=model, unmatched="replicate")
+    if rest:
+        rules.append(
+            (r".*", REPLICATE, "the rest (integer leaves, state the step does not read): replicated")
+        )
+    return Strategy(rules, batch=REPLICATE, name="tensor parallel", model=model, unmatched="replicate")
 
 
 def _fsdp_axis(row: _roles.LeafRole, data: int, min_bytes: int) -> int | None:
