@@ -364,7 +364,7 @@ REAL_MODELS_WITHOUT_DEPENDENCIES = ["gemma==2.0.8"]
 REAL_MODEL_DEVICE_COUNTS = [8, 16, 6]
 
 
-def _real_models(session: nox.Session, counts: list[int]) -> None:
+def _real_models(session: nox.Session, counts: list[int], select: tuple[str, ...] = ()) -> None:
     session.install("--upgrade", "-e", ".[all]", "jax", *_group("test"), *REAL_MODELS)
     session.install("--no-deps", *REAL_MODELS_WITHOUT_DEPENDENCIES)
     packages = [pin.split("==")[0] for pin in REAL_MODELS_WITHOUT_DEPENDENCIES + REAL_MODELS]
@@ -374,6 +374,7 @@ def _real_models(session: nox.Session, counts: list[int]) -> None:
         session.run(
             "pytest",
             "tests/real_models",
+            *select,
             *session.posargs,
             env={"EINSHARD_TEST_DEVICES": str(count), "EINSHARD_REAL_MODELS": "1", **CPU_ONLY},
         )
@@ -392,8 +393,8 @@ def real_models(session: nox.Session) -> None:
 
 @nox.session(python=NEWEST_PYTHON)
 def real_models_quick(session: nox.Session) -> None:
-    """``real_models`` at 8 devices only: the bounded run CI makes."""
-    _real_models(session, REAL_MODEL_DEVICE_COUNTS[:1])
+    """``real_models`` bounded for CI: Gemma and equimo's ViT only, at 8 devices."""
+    _real_models(session, REAL_MODEL_DEVICE_COUNTS[:1], ("-k", "gemma_lm or equimo_vit"))
 
 
 @nox.session(python=NEWEST_PYTHON)

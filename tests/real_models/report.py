@@ -4,8 +4,8 @@
 ``real_models`` session's packages installed): the parameter table (path, shape, bytes), then
 the step report's headline under data parallelism: collectives, bytes by kind, the bytes each
 device sends against the textbook 2(N-1)/N x parameter bytes, and every parameter whose
-gradient is reduced more than once. With the derived tensor-parallel strategies (issue 22)
-present, also their rules and the share of bytes each splits.
+gradient is reduced more than once; then the derived tensor-parallel table (each rule with its
+reason) and where it puts every leaf.
 """
 
 from __future__ import annotations
@@ -67,11 +67,7 @@ def data_parallel(real) -> None:
 
 
 def derived(real) -> None:
-    try:
-        table = strategies.tensor_parallel(real.step, real.abstract_params, real.abstract_batch)
-    except TypeError as error:  # the name-based table of before issue 22
-        print(f"(no derived tensor parallelism here: {error})\n")
-        return
+    table = strategies.tensor_parallel(real.step, real.abstract_params, real.abstract_batch)
     print(table)
     print(einshard.explain(real.abstract_params, table))
     print()

@@ -26,11 +26,11 @@ from einshard import strategies
 from ._common import N_DEVICES, RealModel, parameter_bytes
 
 MODELS = ["gemma_lm", "equimo_vit", "esm2_lm", "gpt2_lm", "mamba2_lm"]
-TRANSFORMERS = {"gemma_lm", "equimo_vit", "esm2_lm", "gpt2_lm"}  # the issue's 50 % bar applies
+TRANSFORMERS = {"gemma_lm", "equimo_vit", "esm2_lm", "gpt2_lm"}  # the 50 % bar applies
 STEPS = 3
 RTOL = 1e-4
 MIN_BYTES = 4096  # these models are small: FSDP's default 1 MiB floor would replicate them whole
-MODEL_AXES = [m for m in (2, 4) if N_DEVICES % m == 0 and m < N_DEVICES]
+MODEL_AXES = [m for m in (2, 3, 4) if N_DEVICES % m == 0 and m < N_DEVICES]
 
 
 @functools.cache
@@ -140,7 +140,7 @@ def test_fsdp_trains_like_one_device(name):
     assert_trains_like_one_device(name, strategy)
 
 
-# --- tensor parallelism derived from the step's dataflow (issue 22) --------------------------------
+# --- tensor parallelism derived from the step's dataflow -------------------------------------------
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -161,19 +161,68 @@ def test_derived_hybrid_trains_like_one_device(name, model_axis):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_derived_tables_split_half_the_parameters(name):
-    """The derived tables split >= 50 % of the bytes over their model axis (transformers and ViT)."""
+def test_derived_tables_split_half_and_say_why_not_more(name):
+    """The derived tables split >= 50 % of the bytes over their model axis (the transformers and
+    the ViT), and every big leaf they leave whole has a rule whose note says why."""
     real = model(name)
     abstract = real.abstract_params
     tables = [strategies.tensor_parallel(real.step, abstract, real.abstract_batch)]
     tables += [
         strategies.hybrid(m, step=real.step, params=abstract, batch=real.abstract_batch) for m in MODEL_AXES
     ]
-    shares = {table.name: split_share(real, table) for table in tables}
-    if name not in TRANSFORMERS:
-        pytest.skip(f"not a transformer; shares (share, big leaves left whole): {shares}")
-    low = {table: share for table, share in shares.items() if share[0] < 0.5}
-    assert not low, f"{name}: tables that split less than half of the parameter bytes: {low}"
+    for table in tables:
+        share, missed = split_share(real, table)
+        notes = {rule.pattern: rule.note for rule in table.rules}
+        deciding = {row.path: row.rule for row in einshard.explain(abstract, table).rows}
+        silent = [path for path in missed if not notes.get(deciding[path])]
+        assert not silent, f"{name} {table.name}: big leaves left whole without a reason: {silent}"
+        if name in TRANSFORMERS:
+            assert share >= 0.5, f"{name} {table.name}: {share:.0%} split; left whole: {missed}"
+
+
+# --- the step report ---------------------------------------------------------------------------------
+
+
+REPORT_GAPS = {
+    "mamba2_lm": "explain_step names NNX State leaves 'params/.../kernel/value'; explain and the "
+    "rules say '.../kernel' (the SPEC leaves wrappers' .value out of paths)",
+    "esm2_lm": "the gradients of the scan-stacked layers are all-reduced inside the backward loop, "
+    "one layer's slice per iteration, and explain_step attributes those rows to no parameter",
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=pytest.mark.xfail(reason=REPORT_GAPS[name])) if name in REPORT_GAPS else name
+        for name in MODELS
+    ],
+)
+def test_data_parallel_report_reduces_every_gradient(name):
+    """Under data parallelism each parameter's gradient is all-reduced over all devices, whole.
+
+    Each parameter's rows add up to at least its bytes (a gradient reduced in pieces, e.g. a
+    convolution kernel tap by tap, adds up to it; one reduced twice, e.g. Gemma's tied embedding,
+    to twice it: ``report.py`` prints those, waste the step report should name).
+    """
+    real = model(name)
+    params, batch = placed(real, strategies.data_parallel())
+    report = einshard.explain_step(real.step, params, batch)
+    assert set(report.bytes_by_kind) == {"all-reduce"}
+    assert all(row.group_size == N_DEVICES for row in report.rows)
+    rows = einshard.explain(real.abstract_params, strategies.data_parallel()).rows
+    sizes = {f"params/{row.path}": row.bytes for row in rows}
+    reduced: dict[str, int] = {}
+    for row in report.rows:
+        if row.param is not None:
+            assert row.param in sizes, f"{row.param} is no parameter path of explain: {sorted(sizes)[:3]}..."
+            reduced[row.param] = reduced.get(row.param, 0) + row.total_bytes
+    short = {path: (reduced.get(path, 0), n) for path, n in sizes.items() if reduced.get(path, 0) < n}
+    assert not short, f"gradients not reduced whole (reduced, size): {short}"
+    assert report.bytes >= parameter_bytes(real.abstract_params)
+
+
+# --- the planner (last: XLA can abort the process while compiling a candidate) -----------------------
 
 
 @pytest.mark.parametrize("name", MODELS)
