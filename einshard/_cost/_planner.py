@@ -405,7 +405,8 @@ def _ranked(
 
 def _columns(plan: Plan) -> tuple[list[str], list[list[str]]]:
     kinds = [k for k in KINDS if any(row.bytes_by_kind.get(k) for row in plan.rows)]
-    header = ["#", "strategy", "split", "time", "comm", "compute", "peak", "sent"]
+    # Communication is time less compute: the chart under the table shows the two apart.
+    header = ["#", "strategy", "split", "time", "compute", "peak", "sent"]
     header += [_SHORT_KIND.get(kind, kind) for kind in kinds]
     header += ["findings", "verdict"]
     body = []
@@ -420,7 +421,6 @@ def _columns(plan: Plan) -> tuple[list[str], list[list[str]]]:
                 row.name,
                 f"{row.split_share:.0%}" if row.split_share is not None else "-",
                 seconds_text(row.seconds) if report is not None else "-",
-                seconds_text(report.communication_seconds) if report is not None else "-",
                 seconds_text(report.compute_seconds) if report is not None else "-",
                 size_text(row.peak_bytes) if row.peak_bytes is not None else "-",
                 size_text(row.traffic) if row.traffic is not None else "-",
