@@ -158,6 +158,42 @@ def test_another_device_count_is_planned_in_a_child_process():
     assert plan.n_devices == 3
 
 
+def tied_embedding_step(params, tokens):
+    """A tied embedding and a head-split projection: XLA aborts on one layout of these at 6 devices."""
+
+    def loss(p):
+        x = p["emb"][tokens]
+        y = x + jnp.einsum("BTNH,NDH->BTD", jnp.einsum("BTD,NDH->BTNH", x, p["q"]), p["q"])
+        return jnp.mean(jax.nn.logsumexp(y @ p["emb"].T, axis=-1))
+
+    loss_value, grads = jax.value_and_grad(loss)(params)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss_value
+
+
+def test_a_candidate_on_which_xla_aborts_is_rejected_and_the_others_kept():
+    """In a child process, XLA's abort (a failed check, not an exception) costs one candidate only."""
+    params = {
+        "emb": jax.ShapeDtypeStruct((384, 96), jnp.float32),
+        "q": jax.ShapeDtypeStruct((8, 96, 16), jnp.float32),
+    }
+    tokens = jax.ShapeDtypeStruct((12, 16), jnp.int32)
+    aborting = strategies.Strategy(
+        [("emb", "v i -> i* v3"), ("q", "a b c -> a b6 c")], batch="b ... -> b* ... 3", name="aborting"
+    )
+    candidates = [strategies.data_parallel(), aborting, strategies.fsdp(min_bytes=0)]
+    plan = einshard.plan(
+        "tests.test_planner:tied_embedding_step", params, tokens, n_devices=6, candidates=candidates
+    )
+    rows = {row.name: row for row in plan.rows}
+    if rows["aborting"].report is not None:
+        pytest.skip("this XLA compiles the layout that aborts jaxlib 0.12's partitioner")
+    assert rows["aborting"].rejected.startswith("does not compile: XLA aborted the process compiling it")
+    # The candidates before and after it were compiled: one child up to the abort, a new one after.
+    assert rows["data parallel"].report.n_devices == 6 and rows["fsdp"].report.n_devices == 6
+    assert rows["data parallel"].rejected is None and rows["fsdp"].rejected is None
+    assert [row.name for row in plan.rows][-1] == "aborting"
+
+
 # --- the winner trained -------------------------------------------------------------------------
 
 

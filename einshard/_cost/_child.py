@@ -11,6 +11,7 @@ import contextlib
 import io
 import os
 import pickle
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -65,18 +66,57 @@ def in_child(
         "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={n_devices}".strip(),
         "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path),
     }
+    answers: list[Answer] = []
+    while len(answers) < len(tables):
+        done, crash = _run_child(data, env, len(answers), n_devices)
+        answers += done
+        if crash is not None:
+            # XLA aborts the whole process on some layouts (a failed CHECK in its partitioner):
+            # that table gets the reason, and a new child compiles the ones after it.
+            answers.append(Answer(None, crash))
+    return answers
+
+
+def _run_child(
+    data: bytes, env: dict[str, str], start: int, n_devices: int
+) -> tuple[list[Answer], str | None]:
+    """One child, compiling the tables from ``start`` on: its answers, and why it died compiling the next.
+
+    The child writes a ``('compiling', i)`` record before each table and ``('answer', a)`` after
+    it, so a child that dies names the table it was compiling when it died.
+    """
     result = subprocess.run(
-        [sys.executable, "-c", _COMMAND], input=data, capture_output=True, env=env, check=False
+        [sys.executable, "-c", _COMMAND, str(start)], input=data, capture_output=True, env=env, check=False
     )
-    if result.returncode != 0 or not result.stdout:
+    stream = io.BytesIO(result.stdout)
+    answers: list[Answer] = []
+    compiling = None
+    while stream.tell() < len(result.stdout):
+        try:
+            kind, value = pickle.load(stream)
+        except Exception:  # a record cut short by the child's death
+            break
+        if kind == "error":
+            raise child_error(value, n_devices)
+        if kind == "compiling":
+            compiling = value
+        else:
+            answers.append(value)
+            compiling = None
+    stderr = result.stderr.decode(errors="replace").strip()
+    if result.returncode == 0 and compiling is None:
+        return answers, None
+    if compiling is None:
         raise EinshardError(
             f"the child process with {n_devices} devices failed (exit code {result.returncode})",
-            hint=result.stderr.decode(errors="replace").strip()[-2000:] or None,
+            hint=stderr[-2000:] or None,
         )
-    status, value = pickle.loads(result.stdout)
-    if status == "error":
-        raise child_error(value, n_devices)
-    return value
+    last = next((line for line in reversed(stderr.splitlines()) if "Check failed" in line), None)
+    if last is None and result.returncode < 0:
+        with contextlib.suppress(ValueError):
+            last = f"{signal.Signals(-result.returncode).name}, no message"
+    last = last or (stderr.splitlines()[-1] if stderr else f"exit code {result.returncode}")
+    return answers, f"XLA aborted the process compiling it ({last.strip()[:300]})"
 
 
 def child_error(error: EinshardError | str, n_devices: int) -> EinshardError:
@@ -111,10 +151,18 @@ def main() -> None:
             sys.modules["__main__"] = sys.modules["__mp_main__"] = module
         payload = pickle.load(stream)
         call = StepCall.of(payload["fn"], payload["args"], payload["kwargs"])
-        result: tuple[str, Any] = ("ok", [answer(call, table) for table in payload["tables"]])
     except EinshardError as error:
-        result = ("error", error)
+        _write(out, ("error", error))
+        return
     except Exception as error:
-        result = ("error", f"{type(error).__name__}: {error}")
-    out.write(pickle.dumps(result))
+        _write(out, ("error", f"{type(error).__name__}: {error}"))
+        return
+    start = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+    for index in range(start, len(payload["tables"])):
+        _write(out, ("compiling", index))
+        _write(out, ("answer", answer(call, payload["tables"][index])))
+
+
+def _write(out: Any, record: tuple[str, Any]) -> None:
+    out.write(pickle.dumps(record))
     out.flush()

@@ -193,6 +193,7 @@ def plan(
     candidates: Sequence[Strategy] | None = None,
     min_bytes: int = DEFAULT_MIN_BYTES,
     accelerator: str | None = None,
+    isolate: bool = False,
 ) -> Plan:
     """Compiles ``step(params, batch)`` under each candidate strategy and ranks them.
 
@@ -224,6 +225,11 @@ def plan(
         accelerator: ``'gpu'``: cost each candidate as XLA's GPU compiler rewrites its program
             (an FSDP gradient's all-reduce then slice as a reduce-scatter), for a plan made on
             CPU devices for GPUs; ``None``: as compiled.
+        isolate: Compile the candidates in a child process for this machine's device count
+            too. XLA aborts the process on some layouts (a failed check in its partitioner, not
+            an exception); in a child, such a candidate is rejected ("XLA aborted the process
+            compiling it") and the others are compiled in a new child. Another ``n_devices``
+            is always compiled that way.
 
     Returns:
         A :class:`Plan`; ``plan.best`` is the winning :class:`~einshard.strategies.Strategy`.
@@ -269,7 +275,7 @@ def plan(
         strategies = defaults(count, min_bytes=min_bytes, step=step, params=params, batch=batch)
     call = StepCall.of(step, (params, batch), {})
     tables = [_with_batch(strategy, call.names[1]) for strategy in strategies]
-    answers = reports(call, tables, None if count == local else count)
+    answers = reports(call, tables, count if isolate or count != local else None)
     rows = []
     for index, (strategy, answer) in enumerate(zip(strategies, answers, strict=True)):
         share, unused = _split_share(strategy, {call.names[0]: params}, count)
@@ -399,7 +405,8 @@ def _ranked(
 
 def _columns(plan: Plan) -> tuple[list[str], list[list[str]]]:
     kinds = [k for k in KINDS if any(row.bytes_by_kind.get(k) for row in plan.rows)]
-    header = ["#", "strategy", "split", "step time", "comm", "compute", "peak/device", "sent/device"]
+    # Communication is time less compute: the chart under the table shows the two apart.
+    header = ["#", "strategy", "split", "time", "compute", "peak", "sent"]
     header += [_SHORT_KIND.get(kind, kind) for kind in kinds]
     header += ["findings", "verdict"]
     body = []
@@ -414,7 +421,6 @@ def _columns(plan: Plan) -> tuple[list[str], list[list[str]]]:
                 row.name,
                 f"{row.split_share:.0%}" if row.split_share is not None else "-",
                 seconds_text(row.seconds) if report is not None else "-",
-                seconds_text(report.communication_seconds) if report is not None else "-",
                 seconds_text(report.compute_seconds) if report is not None else "-",
                 size_text(row.peak_bytes) if row.peak_bytes is not None else "-",
                 size_text(row.traffic) if row.traffic is not None else "-",
@@ -518,7 +524,8 @@ def _footer(plan: Plan) -> list[str]:
         *_findings_lines(plan),
         f"{len(plan.rows)} candidates on {plan.n_devices} devices ({given}); "
         f"times within {TIE:.0%} count as equal (the simpler strategy first); split: the share of the "
-        "parameter bytes split over the model axis (over all devices for data parallel and FSDP).",
+        "parameter bytes split over the model axis (over all devices for data parallel and FSDP); "
+        "time: communication plus compute; peak, sent and each kind's bytes: per device per step.",
         "Estimates, not measurements: collectives of the compiled program by ring formulas at the "
         "given bandwidth, plus XLA's flop count at the given FLOP/s, without overlap; peak memory "
         "from XLA's memory analysis of the program compiled for CPU devices. Findings: the waste each "
