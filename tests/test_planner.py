@@ -4,6 +4,8 @@ and the winner trained for a few steps giving one device's losses (Flax NNX and 
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -583,6 +585,46 @@ def test_a_model_parallel_candidate_that_splits_little_says_so():
     # explain flags the same rules: their regexes match no path of this tree at all.
     report = einshard.explain(params, named)
     assert len(report.unmatched_rules) == 5 and "5 rules match no path of this tree" in str(report)
+
+
+WIDE = 24  # divides by every data axis of a hybrid on 6, 8, 12 and 16 devices
+
+
+def mixed_mlp():
+    """An MLP with a square layer between its pair, named so that no name-based rule takes it."""
+    shapes = {"up": (WIDE, HIDDEN), "mix": (HIDDEN, HIDDEN), "down": (HIDDEN, WIDE)}
+    params = {name: {"kernel": jax.ShapeDtypeStruct(shape, jnp.float32)} for name, shape in shapes.items()}
+
+    def step(params, batch):
+        def loss(p):
+            h = jax.nn.relu(batch @ p["up"]["kernel"]) @ p["mix"]["kernel"]
+            return jnp.mean((h @ p["down"]["kernel"]) ** 2)
+
+        grads = jax.grad(loss)(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    return step, params, jax.ShapeDtypeStruct((2 * N, WIDE), jnp.float32)
+
+
+@pytest.mark.parametrize("model", sorted({2, N // 2}))
+def test_a_name_based_hybrid_splits_only_its_pair_over_the_model_axis(model):
+    if N % 2 or model < 2:
+        pytest.skip("needs a (data, model) grid")
+    step, params, batch = mixed_mlp()
+    # up and down split over the model axis (Megatron's pair); mix, which no name matches, split
+    # as FSDP over every device: over the data axis too, so not over the model axis alone.
+    pair = 2 * WIDE * HIDDEN * 4
+    share = pair / (pair + HIDDEN * HIDDEN * 4)
+    assert share < 0.5
+    hybrid = strategies.hybrid(model, min_bytes=0)
+    plan = einshard.plan(step, params, batch, candidates=[hybrid], bandwidth=1e10)
+    (row,) = plan.rows
+    assert row.split_share == pytest.approx(share) and row.splits_little
+    assert f"splits only {share:.0%} of the parameter bytes over its model axis of {model}" in str(plan)
+    # The layouts the share is counted from: up over (data, model), mix over all devices.
+    shards = {row.path: row.shard_shape for row in einshard.explain(params, hybrid).rows}
+    assert shards["up/kernel"] == (WIDE // (N // model), HIDDEN // model)
+    assert math.prod(shards["mix/kernel"]) == HIDDEN * HIDDEN // N
 
 
 def test_a_hybrid_split_counts_only_the_model_axis():

@@ -193,7 +193,11 @@ def test_plain_jax_gpt_trains_under_the_derived_tables(stacked):
         batch = tokens(batch=N)
         hybrid = einshard.strategies.hybrid(2, step=step, params=params, batch=batch)
         assert hybrid.batch == "b ... -> b* ... 2" and hybrid.model == 2
-        trains_like_one_device(step, params, batch, hybrid)
+        placed = trains_like_one_device(step, params, batch, hybrid)
+        # A model group is 2 neighbouring devices: they split w1's output axis; the data groups
+        # hold the same blocks of it.
+        w1 = placed["blocks"]["w1"] if stacked else placed["blocks"][0]["w1"]
+        assert_split(w1, w1.ndim - 1, 2, model=2)
 
 
 def test_the_table_is_readable_and_matches_with_or_without_the_parameter_name():
@@ -234,11 +238,11 @@ def test_unfused_qkv_heads_and_a_scan_read_alike():
 # --- grouped-query attention: split what divides, copy the rest -----------------------------------------
 
 
-def test_kv_heads_split_what_divides_and_copy_the_rest():
-    kv_heads, heads, head = 2, 16, 4
+def gqa(heads, kv_heads, head=4):
+    """Grouped-query attention in Gemma's layouts (NDH, CKDH, NHD): a step and its parameters."""
     key = jax.random.key(0)
     params = {
-        "q": jax.random.normal(key, (heads, D, head)) * 0.1,  # Gemma's layouts: NDH, CKDH, NHD
+        "q": jax.random.normal(key, (heads, D, head)) * 0.1,
         "kv": jax.random.normal(key, (2, kv_heads, D, head)) * 0.1,
         "o": jax.random.normal(key, (heads, head, D)) * 0.1,
     }
@@ -255,19 +259,69 @@ def test_kv_heads_split_what_divides_and_copy_the_rest():
         loss, grads = jax.value_and_grad(lambda p: jnp.mean(attend(p, x) ** 2))(p)
         return jax.tree.map(lambda a, g: a - 0.1 * g, p, grads), loss
 
+    return step, params
+
+
+def blocks_along(array, axis):
+    """Per device, in ``jax.devices()`` order, the ``(start, stop)`` of its block along ``axis``."""
+    index = array.sharding.devices_indices_map(array.shape)
+    size = array.shape[axis]
+    return [index[d][axis].indices(size)[:2] for d in jax.devices()]
+
+
+def assert_split(array, axis, parts, model=N):
+    """``axis`` is split ``parts`` ways in whole blocks over each group of ``model`` neighbouring
+    devices, each block held by ``model // parts`` of them (copies); the model groups agree."""
+    blocks = blocks_along(array, axis)
+    size = array.shape[axis]
+    for group in range(N // model):
+        within = blocks[group * model : (group + 1) * model]
+        assert sorted(set(within)) == [(i * size // parts, (i + 1) * size // parts) for i in range(parts)]
+        assert all(within.count(block) == model // parts for block in set(within))
+        assert within == blocks[:model]  # every model group holds the same blocks
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(16, 2), (12, 4)])
+def test_kv_heads_split_what_divides_and_copy_the_rest(heads, kv_heads):
+    step, params = gqa(heads, kv_heads)
     x = np.asarray(jax.random.normal(jax.random.key(1), (BATCH, SEQ, D)))
     table = tensor_parallel(step, params, x)
-    kv = math.gcd(N, kv_heads)
+    kv, q = math.gcd(N, kv_heads), math.gcd(N, heads)
     expected = f"o h{kv} i p {N // kv}" if kv < N else "o h* i p"
     assert table.match("kv").expression == f"o h i p -> {expected}"
-    assert (
-        table.match("q").expression
-        == f"h i o -> h{math.gcd(N, heads)} i o"
-        + (f" {N // math.gcd(N, heads)}" if math.gcd(N, heads) < N else "")
-        or table.match("q").expression == "h i o -> h* i o"
-    )
+    assert table.match("q").expression == (f"h i o -> h{q} i o {N // q}" if q < N else "h i o -> h* i o")
     assert "copies" in table.match("kv").note
-    trains_like_one_device(step, params, x, table)
+    placed = trains_like_one_device(step, params, x, table)
+    assert_split(placed["q"], 0, q)
+    assert_split(placed["kv"], 1, kv)
+    assert_split(placed["o"], 0, q)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(12, 4), (16, 2)])
+def test_heads_split_by_the_largest_divisor_of_every_model_axis(heads, kv_heads):
+    # The reading is done for a model axis of any size (n_devices): the heads split as many ways
+    # as divide both, the rest of the model axis holds copies. (Where the kv heads do not split
+    # at all, they are replicated: no split pairs them.)
+    step, params = gqa(heads, kv_heads)
+    x = jax.ShapeDtypeStruct((BATCH, SEQ, D), jnp.float32)
+    for model in (m for m in range(2, 17) if math.gcd(m, kv_heads) > 1):
+        found = by_path(roles(step, params, x, n_devices=model))
+        q, kv = math.gcd(model, heads), math.gcd(model, kv_heads)
+        assert (found["q"].axis, found["q"].parts) == (0, q), model
+        assert (found["kv"].axis, found["kv"].parts) == (1, kv), model
+        assert (found["o"].axis, found["o"].parts) == (0, q), model
+        assert (f"{model // kv} copies" in found["kv"].note) == (kv < model)
+        rows = {
+            row.path: row.shard_shape
+            for row in einshard.explain(
+                params, tensor_parallel(step, params, x, n_devices=model), n_devices=model
+            ).rows
+        }
+        assert rows == {
+            "q": (heads // q, D, 4),
+            "kv": (2, kv_heads // kv, D, 4),
+            "o": (heads // q, 4, D),
+        }, model
 
 
 def test_axes_that_do_not_divide_are_split_as_far_as_they_do():
@@ -299,6 +353,52 @@ def test_axes_that_do_not_divide_are_split_as_far_as_they_do():
     if math.gcd(N, heads) < N:
         assert f"{N // math.gcd(N, heads)} copies" in found["wq"].note
     trains_like_one_device(step, params, x, tensor_parallel(step, params, x))
+
+
+# --- the derived rules: each leaf's own, however alike the names --------------------------------------
+
+
+def two_mlps():
+    """Two MLPs whose leaves are named so that each name ends or starts another: a, ab, b, ba."""
+    key = jax.random.key(0)
+    shapes = {"a": (D, FFN), "ab": (FFN, D), "b": (D, FFN), "ba": (FFN, D)}
+    params = {name: jax.random.normal(key, shape) * 0.1 for name, shape in shapes.items()}
+
+    def loss(p, batch):
+        x, y = batch
+        first = jax.nn.relu(x @ p["a"]) @ p["ab"]
+        second = jax.nn.relu(y @ p["b"]) @ p["ba"]
+        return jnp.mean(first**2) + jnp.mean(second**2)
+
+    def step(p, batch):
+        value, grads = jax.value_and_grad(loss)(p, batch)
+        return jax.tree.map(lambda w, g: w - 0.1 * g, p, grads), value
+
+    batch = tuple(np.asarray(jax.random.normal(jax.random.key(i), (N, D))) for i in (1, 2))
+    return step, params, batch
+
+
+@pytest.mark.parametrize("kind", ["tensor parallel", "hybrid"])
+def test_each_leaf_gets_its_own_rule_when_names_end_or_start_alike(kind):
+    if kind == "hybrid" and (N % 2 or N == 2):
+        pytest.skip("needs a (data, model=2) grid")
+    step, params, batch = two_mlps()
+    model = N if kind == "tensor parallel" else 2
+    found = by_path(roles(step, params, batch, n_devices=model))
+    assert {path: (row.role, row.axis) for path, row in found.items()} == {
+        "a": ("column", 1),
+        "ab": ("row", 0),
+        "b": ("column", 1),
+        "ba": ("row", 0),
+    }
+    if kind == "tensor parallel":
+        table = tensor_parallel(step, params, batch)
+    else:
+        table = einshard.strategies.hybrid(2, step=step, params=params, batch=batch)
+    placed = einshard.shard_pytree(params, table)
+    for path, row in found.items():  # 'a' must not take 'ab' or 'ba', 'b' not 'ba'
+        assert_split(placed[path], row.axis, model, model=model)
+        assert table.match(path).note == row.note
 
 
 # --- where reading stops -------------------------------------------------------------------------------
