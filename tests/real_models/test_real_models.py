@@ -184,8 +184,6 @@ def test_derived_tables_split_half_and_say_why_not_more(name):
 
 
 REPORT_GAPS = {
-    "mamba2_lm": "explain_step names NNX State leaves 'params/.../kernel/value'; explain and the "
-    "rules say '.../kernel' (the SPEC leaves wrappers' .value out of paths)",
     "esm2_lm": "the gradients of the scan-stacked layers are all-reduced inside the backward loop, "
     "one layer's slice per iteration, and explain_step attributes those rows to no parameter",
 }
