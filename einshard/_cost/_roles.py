@@ -31,6 +31,7 @@ from typing import Any
 
 from .._arrays._build import itemsize
 from .._language._errors import EinshardError
+from .._language._text import table_text
 
 __all__ = ["LeafRole", "Roles", "assign", "read", "roles"]
 
@@ -988,7 +989,9 @@ class LeafRole:
         axes: What each axis is in the step: ``in`` (contracted with the activations),
             ``out`` (free: part of the output), ``heads`` (an output axis that attention keeps
             apart), ``vocab`` (gathered by a lookup), ``layer`` (stacked layers), ``window``
-            (a convolution window), ``-`` (only elementwise, or not read).
+            (a convolution window), ``index`` (looked up by indices the step computes, not
+            from the batch), ``batch`` (meets the batch axis), ``elem`` (only
+            elementwise), ``-`` (not read).
         role: ``column``, ``row``, ``heads``, ``vocabulary`` or ``follows`` (split on
             ``axis``), ``replicated`` (read, but not split), or ``unread`` (the forward pass
             does not read it: optimizer state, say; a derived table gives it no rule of its
@@ -1034,8 +1037,6 @@ class Roles:
         return split / total if total else 0.0
 
     def __str__(self) -> str:
-        from .._trees._explain import table_text
-
         header = ["path", "shape", "axes", "role", "split", "why"]
         body = [
             [
