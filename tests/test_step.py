@@ -209,6 +209,53 @@ def test_a_loop_body_counts_its_trip_count():
     assert report.bytes == sum(r.bytes * r.times for r in report.rows)
 
 
+def _scanned_sgd_step(params, x):
+    """An embedding, then layers stacked on a leading axis (two levels when ``layers`` is 4-D)."""
+
+    def loss(p):
+        def layer(h, w):
+            if w.ndim == 3:  # a block of layers: a scan inside the scan
+                return jax.lax.scan(layer, h, w)[0], None
+            return jnp.tanh(h @ w), None
+
+        h = jax.lax.scan(layer, x @ p["emb"], p["layers"])[0]
+        return jnp.mean(h**2)
+
+    grads = jax.grad(loss)(params)
+    return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads)
+
+
+@pytest.mark.parametrize("stack", [(5,), (2, 3)], ids=["scan", "scan-in-scan"])
+def test_a_scan_stacked_gradient_reduced_per_layer_is_its_parameters(stack):
+    """The backward loop reduces one layer's gradient per trip; those rows serve the stacked weight."""
+    n = jax.device_count()
+    params = {"emb": jnp.ones((OUT, D)), "layers": jnp.full((*stack, D, D), 0.01)}
+    x = einshard.einshard(jnp.ones((2 * n, OUT)), "b d -> b* d")
+    dp = einshard.shard_pytree(params, [(r".*", "... -> * ...")])
+    report = einshard.explain_step(_scanned_sgd_step, dp, x)
+    layer_rows = [r for r in report.rows if r.param == "params/layers"]
+    assert layer_rows and all(r.shape == (D, D) for r in layer_rows)
+    assert sum(r.times for r in layer_rows) == math.prod(stack)  # once per layer, not once
+    assert sum(r.total_bytes for r in layer_rows) == math.prod(stack) * D * D * 4  # the whole stack
+    assert sum(r.total_bytes for r in report.rows if r.param == "params/emb") == OUT * D * 4
+    # Every reduced weight-sized row serves a parameter: only the loss's scalar is nobody's.
+    assert all(r.param is not None for r in report.rows if r.bytes > 4)
+    assert not report.findings  # one slice per layer is not the same gradient reduced twice
+
+
+def test_a_forward_collective_in_a_loop_serves_no_parameter():
+    """A loop's forward partial sums are activations, not a stacked weight's gradient."""
+    w = einshard.einshard(jnp.ones((5, D, D)), "l x y -> l x* y")
+    x = einshard.einshard(jnp.ones((B, D)), "b d -> b d*")
+
+    def layers(w, x):
+        return jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0]
+
+    report = einshard.explain_step(layers, w, x)
+    looped = [r for r in report.rows if r.times == 5]
+    assert looped and all(r.param is None and r.phase == "forward" for r in looped)
+
+
 def test_rules_give_abstract_arguments_their_shardings():
     abstract = jax.eval_shape(lambda: {"w1": jnp.zeros((D, F)), "w2": jnp.zeros((F, OUT))})
     x = jax.ShapeDtypeStruct((B, D), jnp.float32)

@@ -128,6 +128,7 @@ class Flow:
             if i.opcode == "parameter" and i.operands and i.operands[0].isdigit()
         }
         self._simple: dict[str, bool] = {}
+        self._loops: dict[str, list[_hlo.Instruction]] = {}
 
     def simple(self, computation: str) -> bool:
         """Whether a computation only moves and combines values elementwise (no matmul, no loop)."""
@@ -231,6 +232,58 @@ class Flow:
         preferred = [c for c in candidates if c[1] in forward_read] or candidates
         return min(preferred)[1] if preferred else None
 
+    def loop_exits(self, start: list[_hlo.Instruction], depth: int = 4) -> list[_hlo.Instruction]:
+        """Where values computed in a loop body come out of the loop, in the entry computation.
+
+        A scan's backward pass reduces each layer's gradient inside the loop and writes it into
+        its slot of the stacked gradient (a dynamic-update-slice): that slot is an element of the
+        body's result, and the ``get-tuple-element`` of the same index of the ``while`` carries
+        the whole stacked gradient on. Nested loops are followed out level by level; ``[]`` when
+        the value does not reach the body's result through elementwise work.
+        """
+        for _ in range(depth):
+            if not start or start[0].computation == self.module.entry:
+                return start
+            body = start[0].computation
+            users = self.users_in(body)
+            indices: set[int] = set()
+            seen, frontier = {i.name for i in start}, list(start)
+            for _ in range(8):
+                following = []
+                for value in frontier:
+                    for user in users.get(value.name, ()):
+                        if user.root and user.opcode == "tuple":
+                            indices.update(
+                                k for k, operand in enumerate(user.operands) if operand == value.name
+                            )
+                        elif user.name not in seen and self.passes(user, _ELEMENTWISE):
+                            seen.add(user.name)
+                            following.append(user)
+                frontier = following
+            loops = self._loops_of(body)
+            if not indices or len(loops) != 1:
+                return []
+            outside = self.users_in(loops[0].computation).get(loops[0].name, ())
+            start = [
+                u
+                for u in outside
+                if u.opcode == "get-tuple-element" and int(u.attribute("index") or -1) in indices
+            ]
+        return []
+
+    def _loops_of(self, body: str) -> list[_hlo.Instruction]:
+        """The ``while`` instructions whose body is ``body`` (found in the text, then parsed)."""
+        loops = self._loops.get(body)
+        if loops is None:
+            pattern = re.compile(r"body=%?" + re.escape(body) + r"\b")
+            loops = self._loops[body] = [
+                instruction
+                for caller in self.module.containing(pattern)
+                for instruction in self.module.computations[caller]
+                if instruction.opcode == "while" and ("body", body) in instruction.called
+            ]
+        return loops
+
     def updated_parameters(self) -> set[int]:
         """The entry parameters the step's outputs are elementwise updates of.
 
@@ -317,7 +370,8 @@ def attributed_rows(
         for index, (source_shape, result_shape) in enumerate(zip(inputs, outputs, strict=False)):
             shape = result_shape if collective.kind == "all-gather" else source_shape
             param = None
-            if paths is not None and module.entry == instruction.computation:
+            in_entry = module.entry == instruction.computation
+            if paths is not None and in_entry:
                 operand = instruction.operands[index] if index < len(instruction.operands) else None
                 parameter = flow.parameter(operand) if operand is not None else None
                 if parameter is not None and flow.parameter_size(parameter) != flow._size(operand or ""):
@@ -331,6 +385,17 @@ def attributed_rows(
                             if u.opcode == "get-tuple-element" and u.attribute("index") == str(index)
                         ]  # fmt: skip
                     parameter = flow.updated(start, forward_read) if start else None
+                if parameter is not None and parameter < len(paths):
+                    param = paths[parameter]
+            elif (
+                paths is not None
+                and collective.kind in ("all-reduce", "reduce-scatter")
+                and _phase(op_name, has_grad) == "backward"
+            ):
+                # In a loop body: a scan-stacked layer's gradient, reduced one layer per trip.
+                value = flow.result(instruction, index)
+                exits = flow.loop_exits([value]) if value is not None else []
+                parameter = flow.updated(exits, forward_read) if exits else None
                 if parameter is not None and parameter < len(paths):
                     param = paths[parameter]
             phase, source = _phase(op_name, has_grad), f"{file}:{line}" if file is not None else None

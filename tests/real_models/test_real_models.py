@@ -183,19 +183,7 @@ def test_derived_tables_split_half_and_say_why_not_more(name):
 # --- the step report ---------------------------------------------------------------------------------
 
 
-REPORT_GAPS = {
-    "esm2_lm": "the gradients of the scan-stacked layers are all-reduced inside the backward loop, "
-    "one layer's slice per iteration, and explain_step attributes those rows to no parameter",
-}
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(name, marks=pytest.mark.xfail(reason=REPORT_GAPS[name])) if name in REPORT_GAPS else name
-        for name in MODELS
-    ],
-)
+@pytest.mark.parametrize("name", MODELS)
 def test_data_parallel_report_reduces_every_gradient(name):
     """Under data parallelism each parameter's gradient is all-reduced over all devices, whole.
 
