@@ -207,6 +207,8 @@ def test_a_loop_body_counts_its_trip_count():
     looped = [r for r in report.rows if r.times == 5]
     assert looped and all(r.times_known for r in looped)
     assert report.bytes == sum(r.bytes * r.times for r in report.rows)
+    # A loop's forward collectives move activations: they serve no stacked weight.
+    assert all(r.param is None and r.phase == "forward" for r in looped)
 
 
 def _scanned_sgd_step(params, x):
@@ -241,19 +243,6 @@ def test_a_scan_stacked_gradient_reduced_per_layer_is_its_parameters(stack):
     # Every reduced weight-sized row serves a parameter: only the loss's scalar is nobody's.
     assert all(r.param is not None for r in report.rows if r.bytes > 4)
     assert not report.findings  # one slice per layer is not the same gradient reduced twice
-
-
-def test_a_forward_collective_in_a_loop_serves_no_parameter():
-    """A loop's forward partial sums are activations, not a stacked weight's gradient."""
-    w = einshard.einshard(jnp.ones((5, D, D)), "l x y -> l x* y")
-    x = einshard.einshard(jnp.ones((B, D)), "b d -> b d*")
-
-    def layers(w, x):
-        return jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0]
-
-    report = einshard.explain_step(layers, w, x)
-    looped = [r for r in report.rows if r.times == 5]
-    assert looped and all(r.param is None and r.phase == "forward" for r in looped)
 
 
 def test_rules_give_abstract_arguments_their_shardings():

@@ -370,32 +370,20 @@ def attributed_rows(
         for index, (source_shape, result_shape) in enumerate(zip(inputs, outputs, strict=False)):
             shape = result_shape if collective.kind == "all-gather" else source_shape
             param = None
-            in_entry = module.entry == instruction.computation
-            if paths is not None and in_entry:
-                operand = instruction.operands[index] if index < len(instruction.operands) else None
-                parameter = flow.parameter(operand) if operand is not None else None
-                if parameter is not None and flow.parameter_size(parameter) != flow._size(operand or ""):
-                    parameter = None  # a value computed from a parameter is not that parameter
+            if paths is not None:
+                parameter = None
+                if module.entry == instruction.computation:
+                    operand = instruction.operands[index] if index < len(instruction.operands) else None
+                    parameter = flow.parameter(operand) if operand is not None else None
+                    if parameter is not None and flow.parameter_size(parameter) != flow._size(operand or ""):
+                        parameter = None  # a value computed from a parameter is not that parameter
                 backward = _phase(op_name, has_grad) == "backward"
                 if parameter is None and collective.kind in ("all-reduce", "reduce-scatter") and backward:
-                    start = [instruction]
-                    if len(instruction.shapes) > 1:
-                        start = [
-                            u for u in flow.users.get(instruction.name, ())
-                            if u.opcode == "get-tuple-element" and u.attribute("index") == str(index)
-                        ]  # fmt: skip
-                    parameter = flow.updated(start, forward_read) if start else None
-                if parameter is not None and parameter < len(paths):
-                    param = paths[parameter]
-            elif (
-                paths is not None
-                and collective.kind in ("all-reduce", "reduce-scatter")
-                and _phase(op_name, has_grad) == "backward"
-            ):
-                # In a loop body: a scan-stacked layer's gradient, reduced one layer per trip.
-                value = flow.result(instruction, index)
-                exits = flow.loop_exits([value]) if value is not None else []
-                parameter = flow.updated(exits, forward_read) if exits else None
+                    # A gradient: the parameter its reduced value updates. In a loop body (a
+                    # scan-stacked layer's slice, one per trip), from where it leaves the loop.
+                    value = flow.result(instruction, index)
+                    exits = flow.loop_exits([value]) if value is not None else []
+                    parameter = flow.updated(exits, forward_read) if exits else None
                 if parameter is not None and parameter < len(paths):
                     param = paths[parameter]
             phase, source = _phase(op_name, has_grad), f"{file}:{line}" if file is not None else None
