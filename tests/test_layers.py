@@ -190,3 +190,163 @@ def test_a_module_missing_from_the_table_fails():
     problems = violations(sources, rows)
     assert "einshard._trees._rules: a module the table does not list" in problems
     assert "einshard._cost._new: a module the table does not list" in problems
+
+
+# --- the note's prose: what it names exists and is used; decisions stay with their owners ----------
+
+NAMED = re.compile(r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)`")  # `_module.name`, `_module.Class.method`
+ROW_NAMES = re.compile(r"`([A-Za-z_]\w*)`")  # a row's own names: `place_leaf`
+# Decisions only their owner module makes (the note's "Which module owns which decision").
+OWNED = [
+    (
+        "einshard._arrays._leaves",
+        re.compile(r"isinstance\([^()]*\(?[^()]*\bjax\.Array\b"),
+        "an inline isinstance(..., jax.Array): ask _leaves (is_jax_array, is_traced, carried_sharding)",
+    ),
+    (
+        "einshard._language._numbers",
+        re.compile(r"isinstance\((?:n_devices|model|count|devices|n)\s*,\s*bool\)"),
+        "a device-count check: use _numbers.checked_count",
+    ),
+    (
+        "einshard._arrays._leaves",
+        re.compile(r"math\.prod\([^()]*\)\s*\*\s*(?:_?itemsize\(|[\w.]*\.itemsize\b)"),
+        "a leaf's bytes computed inline: use _leaves.nbytes",
+    ),
+    (
+        "einshard._language._expression",
+        re.compile(r"[\"']abcdefghijklmnopqrstuvwxyz[\"']"),
+        "an alphabet of axis names: use _expression.LETTERS / axis_names",
+    ),
+]
+
+
+def _definitions(tree: ast.Module) -> dict[str, ast.AST]:
+    """A module's top-level names: functions, classes, assignments and the names it imports."""
+    names: dict[str, ast.AST] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names[node.name] = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for name in ast.walk(target):
+                    if isinstance(name, ast.Name):
+                        names[name.id] = node
+        elif isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                names[alias.asname or alias.name] = node
+    return names
+
+
+def _uses(sources: dict[str, str]) -> dict[str, int]:
+    """How often each identifier is used (loaded, called, imported by name) across the package."""
+    counts: dict[str, int] = {}
+    for source in sources.values():
+        for node in ast.walk(ast.parse(source)):
+            name = None
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+                name = node.id
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+                name = node.attr
+            elif isinstance(node, ast.alias) and node.name != "*":
+                name = node.name
+            if name:
+                counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def prose_violations(note: str, sources: dict[str, str], rows: list[Row]) -> list[str]:
+    """Each name the note gives that does not exist or has no use; each decision made out of its owner."""
+    problems = []
+    by_stem: dict[str, list[str]] = {}
+    for row in rows:
+        stem = row.module.rsplit(".", 1)[-1]
+        by_stem.setdefault(stem, []).append(row.module)
+    trees = {name: ast.parse(source) for name, source in sources.items()}
+    definitions = {name: _definitions(tree) for name, tree in trees.items()}
+    uses = _uses(sources)
+
+    def check(module: str, chain: list[str], claim: str) -> None:
+        if module not in trees:
+            problems.append(f"the note names {claim}, but there is no module {module}")
+            return
+        node = definitions[module].get(chain[0])
+        if node is None:
+            problems.append(f"the note names {claim}, but {module} defines no {chain[0]}")
+            return
+        for attribute in chain[1:]:
+            members = (
+                _definitions(ast.Module(body=node.body, type_ignores=[]))
+                if isinstance(node, ast.ClassDef)
+                else {}
+            )
+            if attribute not in members:
+                problems.append(f"the note names {claim}, but {chain[0]} has no {attribute}")
+                return
+            node = members[attribute]
+        if not isinstance(node, ast.ImportFrom) and uses.get(chain[-1], 0) == 0:
+            problems.append(f"the note names {claim}, which nothing in the package uses")
+
+    for token in dict.fromkeys(NAMED.findall(note)):
+        if token.endswith(".py"):  # a file, as the table's module column writes it
+            continue
+        first, *chain = token.split(".")
+        candidates = by_stem.get(first, [])
+        if len(candidates) == 1:
+            check(candidates[0], chain, f"`{token}`")
+    table_lines = [line for line in note.splitlines() if ROW.match(line.strip())]  # one per row, in order
+    for line in table_lines:
+        match = ROW.match(line.strip())
+        assert match is not None
+        module = rows[table_lines.index(line)].module
+        for name in dict.fromkeys(ROW_NAMES.findall(match["decides"])):
+            if name in definitions.get(module, {}):
+                check(module, [name], f"`{name}` in {module}'s row")
+            elif (
+                not any(name in d for d in definitions.values())
+                and name not in by_stem  # a module
+                and not any(f'"{name}"' in source for source in sources.values())  # a word written (a kind)
+            ):
+                problems.append(f"{module}'s row names `{name}`, which the package does not define")
+    for owner, pattern, what in OWNED:
+        for name, source in sources.items():
+            if name != owner and pattern.search(source):
+                problems.append(f"{name}: {what}")
+    return problems
+
+
+def test_the_note_s_prose_is_true():
+    note = NOTE.read_text(encoding="utf-8")
+    problems = prose_violations(note, package_sources(), note_rows(note))
+    assert not problems, "einshard/README.md's prose and the code disagree:\n" + "\n".join(problems)
+
+
+def test_planted_violations_of_the_note_s_prose_fail():
+    """A name that is gone, a name nothing uses, and each decision made outside its owner."""
+    note = NOTE.read_text(encoding="utf-8")
+    rows = note_rows(note)
+    sources = package_sources()
+    planted = dict(sources)
+    planted["einshard._cost._compile"] += (
+        "\n\ndef _planted(leaf, n_devices):\n    return isinstance(leaf, (jax.Array, int))\n"
+    )
+    planted["einshard._planning._planner"] += (
+        "\n\ndef _planted(n_devices):\n    if isinstance(n_devices, bool):\n        raise ValueError\n"
+        "    return math.prod(leaf.shape) * itemsize(leaf.dtype)\n"
+    )
+    planted["einshard._cost._detect"] += "\n_PLANTED = 'abcdefghijklmnopqrstuvwxyz'\n"
+    extra = note + "\nSee `_leaves.is_gone` and `_place.never_called`.\n"
+    planted["einshard._arrays._place"] += "\n\ndef never_called():\n    return None\n"
+    problems = prose_violations(extra, planted, rows)
+    assert any(
+        p.startswith("einshard._cost._compile: an inline isinstance(..., jax.Array)") for p in problems
+    )
+    assert "einshard._planning._planner: a device-count check: use _numbers.checked_count" in problems
+    assert "einshard._planning._planner: a leaf's bytes computed inline: use _leaves.nbytes" in problems
+    assert (
+        "einshard._cost._detect: an alphabet of axis names: use _expression.LETTERS / axis_names" in problems
+    )
+    assert "the note names `_leaves.is_gone`, but einshard._arrays._leaves defines no is_gone" in problems
+    assert "the note names `_place.never_called`, which nothing in the package uses" in problems
+    assert not prose_violations(note, sources, rows)

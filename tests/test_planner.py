@@ -642,3 +642,29 @@ def test_a_hybrid_split_counts_only_the_model_axis():
     shares = {row.name: row.split_share for row in plan.rows}
     assert shares["fsdp as hybrid"] == 0  # split over every device: over the data axis too
     assert shares["hybrid model=2"] >= 0.5
+
+
+def test_a_plan_resolves_the_step_and_flattens_the_params_once(monkeypatch):
+    """One StepCall per plan: the roles reader, every candidate's table and compile, and the split
+    shares use its one resolution and flattening (default candidates: the derived tables too)."""
+    import sys
+
+    from einshard._cost import _call
+    from einshard._trees import _paths
+
+    resolved, flattened = [], []
+    resolve, flatten = _call.resolve_step, _paths.flatten_with_paths
+    monkeypatch.setattr(_call, "resolve_step", lambda fn: resolved.append(fn) or resolve(fn))
+
+    def counting_flatten(tree, *args, **kwargs):
+        flattened.append(tree)
+        return flatten(tree, *args, **kwargs)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("einshard") and getattr(module, "flatten_with_paths", None) is flatten:
+            monkeypatch.setattr(module, "flatten_with_paths", counting_flatten)
+    batch = jax.ShapeDtypeStruct((8 * N, D), jnp.float32)
+    plan = einshard.plan("tests.test_planner:sgd_step", mlp_params(), batch)
+    assert len(plan.rows) >= 3 and any(row.report is not None for row in plan.rows)
+    assert resolved == ["tests.test_planner:sgd_step"]
+    assert len(flattened) == 1  # the step's arguments, in StepCall.of

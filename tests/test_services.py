@@ -9,12 +9,20 @@ from jax.sharding import NamedSharding
 import einshard
 from conftest import N_DEVICES
 from einshard._arrays._build import build_sharded
-from einshard._arrays._place import place_tree
+from einshard._arrays._place import place_leaves
 from einshard._sharding._devices import device_target
 
 
 def sharding(expression, shape):
     return einshard.make_sharding(expression, shape=shape)
+
+
+def place_tree(tree, shardings):
+    """A tree placed through the placing service, which takes flat leaves (as its callers have them)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if not isinstance(shardings, list):
+        shardings = treedef.flatten_up_to(shardings)
+    return jax.tree_util.tree_unflatten(treedef, place_leaves(leaves, shardings))
 
 
 def blocks(array):

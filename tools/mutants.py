@@ -251,11 +251,11 @@ MUTANTS = [
     # --- shardings_of ---
     Mutant(
         "shardings-of-none",
-        "einshard/_trees/_pytrees.py",
-        "    if isinstance(leaf, jax.Array):\n        return leaf.sharding",
-        "    if isinstance(leaf, jax.Array):\n        return None",
+        "einshard/_arrays/_leaves.py",
+        "    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):\n        return leaf.sharding",
+        "    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):\n        return None",
         ("tests/test_training_steps.py",),
-        "shardings_of returns None for placed arrays",
+        "the sharding a placed array carries is read as None (shardings_of, optax state)",
     ),
     # --- multi-process agreement ---
     Mutant(
@@ -335,12 +335,12 @@ DATAFLOW_ROLES = [
     Mutant(
         "roles-column-row-pair-unrecorded",
         JAXPR,
-        "                for row, _, _ in mine:\n"
-        "                    if self.node_leaf[column] != self.node_leaf[row]:\n"
-        "                        self.feeds.add((column, row))",
-        "                for row, _, _ in mine:\n"
-        "                    if self.node_leaf[column] != self.node_leaf[row]:\n"
-        "                        pass",
+        "            for row, _, _ in rows:\n"
+        "                if self.node_leaf[column] != self.node_leaf[row]:\n"
+        "                    self.feeds.add((column, row))",
+        "            for row, _, _ in rows:\n"
+        "                if self.node_leaf[column] != self.node_leaf[row]:\n"
+        "                    pass",
         READING,
         "dot_general: a column's output reaching a row's contraction is not recorded as a pair",
     ),

@@ -25,17 +25,15 @@ not by the whole model.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.core import eval_jaxpr
 
-from ._leaves import is_concrete_array, partition
+from ._leaves import is_concrete_array, nbytes, partition
 
-__all__ = ["build_sharded", "itemsize"]
+__all__ = ["build_sharded"]
 
 _PART_BYTES = 32 << 20  # smallest part of a born-sharded build compiled on its own
 _MAX_PARTS = 64  # the most parts: bigger outputs get bigger parts, not more compiles
@@ -79,7 +77,7 @@ def build_sharded(
 
 def _parts(leaves: Sequence[Any]) -> list[tuple[int, ...]]:
     """Consecutive output leaves, cut into parts of about the same size in bytes."""
-    sizes = [math.prod(leaf.shape) * itemsize(leaf.dtype) for leaf in leaves]
+    sizes = [nbytes(leaf.shape, leaf.dtype) for leaf in leaves]
     budget = max(_PART_BYTES, -(-sum(sizes) // _MAX_PARTS))
     groups: list[tuple[int, ...]] = []
     current: list[int] = []
@@ -97,11 +95,3 @@ def _parts(leaves: Sequence[Any]) -> list[tuple[int, ...]]:
 def _run_part(closed: Any, group: tuple[int, ...], *arrays: Any) -> list[Any]:
     outputs = eval_jaxpr(closed.jaxpr, closed.consts, *arrays)
     return [outputs[i] for i in group]
-
-
-def itemsize(dtype: Any) -> int:
-    """Bytes per element of a dtype; extended dtypes (PRNG keys) by their own ``itemsize``."""
-    try:
-        return int(np.dtype(dtype).itemsize)
-    except TypeError:  # extended dtypes, such as PRNG keys
-        return int(getattr(dtype, "itemsize", 0) or 0)

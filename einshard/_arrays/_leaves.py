@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,17 @@ import jax
 import numpy as np
 from jax.core import Tracer
 
-__all__ = ["ARRAY_TYPES", "is_array", "is_concrete_array", "partition"]
+__all__ = [
+    "ARRAY_TYPES",
+    "carried_sharding",
+    "is_array",
+    "is_concrete_array",
+    "is_jax_array",
+    "is_traced",
+    "itemsize",
+    "nbytes",
+    "partition",
+]
 
 ARRAY_TYPES: set[type] = {jax.ShapeDtypeStruct, np.ndarray}
 """Types known to be arrays; :func:`is_array` adds each new one it meets (tracers aside).
@@ -57,6 +68,54 @@ def is_concrete_array(leaf: Any) -> bool:
     ``ShapeDtypeStruct`` (it has no values).
     """
     return isinstance(leaf, (jax.Array, np.ndarray))
+
+
+def is_jax_array(leaf: Any) -> bool:
+    """Whether a leaf is a ``jax.Array`` (placed, or traced inside a step): a value on devices.
+
+    >>> import jax, numpy as np
+    >>> is_jax_array(jax.numpy.ones(2)), is_jax_array(np.ones(2))
+    (True, False)
+    """
+    return isinstance(leaf, jax.Array)
+
+
+def carried_sharding(leaf: Any) -> Any:
+    """The sharding a ``jax.Array`` or ``ShapeDtypeStruct`` carries; ``None`` if it has none or is neither."""
+    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+        return leaf.sharding
+    return None
+
+
+def is_traced(leaf: Any) -> bool:
+    """Whether a step's compile traces a leaf: a ``jax.Array``, a NumPy array or a ``ShapeDtypeStruct``.
+
+    Not a NumPy or Python scalar: it may be a size that must stay static. The step report, its
+    compile and the roles reader all ask this, so they agree on what the program's parameters are.
+
+    >>> import jax, numpy as np
+    >>> is_traced(np.ones(2)), is_traced(jax.ShapeDtypeStruct((2,), np.int8)), is_traced(np.float32(1))
+    (True, True, False)
+    """
+    return isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+
+
+def itemsize(dtype: Any) -> int:
+    """Bytes per element of a dtype; extended dtypes (PRNG keys) by their own ``itemsize``."""
+    try:
+        return int(np.dtype(dtype).itemsize)
+    except TypeError:  # extended dtypes, such as PRNG keys
+        return int(getattr(dtype, "itemsize", 0) or 0)
+
+
+def nbytes(shape: Any, dtype: Any) -> int:
+    """A whole array's bytes: its element count times :func:`itemsize` (the one place this is computed).
+
+    >>> import numpy as np
+    >>> nbytes((16, 4096), np.float32), nbytes((), 'bfloat16')
+    (262144, 2)
+    """
+    return math.prod(shape) * itemsize(dtype)
 
 
 def partition(

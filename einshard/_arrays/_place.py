@@ -1,8 +1,8 @@
 """Putting values where their shardings say: one leaf, or a whole tree, in one or several processes.
 
-:func:`place_tree` is the one placing service of the package; the array
-functions, the rule-table functions and the integrations all call it (or
-:func:`place_leaf` for a single value). Each kind of leaf is placed its own way:
+:func:`place_leaves` is the one placing service of the package; the rule-table
+functions and the integrations call it (the array functions call :func:`place_leaf`
+for a single value). Each kind of leaf is placed its own way:
 
 * a traced value (inside ``jit``, ``grad``, ``vmap``): a sharding constraint,
   or a reshard when the sharding's mesh has Explicit axes (``jax.set_mesh``
@@ -16,11 +16,9 @@ functions, the rule-table functions and the integrations all call it (or
 
 Signatures, for the integrations:
 
-* ``place_tree(tree, shardings) -> tree``: ``shardings`` has the structure of
-  ``tree`` (as ``jax.tree_util`` flattens it), with a ``jax.sharding.Sharding``
-  at each leaf to place and ``None`` at each leaf to pass through untouched;
-  or it is a flat list with one entry per leaf of ``tree``.
-* ``place_leaves(leaves, shardings) -> list``: the same over flat lists.
+* ``place_leaves(leaves, shardings) -> list``: a tree's leaves, flat, with a
+  ``jax.sharding.Sharding`` for each leaf to place and ``None`` for each leaf to
+  pass through untouched.
 * ``place_leaf(x, sharding) -> value``: one leaf, of any kind above.
 """
 
@@ -33,7 +31,9 @@ import jax
 from jax.core import Tracer
 from jax.sharding import AxisType, Sharding
 
-__all__ = ["place_leaf", "place_leaves", "place_tree"]
+from ._leaves import is_jax_array
+
+__all__ = ["place_leaf", "place_leaves"]
 
 
 def place_leaf(x: Any, sharding: Sharding) -> Any:
@@ -47,26 +47,6 @@ def place_leaf(x: Any, sharding: Sharding) -> Any:
     if _needs_callback(x, sharding):
         return _from_whole(x, sharding)
     return jax.device_put(x, sharding)
-
-
-def place_tree(tree: Any, shardings: Any) -> Any:
-    """Every leaf of ``tree`` placed by its sharding; leaves whose sharding is ``None`` kept.
-
-    Concrete leaves are put in one ``jax.device_put`` call where they can be,
-    as ``jax.device_put(tree, shardings)`` would.
-
-    Args:
-        tree: Any pytree.
-        shardings: A tree of the same structure with a sharding or ``None``
-            at every leaf, or a list with one entry per leaf.
-
-    Returns:
-        The tree, same structure, each leaf placed.
-    """
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    if not isinstance(shardings, list):
-        shardings = treedef.flatten_up_to(shardings)
-    return jax.tree_util.tree_unflatten(treedef, place_leaves(leaves, shardings))
 
 
 def place_leaves(leaves: Sequence[Any], shardings: Sequence[Sharding | None]) -> list[Any]:
@@ -95,7 +75,7 @@ def _has_explicit_axes(sharding: Sharding) -> bool:
 def _needs_callback(x: Any, sharding: Sharding) -> bool:
     """A process-local ``jax.Array`` bound for a sharding over other processes' devices too."""
     return (
-        isinstance(x, jax.Array)
+        is_jax_array(x)
         and not sharding.is_fully_addressable
         and x.is_fully_addressable
         and jax.process_count() > 1

@@ -11,15 +11,15 @@ import dataclasses
 import functools
 import importlib
 import inspect
-import math
 from collections.abc import Callable
 from typing import Any
 
+from .._arrays._leaves import is_traced, nbytes
 from .._language._errors import EinshardError
 from .._trees._paths import flatten_with_paths
 from .._trees._rules import RulesLike
 
-__all__ = ["StepCall", "abstract", "is_array", "resolve_step"]
+__all__ = ["StepCall", "abstract", "resolve_step"]
 
 
 def resolve_step(fn: Callable[..., Any] | str) -> Callable[..., Any]:
@@ -39,14 +39,6 @@ def resolve_step(fn: Callable[..., Any] | str) -> Callable[..., Any]:
     return target
 
 
-def is_array(leaf: Any) -> bool:
-    """Whether a leaf is traced by the step's compile (the others are held static)."""
-    import jax
-    import numpy as np
-
-    return isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))
-
-
 def abstract(tree: Any) -> Any:
     """Array leaves become plain ``ShapeDtypeStruct``s; other leaves stay.
 
@@ -55,7 +47,7 @@ def abstract(tree: Any) -> Any:
     import jax
 
     return jax.tree_util.tree_map(
-        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) if is_array(leaf) else leaf, tree
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) if is_traced(leaf) else leaf, tree
     )
 
 
@@ -88,7 +80,7 @@ class StepCall:
         names: The top-level arguments' names, positional then keyword (``params``, ``batch``).
         leaves: Every leaf of ``(args, kwargs)``, in ``jax.jit``'s flattening order.
         paths: Each leaf's path, ``name/key/...`` (``params/layers/0/kernel``).
-        layouts: Each leaf's plan under the rules that gave the arguments their shardings
+        layouts: Each leaf's ``Assignment`` under the rules that gave the arguments their shardings
             (``None`` for a leaf that is not an array), or ``None`` without rules.
         table: Those rules, or ``None``.
     """
@@ -132,7 +124,13 @@ class StepCall:
     @functools.cached_property
     def arrays(self) -> tuple[int, ...]:
         """The positions of the array leaves (the compiled program's parameters, in order)."""
-        return tuple(i for i, leaf in enumerate(self.leaves) if is_array(leaf))
+        return tuple(i for i, leaf in enumerate(self.leaves) if is_traced(leaf))
+
+    def argument_leaves(self, position: int) -> range:
+        """The positions of the leaves of one top-level argument (``0``: the step's first)."""
+        name = self.names[position]
+        inside = [i for i, (top, _) in enumerate(self._keys) if top == name]
+        return range(inside[0], inside[-1] + 1) if inside else range(0)
 
     @property
     def array_paths(self) -> list[str]:
@@ -142,12 +140,7 @@ class StepCall:
     @property
     def array_bytes(self) -> dict[str, int]:
         """Each array leaf's bytes (the whole array), by path."""
-        from .._arrays._build import itemsize
-
-        return {
-            self.paths[i]: math.prod(self.leaves[i].shape) * itemsize(self.leaves[i].dtype)
-            for i in self.arrays
-        }
+        return {self.paths[i]: nbytes(self.leaves[i].shape, self.leaves[i].dtype) for i in self.arrays}
 
     def array_jax_names(self) -> list[str]:
         """The names JAX gives the array leaves in the program's metadata: ``params['w1']``."""
@@ -172,41 +165,23 @@ class StepCall:
         return dataclasses.replace(self, args=tuple(args), kwargs=dict(kwargs), leaves=tuple(leaves))
 
     def with_rules(self, rules: RulesLike) -> StepCall:
-        """The arguments as ``ShapeDtypeStruct`` leaves with the shardings the rules give them."""
+        """The arguments as ``ShapeDtypeStruct`` leaves with the shardings the rules give them.
+
+        The rules see the leaves' paths (``params/layers/0/kernel``), from this call's one
+        flattening: the arguments are not flattened again per table.
+        """
         import jax
 
         from .._trees._assign import as_rules
-        from .._trees._pytrees import leaf_shardings
+        from .._trees._pytrees import path_shardings
 
-        # The rules see one tree {name: argument}; varargs' names 'args/0' nest one level.
-        values = [abstract(value) for value in (*self.args, *self.kwargs.values())]
-        tree: dict[str, Any] = {}
-        for name, value in zip(self.names, values, strict=True):
-            head, _, tail = name.partition("/")
-            if tail:
-                tree.setdefault(head, {})[tail] = value
-            else:
-                tree[name] = value
-        assigned, treedef, flat = leaf_shardings(tree, rules, None)
-        shardings = jax.tree_util.tree_unflatten(treedef, flat)
-        by_path = {assignment.path: assignment for _, assignment in assigned if assignment is not None}
-
-        def placed(value: Any, sharding: Any) -> Any:
-            return jax.tree_util.tree_map(
-                lambda leaf, s: (
-                    jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s) if is_array(leaf) else leaf
-                ),
-                value,
-                sharding,
-                is_leaf=lambda x: x is None,
-            )
-
-        out = []
-        for name, value in zip(self.names, values, strict=True):
-            head, _, tail = name.partition("/")
-            out.append(placed(value, shardings[head][tail] if tail else shardings[name]))
-        n = len(self.args)
-        kwargs = dict(zip(self.kwargs, out[n:], strict=True))
-        placed_call = self.with_leaves(jax.tree_util.tree_leaves((tuple(out[:n]), kwargs)))
-        layouts = tuple(by_path.get(path) for path in self.paths)
-        return dataclasses.replace(placed_call, layouts=layouts, table=as_rules(rules))
+        leaves = [abstract(leaf) for leaf in self.leaves]
+        assigned, shardings = path_shardings(self.paths, leaves, rules, None)
+        placed = [
+            jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+            if sharding is not None and is_traced(leaf)
+            else leaf
+            for leaf, sharding in zip(leaves, shardings, strict=True)
+        ]
+        layouts = tuple(assignment for _, assignment in assigned)
+        return dataclasses.replace(self.with_leaves(placed), layouts=layouts, table=as_rules(rules))

@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from .._arrays._leaves import is_jax_array
 from ._call import StepCall
 
 __all__ = ["Compiled", "compile_step", "compiler_messages"]
@@ -215,9 +216,7 @@ def _compiled(call: StepCall) -> Any:
         call_args, call_kwargs = call.rebuilt(arrays)
         # Outputs that are not arrays (an Equinox module's functions) stay out of the program.
         return [
-            leaf
-            for leaf in jax.tree_util.tree_leaves(fn(*call_args, **call_kwargs))
-            if isinstance(leaf, jax.Array)
+            leaf for leaf in jax.tree_util.tree_leaves(fn(*call_args, **call_kwargs)) if is_jax_array(leaf)
         ]
 
     flat.__name__ = getattr(fn, "__name__", "step")

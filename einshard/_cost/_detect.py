@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,7 +44,7 @@ class Context:
     uses: Uses
     n_devices: int
     messages: Sequence[str]
-    layouts: Sequence[Any] | None  # the leaves' plans under the rules (Assignment or None), or None
+    layouts: Sequence[Any] | None  # each leaf's Assignment under the rules (None: not an array), or None
     paths: Sequence[str]  # every argument leaf's path, aligned with ``layouts``
     parameter_paths: Sequence[str | None]  # the program's parameters' paths, by position
     operands: list[str | None]  # each row's input value
@@ -102,43 +100,3 @@ def capital(text: str) -> str:
 def is_user_collective(row: StepRow) -> bool:
     last = row.op_name.rsplit("/", 1)[-1]
     return any(last.startswith(name) for name in USER_COLLECTIVES)
-
-
-_NAMES = "abcdefghijklmnopqrstuvwxyz"
-
-
-def expression_of(counts: Sequence[int], n_devices: int) -> str:
-    """``[1, 8]`` on 8 devices -> ``'a b -> a b8'``; the devices left over hold copies."""
-    names = [_NAMES[i % 26] * (1 + i // 26) for i in range(len(counts))]
-    right = [f"{name}{count}" if count > 1 else name for name, count in zip(names, counts, strict=True)]
-    copies = n_devices // max(1, math.prod(counts))
-    if copies > 1:
-        right.append(str(copies))
-    return f"{' '.join(names)} -> {' '.join(right)}"
-
-
-_NAMED_SHARDING = re.compile(r"mesh\[(?P<mesh>[^\]]*)\][^\[]*\[(?P<dims>.*)\]")
-_MESH_AXIS = re.compile(r"'?([^'=,\s]+)'?\s*=\s*(\d+)")
-_SUB_AXIS = re.compile(r"'([^']+)'(?::\((\d+)\)(\d+))?")
-
-
-def split_counts(sharding: str) -> list[int] | None:
-    """How many ways each dimension is split, from a sharding as XLA prints it, or ``None``."""
-    text = sharding.strip()
-    named = _NAMED_SHARDING.search(text)
-    if named:
-        sizes = {name: int(size) for name, size in _MESH_AXIS.findall(named.group("mesh"))}
-        counts = []
-        for dim in re.findall(r"\{([^{}]*)\}", named.group("dims")):
-            count = 1
-            for axis, _, sub in _SUB_AXIS.findall(dim):
-                count *= int(sub) if sub else sizes.get(axis, 1)
-            counts.append(count)
-        return counts
-    tiled = re.search(r"devices=\[([\d,]+)\]", text)
-    if tiled:
-        counts = [int(n) for n in tiled.group(1).split(",")]
-        if "last_tile_dim_replicate" in text or "last_tile_dims" in text:
-            counts = counts[:-1]
-        return counts
-    return None

@@ -8,13 +8,14 @@ from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
+from .._arrays._leaves import nbytes
+from .._language._expression import split_expression
 from .._language._text import size_text
 from ._detect import (
     COPIED,
     RESHARD,
     Context,
     array_text,
-    expression_of,
     is_user_collective,
     rows_params,
     rows_sources,
@@ -94,7 +95,7 @@ def _moved(context: Context, position: int) -> tuple[str, str]:
         )
     counts_before = [n if a == grew[0] else 1 for a in range(len(before))]
     counts_after = [n if a == shrank[0] else 1 for a in range(len(before))]
-    return expression_of(counts_before, n), expression_of(counts_after, n)
+    return split_expression(counts_before, n), split_expression(counts_after, n)
 
 
 def _gathered(context: Context, position: int, fraction: Fraction) -> tuple[str, str]:
@@ -112,7 +113,7 @@ def _gathered(context: Context, position: int, fraction: Fraction) -> tuple[str,
         return "", ""
     before = [n if a == axis else 1 for a in range(len(row.shape))]
     after = [row.shape[a] // sliced[a] if sliced[a] else 1 for a in range(len(row.shape))]
-    return expression_of(before, n), expression_of(after, n)
+    return split_expression(before, n), split_expression(after, n)
 
 
 def find_reshards(context: Context, excluded: set[int]) -> list[Finding]:
@@ -121,15 +122,10 @@ def find_reshards(context: Context, excluded: set[int]) -> list[Finding]:
     by_place: dict[tuple[str, tuple[str, ...]], list[int]] = {}
     layouts: dict[tuple, tuple[str, str]] = {}
     for position, before, after in found:
-        key = (
-            rows[position].instruction if rows[position].kind == "all-to-all" else position,
-            rows[position].kind,
-        )
         place = (rows[position].kind, rows_sources(rows, [position]))
         by_place.setdefault(place, []).append(position)
         if before and place not in layouts:
             layouts[place] = (before, after)
-        del key
     out = []
     for (kind, sources), positions in by_place.items():
         row = rows[positions[0]]
@@ -186,37 +182,37 @@ def find_copied(context: Context) -> list[Finding]:
     trained = {
         context.parameter_paths[k] for k in flow.updated_parameters() if k < len(context.parameter_paths)
     }
-    layouts = [plan for plan in context.layouts if plan is not None and plan.path in trained]
-    split = [plan for plan in layouts if math.prod(plan.layout.shards) > 1]
-    used = {plan.rule for plan in context.layouts if plan is not None}
+    layouts = [leaf for leaf in context.layouts if leaf is not None and leaf.path in trained]
+    split = [leaf for leaf in layouts if math.prod(leaf.layout.shards) > 1]
+    used = {leaf.rule for leaf in context.layouts if leaf is not None}
     idle = (
         [rule for rule in context.table.rules if rule not in used and _splits(rule)] if context.table else []
     )
     if not split and not idle:
         return []
-    smallest = min((_plan_bytes(plan) for plan in split), default=0)
-    ways = max((math.prod(plan.layout.shards) for plan in split), default=context.n_devices)
+    smallest = min((_assignment_bytes(leaf) for leaf in split), default=0)
+    ways = max((math.prod(leaf.layout.shards) for leaf in split), default=context.n_devices)
     by_reason: dict[str, list[Any]] = {}
     words: dict[str, str] = {}
-    for plan in layouts:
-        if len(plan.shape) < 2 or math.prod(plan.layout.shards) > 1 or _plan_bytes(plan) < smallest:
+    for leaf in layouts:
+        if len(leaf.shape) < 2 or math.prod(leaf.layout.shards) > 1 or _assignment_bytes(leaf) < smallest:
             continue
-        why = _why_copied(plan, context.paths)
+        why = _why_copied(leaf, context.paths)
         if why is not None:
-            by_reason.setdefault(why[0], []).append(plan)
+            by_reason.setdefault(why[0], []).append(leaf)
             words.setdefault(why[0], why[1])
     out = []
-    for reason, plans in by_reason.items():
+    for reason, chosen in by_reason.items():
         why = words[reason]
-        if len(plans) == 1:  # the words speak of several
+        if len(chosen) == 1:  # the words speak of several
             why = why.replace("them", "it").replace("their rules do", "its rule does")
-        plans.sort(key=lambda plan: -_plan_bytes(plan))
-        total = sum(_plan_bytes(plan) for plan in plans)
-        held = sum(_plan_bytes(plan) - _plan_bytes(plan) // ways for plan in plans)
+        chosen.sort(key=lambda leaf: -_assignment_bytes(leaf))
+        total = sum(_assignment_bytes(leaf) for leaf in chosen)
+        held = sum(_assignment_bytes(leaf) - _assignment_bytes(leaf) // ways for leaf in chosen)
         what = (
-            f"{plans[0].path} ({size_text(total)}) is"
-            if len(plans) == 1
-            else f"{len(plans)} parameters ({size_text(total)}, the largest {plans[0].path}) are"
+            f"{chosen[0].path} ({size_text(total)}) is"
+            if len(chosen) == 1
+            else f"{len(chosen)} parameters ({size_text(total)}, the largest {chosen[0].path}) are"
         )
         splits = f"splits other parameters {ways} ways" if split else "splits none"
         unused = (
@@ -226,9 +222,9 @@ def find_copied(context: Context) -> list[Finding]:
             else ""
         )
         cause = f"{what} held whole on every device: {why}, while the table {splits}{unused}."
-        examples = ", ".join(_suggested_rule(plan, ways, context.n_devices) for plan in plans[:2])
-        fix = f"Add a rule for {'it' if len(plans) == 1 else 'them'} in front, e.g. {examples}."
-        out.append(Finding(COPIED, 0, held, tuple(plan.path for plan in plans), (), cause, fix, ()))
+        examples = ", ".join(_suggested_rule(leaf, ways, context.n_devices) for leaf in chosen[:2])
+        fix = f"Add a rule for {'it' if len(chosen) == 1 else 'them'} in front, e.g. {examples}."
+        out.append(Finding(COPIED, 0, held, tuple(leaf.path for leaf in chosen), (), cause, fix, ()))
     return out
 
 
@@ -244,23 +240,22 @@ def _splits(rule: Any) -> bool:
     )
 
 
-def _plan_bytes(plan: Any) -> int:
-    from .._arrays._build import itemsize
+def _assignment_bytes(leaf: Any) -> int:
 
-    return math.prod(plan.shape) * itemsize(plan.dtype)
+    return nbytes(leaf.shape, leaf.dtype)
 
 
-def _why_copied(plan: Any, paths: Sequence[str]) -> tuple[str, str] | None:
+def _why_copied(leaf: Any, paths: Sequence[str]) -> tuple[str, str] | None:
     """Why the table copies a leaf it was not told to copy: a kind, and words.
 
     ``None`` when a rule says to copy it.
     """
-    rule = plan.rule
+    rule = leaf.rule
     smaller = getattr(getattr(rule, "expression", None), "min_bytes", 0)
-    if isinstance(smaller, int) and _plan_bytes(plan) < smaller:
+    if isinstance(smaller, int) and _assignment_bytes(leaf) < smaller:
         return None  # a shape rule that copies what is below its size on purpose (FSDP's min_bytes)
-    if plan.note:
-        return "note", f"their rules do not split them (e.g. {plan.path}: {plan.note})"
+    if leaf.note:
+        return "note", f"their rules do not split them (e.g. {leaf.path}: {leaf.note})"
     if rule is None:
         return "unmatched", "no rule matches them (the table's policy replicates such leaves)"
     # A rule that matches every leaf (the table's catch-all) was not written for this one.
@@ -270,13 +265,13 @@ def _why_copied(plan: Any, paths: Sequence[str]) -> tuple[str, str] | None:
     return None
 
 
-def _suggested_rule(plan: Any, ways: int, n_devices: int) -> str:
-    order = sorted(range(len(plan.shape)), key=lambda axis: -plan.shape[axis])
+def _suggested_rule(leaf: Any, ways: int, n_devices: int) -> str:
+    order = sorted(range(len(leaf.shape)), key=lambda axis: -leaf.shape[axis])
     for axis in order:
-        if plan.shape[axis] % ways == 0:
-            counts = [ways if a == axis else 1 for a in range(len(plan.shape))]
-            return f"({_anchored(plan.path)!r}, {expression_of(counts, n_devices)!r})"
-    return f"({_anchored(plan.path)!r}, ...) splitting an axis that {ways} divides (none does: pad one)"
+        if leaf.shape[axis] % ways == 0:
+            counts = [ways if a == axis else 1 for a in range(len(leaf.shape))]
+            return f"({_anchored(leaf.path)!r}, {split_expression(counts, n_devices)!r})"
+    return f"({_anchored(leaf.path)!r}, ...) splitting an axis that {ways} divides (none does: pad one)"
 
 
 def _anchored(path: str) -> str:

@@ -5,22 +5,18 @@ from __future__ import annotations
 import math
 import re
 
+from .._language._expression import split_expression
 from . import _hlo
 from ._detect import (
     REMAT,
     Context,
-    expression_of,
     rows_traffic,
-    split_counts,
 )
 from ._report import Finding
 
 _REMAT = re.compile(
     r"cannot go from sharding (?P<before>.*?) to (?P<after>.*?) efficiently for HLO operation "
     r"(?P<op>.*?)(?:\. As the last resort|$)"
-)
-_OPERATION = re.compile(
-    r"%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\S+)\s+(?P<opcode>[\w\-]+)\((?P<operands>[^)]*)\)"
 )
 
 
@@ -32,11 +28,9 @@ def find_remats(context: Context, excluded: set[int]) -> tuple[list[Finding], se
         match = _REMAT.search(message)
         if match is None:
             continue
-        before, after = split_counts(match.group("before")), split_counts(match.group("after"))
-        operation = match.group("op")
-        op_name = _quoted(operation, "op_name")
-        source = _source_of(context, operation)
-        param = _param_of(context, operation, op_name)
+        before, after = _hlo.split_counts(match.group("before")), _hlo.split_counts(match.group("after"))
+        operation = _hlo.parse_instruction(match.group("op"))
+        op_name, source, param = _described(context, operation)
         # The all-gather that replicates it (not counted yet): the same op name; else, as XLA
         # versions name them differently, a gather then slice of the same parameter or shape.
         free = [
@@ -59,8 +53,8 @@ def find_remats(context: Context, excluded: set[int]) -> tuple[list[Finding], se
         else:
             traffic = _estimated_remat(operation, before)
         expressions = (
-            expression_of(before, context.n_devices) if before else match.group("before"),
-            expression_of(after, context.n_devices) if after else match.group("after"),
+            split_expression(before, context.n_devices) if before else match.group("before"),
+            split_expression(after, context.n_devices) if after else match.group("after"),
         )
         by_place.setdefault((expressions, source, param), []).append(
             (expressions[0], expressions[1], source, param, matched, traffic)
@@ -101,46 +95,32 @@ def _only_sliced(context: Context, position: int) -> bool:
     return fraction is not None and fraction < 1
 
 
-def _whole_shape(operation: str, before: list[int] | None) -> tuple[int, ...] | None:
+def _described(
+    context: Context, operation: _hlo.Instruction | None
+) -> tuple[str | None, str | None, str | None]:
+    """The operation's op name, its source line and the parameter it is (``None`` where not known)."""
+    if operation is None:
+        return None, None, None
+    op_name, file, line = context.uses.module.source(operation)
+    source = f"{file}:{line}" if file is not None and line is not None else None
+    param = None
+    number = operation.operands[0] if operation.opcode == "parameter" and operation.operands else ""
+    if number.isdigit() and int(number) < len(context.parameter_paths):
+        param = context.parameter_paths[int(number)]
+    return op_name or None, source, param
+
+
+def _whole_shape(operation: _hlo.Instruction | None, before: list[int] | None) -> tuple[int, ...] | None:
     """The array's whole shape: the operation's shape in the message (per device) times its splits."""
-    parsed = _OPERATION.search(operation)
-    shapes = _hlo.parse_shapes(parsed.group("type")) if parsed else ()
+    shapes = operation.shapes if operation is not None else ()
     if not shapes or not before or len(before) != len(shapes[0].dims):
         return None
     return tuple(d * c for d, c in zip(shapes[0].dims, before, strict=True))
 
 
-def _quoted(text: str, key: str) -> str | None:
-    match = re.search(rf'{key}="((?:[^"\\]|\\.)*)"', text)
-    return match.group(1).replace("\\'", "'") if match else None
-
-
-def _source_of(context: Context, operation: str) -> str | None:
-    file, line = _quoted(operation, "source_file"), re.search(r"source_line=(\d+)", operation)
-    if file and line:
-        return f"{file}:{line.group(1)}"
-    frame = re.search(r"stack_frame_id=(\d+)", operation)
-    module = context.uses.module
-    if frame and int(frame.group(1)) in module.frames:
-        file, number = module.frame(int(frame.group(1)))
-        return f"{file}:{number}"
-    return None
-
-
-def _param_of(context: Context, operation: str, op_name: str | None) -> str | None:
-    parsed = _OPERATION.search(operation)
-    if parsed is None or parsed.group("opcode") != "parameter":
-        return None
-    number = parsed.group("operands").strip()
-    if number.isdigit() and int(number) < len(context.parameter_paths):
-        return context.parameter_paths[int(number)]
-    return None
-
-
-def _estimated_remat(operation: str, before: list[int] | None) -> int:
+def _estimated_remat(operation: _hlo.Instruction | None, before: list[int] | None) -> int:
     """The gather's traffic from the message alone: the array whole, less the part each device had."""
-    parsed = _OPERATION.search(operation)
-    shapes = _hlo.parse_shapes(parsed.group("type")) if parsed else ()
+    shapes = operation.shapes if operation is not None else ()
     if not shapes or not before:
         return 0
     parts = math.prod(before)

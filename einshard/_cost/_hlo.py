@@ -414,6 +414,11 @@ def _parse_instruction(line: str, computation: str) -> Instruction | None:
     return Instruction(name, type_, opcode, operands, attributes, computation, bool(root))
 
 
+def parse_instruction(text: str) -> Instruction | None:
+    """One instruction as XLA prints it in a message (``%p = f32[8,4] parameter(0), ...``), or ``None``."""
+    return _parse_instruction(text.strip(), "")
+
+
 def parse_module(text: str) -> Module:
     """Parses the text of a compiled HLO module (``compiled.as_text()``)."""
     computations: dict[str, list[str]] = {}
@@ -660,3 +665,31 @@ def collectives(module: Module) -> list[Collective]:
             groups = device_groups(instruction, module.num_partitions)
             out.append(Collective(instruction, kind, groups, times, known))
     return out
+
+
+# --- shardings as XLA prints them -------------------------------------------------------------------
+
+_NAMED_SHARDING = re.compile(r"mesh\[(?P<mesh>[^\]]*)\][^\[]*\[(?P<dims>.*)\]")
+_SUB_AXIS = re.compile(r"'([^']+)'(?::\((\d+)\)(\d+))?")
+
+
+def split_counts(sharding: str) -> list[int] | None:
+    """How many ways each dimension is split, from a sharding as XLA prints it, or ``None``."""
+    text = sharding.strip()
+    named = _NAMED_SHARDING.search(text)
+    if named:
+        sizes = {name: int(size) for name, size in _MESH_AXIS.findall(named.group("mesh"))}
+        counts = []
+        for dim in re.findall(r"\{([^{}]*)\}", named.group("dims")):
+            count = 1
+            for axis, _, sub in _SUB_AXIS.findall(dim):
+                count *= int(sub) if sub else sizes.get(axis, 1)
+            counts.append(count)
+        return counts
+    tiled = re.search(r"devices=\[([\d,]+)\]", text)
+    if tiled:
+        counts = [int(n) for n in tiled.group(1).split(",")]
+        if "last_tile_dim_replicate" in text or "last_tile_dims" in text:
+            counts = counts[:-1]
+        return counts
+    return None

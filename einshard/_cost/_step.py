@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._language._errors import EinshardError
+from .._language._numbers import checked_count
 from .._trees._rules import RulesLike
 from ._analysis import Answer, analyse, answer
 from ._call import StepCall
@@ -109,11 +109,7 @@ def explain_step(
 
 
 def _check_devices(n_devices: Any) -> None:
-    if isinstance(n_devices, bool) or not isinstance(n_devices, int) or n_devices < 1:
-        raise EinshardError(
-            f"n_devices must be a positive integer, not {n_devices!r}",
-            hint="Give the device count to plan for, e.g. n_devices=64.",
-        )
+    checked_count(n_devices, "n_devices", hint="Give the device count to compile for, e.g. n_devices=64.")
 
 
 def reports(call: StepCall, tables: Sequence[RulesLike], n_devices: int | None = None) -> list[Answer]:

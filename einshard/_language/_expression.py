@@ -10,14 +10,53 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
+from collections.abc import Sequence
 
 from ._errors import EinshardError
 from ._numbers import MAX_DEVICES
 
-__all__ = ["REPLICATE", "Expression", "LeftElement", "RightElement", "check_expression_type", "parse"]
+__all__ = [
+    "LETTERS",
+    "REPLICATE",
+    "Expression",
+    "LeftElement",
+    "RightElement",
+    "axis_names",
+    "check_expression_type",
+    "parse",
+    "split_expression",
+]
 
 REPLICATE = "... -> * ..."
 """The expression that replicates an array of any rank on every device."""
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+"""The alphabet of the axis names einshard writes itself (``a b -> a b8``)."""
+
+
+def axis_names(rank: int) -> list[str]:
+    """Names for ``rank`` axes, the ones einshard writes: ``a``, ``b``, ..., ``z``, ``aa``, ``bb``, ...
+
+    >>> axis_names(3), axis_names(28)[-2:]
+    (['a', 'b', 'c'], ['aa', 'bb'])
+    """
+    return [LETTERS[i % 26] * (1 + i // 26) for i in range(rank)]
+
+
+def split_expression(counts: Sequence[int], n_devices: int) -> str:
+    """The expression that splits each axis into ``counts`` parts; the devices left over hold copies.
+
+    >>> split_expression([1, 8], 8), split_expression([2, 1], 8)
+    ('a b -> a b8', 'a b -> a2 b 4')
+    """
+    names = axis_names(len(counts))
+    right = [f"{name}{count}" if count > 1 else name for name, count in zip(names, counts, strict=True)]
+    copies = n_devices // max(1, math.prod(counts))
+    if copies > 1:
+        right.append(str(copies))
+    return f"{' '.join(names)} -> {' '.join(right)}"
+
 
 _ARROW = "->"
 _ELLIPSIS = "..."

@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 
 from ._errors import EinshardError, adding_context
-from ._expression import Expression, RightElement, parse
+from ._expression import LETTERS, Expression, RightElement, parse
 from ._numbers import balanced_factors, checked_device_count, checked_n_dims, checked_shape, divisors_preview
 
 __all__ = ["Layout", "carried_expression", "compile_layout", "integer_root", "layout"]
@@ -394,7 +394,7 @@ def carried_expression(layout: Layout, axes: Sequence[int | None]) -> str:
     if tuple(axes) == tuple(range(layout.n_dims)):
         return expression.text
     used = set(expression.left_names)
-    letters = "abcdefghijklmnopqrstuvwxyz"
+    letters = LETTERS
     fresh = (n for n in itertools.chain(letters, (a + b for a in letters for b in letters)) if n not in used)
     # Each axis by name ('...' spelled out with fresh names), and each right element as text.
     names = [expression.right[e].name if e is not None else None for e in layout.axis_elements]

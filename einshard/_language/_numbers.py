@@ -24,6 +24,7 @@ __all__ = [
     "MAX_DEVICES",
     "MAX_SIZE",
     "balanced_factors",
+    "checked_count",
     "checked_device_count",
     "checked_n_dims",
     "checked_shape",
@@ -43,15 +44,35 @@ def checked_device_count(n_devices: Any) -> int:
     """``n_devices`` if it is an ``int`` (not a bool) from 1 to 2**24, else an :class:`EinshardError`."""
     if type(n_devices) is int and 1 <= n_devices <= MAX_DEVICES:  # the common case, first
         return n_devices
-    if isinstance(n_devices, int) and not isinstance(n_devices, bool) and 1 <= n_devices <= MAX_DEVICES:
-        return int(n_devices)
-    if isinstance(n_devices, int) and not isinstance(n_devices, bool) and n_devices > MAX_DEVICES:
-        raise EinshardError(
-            f"the device count must be a positive integer up to 2**24, not {short_repr(n_devices)}",
-            hint="einshard lays arrays out over at most 2**24 (16,777,216) devices. Pass the number "
-            "of devices to plan for, e.g. n_devices=256.",
-        )
-    raise EinshardError(f"the device count must be a positive integer, not {short_repr(n_devices)}")
+    return checked_count(n_devices, "the device count")
+
+
+def checked_count(
+    value: Any, name: str, hint: str | None = None, *, minimum: int = 1, kind: str = "a positive integer"
+) -> int:
+    """``value`` if it is an ``int`` (not a bool) from 1 to 2**24, else an :class:`EinshardError` naming it.
+
+    Every count of devices a user passes (``n_devices=``, a hybrid's ``model``) is checked here,
+    so each is bounded by :data:`MAX_DEVICES` before it reaches a child process or XLA.
+    ``minimum=0`` admits 0 (a strategy's ``model``: all devices); ``kind`` says what is expected.
+
+    >>> checked_count(8, 'n_devices')
+    8
+    >>> checked_count(2**30, 'n_devices')
+    Traceback (most recent call last):
+    einshard.EinshardError: n_devices must be a positive integer up to 2**24, not 1073741824
+    ...
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        if minimum <= value <= MAX_DEVICES:
+            return int(value)
+        if value > MAX_DEVICES:
+            raise EinshardError(
+                f"{name} must be {kind} up to 2**24, not {short_repr(value)}",
+                hint="einshard lays arrays out over at most 2**24 (16,777,216) devices. Pass the number "
+                "of devices to plan for, e.g. n_devices=256.",
+            )
+    raise EinshardError(f"{name} must be {kind}, not {short_repr(value)}", hint=hint)
 
 
 def checked_n_dims(n_dims: Any) -> int | None:

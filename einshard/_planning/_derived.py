@@ -6,6 +6,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from .._language._expression import LETTERS
 from ._roles import LeafRole
 
 # --- the rule table --------------------------------------------------------------------------------
@@ -28,7 +29,7 @@ def axis_names(words: Sequence[str]) -> list[str]:
     """One short distinct name per axis, by its role: ``i`` in, ``o`` out, ``h`` heads ..."""
     used: set[str] = set()
     names = []
-    spare = iter(c for c in "abcdefghijklmnopqrstuvwxyz")
+    spare = iter(LETTERS)
     for word in words:
         name = next((c for c in _LETTERS.get(word, "xyz") if c not in used), None)
         while name is None or name in used:

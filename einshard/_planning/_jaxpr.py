@@ -14,8 +14,8 @@ interpreter walks the program (into ``jit``, ``scan``, ``while``, ``cond``, ``ch
 
 Axes that must be split together form a group (a union-find over ``(leaf, axis)``); each group
 has the bytes of parameters it would split and the bytes of the collectives it would cost per
-step. :func:`assign` picks, for one model-axis size, the groups that split the most parameter
-bytes per byte of communication, one axis per leaf, and says why for every leaf.
+step. ``_roles.choose_splits`` picks, for one model-axis size, the groups that split the most
+parameter bytes per byte of communication, one axis per leaf, and says why for every leaf.
 
 The backward pass of a training step (JAX marks its operations ``transpose(jvp(...))``) and what
 is computed from the gradients (the optimizer) are not read: the forward pass decides.
@@ -27,7 +27,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .._arrays._build import itemsize
+from .._arrays._leaves import nbytes
 from .._language._errors import EinshardError
 from ._primitives import AXIS_PARAMS, CALLBACKS, CUMULATIVE, ELEMENTWISE, IDENTITY, MIXING, RANDOM, REDUCE
 
@@ -75,7 +75,7 @@ def _shape(var: Any) -> tuple[int, ...]:
 def _nbytes(var: Any) -> int:
     aval = var.aval
     try:
-        return math.prod(aval.shape) * itemsize(aval.dtype)
+        return nbytes(aval.shape, aval.dtype)
     except Exception:  # extended dtypes (keys): no meaningful size
         return 0
 
@@ -131,6 +131,17 @@ class Reader:
                 first = root
             elif root != first:
                 self.parent[root] = first
+
+    def pair(self, columns: frozenset, rows: frozenset) -> None:
+        """A weight's output axes (``columns``' tags) meet a later weight's contraction axes (``rows``').
+
+        The axes are split together, and each column feeds each row of another leaf (a Megatron pair).
+        """
+        self.join(node for node, _, _ in rows | columns)
+        for column, _, _ in columns:
+            for row, _, _ in rows:
+                if self.node_leaf[column] != self.node_leaf[row]:
+                    self.feeds.add((column, row))
 
     def brk(self, tags: Iterable[tuple[int, int, int]], reason: str) -> None:
         """The tagged axes cannot be split here: their parameter axes split only above them."""
@@ -502,11 +513,7 @@ class Reader:
             if not mine:
                 self.brk(theirs, "contracted with a weight on an axis einshard cannot trace")
                 continue
-            self.join(node for node, _, _ in mine | theirs)
-            for column, _, _ in theirs:
-                for row, _, _ in mine:
-                    if self.node_leaf[column] != self.node_leaf[row]:
-                        self.feeds.add((column, row))
+            self.pair(theirs, mine)
         batch = []
         for i, j in zip(pb, ab, strict=True):
             merged = param.axes[i] | act.axes[j]
@@ -540,11 +547,7 @@ class Reader:
         if groups == 1:
             self.role(in_features, "conv-in")
             self.cost(eqn, (node for node, _, _ in in_features), _nbytes(eqn.outvars[0]))
-            self.join(node for node, _, _ in in_features | features)
-            for column, _, _ in features:
-                for row, _, _ in in_features:
-                    if self.node_leaf[column] != self.node_leaf[row]:
-                        self.feeds.add((column, row))
+            self.pair(features, in_features)
             axes[out_spec[1]] = out_features
         else:  # grouped (depthwise): each input feature goes to its own outputs
             self.join(node for node, _, _ in out_features | features)
@@ -798,5 +801,3 @@ _HANDLERS: dict[str, Callable[[Reader, Any, list[Value]], list[Value]]] = {
     **{name: Reader.reduce for name in REDUCE},
     **{name: Reader.cumulative for name in CUMULATIVE},
 }
-
-

@@ -10,12 +10,11 @@ process with simulated CPU devices for all candidates). Ranking needs no recompi
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._arrays._build import itemsize
+from .._arrays._leaves import nbytes
 from .._cost._call import StepCall
 from .._cost._report import KINDS, StepReport, accelerated, check_accelerator, estimated
 from .._cost._step import reports
@@ -23,7 +22,8 @@ from .._language._errors import EinshardError
 from .._language._text import seconds_text, size_text, table_text
 from .._trees._rules import Rules
 from .._trees._strategy import DEFAULT_MIN_BYTES, Strategy
-from ._strategies import defaults
+from ._roles import read_call
+from ._strategies import derived_defaults
 
 __all__ = ["Plan", "PlanRow", "plan"]
 
@@ -251,7 +251,7 @@ def plan(
     >>> result.best.name, result.best.batch
     ('data parallel', 'b ... -> b* ...')
     """
-    from .._sharding._devices import device_target
+    from .._sharding._devices import count_to_plan, device_target
 
     strategies = list(candidates) if candidates is not None else None
     if strategies is not None:
@@ -262,24 +262,22 @@ def plan(
                     hint="Use einshard.strategies.fsdp() and friends, or wrap a table: "
                     "einshard.strategies.Strategy(rules, batch='b ... -> b* ...', name='mine').",
                 )
-    if n_devices is not None and (
-        isinstance(n_devices, bool) or not isinstance(n_devices, int) or n_devices < 1
-    ):
-        raise EinshardError(
-            f"n_devices must be a positive integer, not {n_devices!r}",
-            hint="Give the device count to plan for, e.g. n_devices=64.",
-        )
     check_accelerator(accelerator)
     local = device_target(None).count
-    count = local if n_devices is None else n_devices
-    if strategies is None:
-        strategies = defaults(count, min_bytes=min_bytes, step=step, params=params, batch=batch)
+    count = count_to_plan(n_devices, hint="Give the device count to plan for, e.g. n_devices=64.")
+    # The step is resolved and its arguments named and flattened once, here, for the roles
+    # reader, every candidate's table and compile, and the split shares.
     call = StepCall.of(step, (params, batch), {})
+    if strategies is None:
+        strategies = derived_defaults(read_call(call), count, min_bytes)
     tables = [_with_batch(strategy, call.names[1]) for strategy in strategies]
     answers = reports(call, tables, count if isolate or count != local else None)
+    params_leaves = call.argument_leaves(0)
+    param_paths = [call.paths[i] for i in params_leaves]
+    param_leaves = [call.leaves[i] for i in params_leaves]
     rows = []
     for index, (strategy, answer) in enumerate(zip(strategies, answers, strict=True)):
-        share, unused = _split_share(strategy, {call.names[0]: params}, count)
+        share, unused = _split_share(strategy, param_paths, param_leaves, count)
         rejected = None if answer.report is not None else _reason(answer.error)
         rows.append(PlanRow(strategy, answer.report, rejected, index, share, unused))
     return _ranked(rows, count, memory_per_device, bandwidth, latency, flops_per_second, accelerator)
@@ -291,7 +289,9 @@ def _with_batch(strategy: Strategy, batch_name: str) -> Rules:
     return Rules([batch_rule, *strategy.pairs()], **strategy._policies())
 
 
-def _split_share(strategy: Strategy, params: Any, n_devices: int) -> tuple[float | None, tuple[Any, ...]]:
+def _split_share(
+    strategy: Strategy, paths: Sequence[str], leaves: Sequence[Any], n_devices: int
+) -> tuple[float | None, tuple[Any, ...]]:
     """The share of ``params``' bytes the strategy splits over its model axis, and its unused rules.
 
     A leaf counts when the devices of one model group (``model`` neighbours in the device
@@ -299,10 +299,10 @@ def _split_share(strategy: Strategy, params: Any, n_devices: int) -> tuple[float
     a weight split over all devices (FSDP inside a hybrid) is not split over the model axis.
     Without a model axis (data parallel, FSDP), the share split over all devices.
     """
-    from .._trees._assign import assign_rules
+    from .._trees._assign import assign_leaves
 
     try:
-        assigned, _, unused = assign_rules(params, strategy, n_devices=n_devices)
+        assigned, unused = assign_leaves(paths, leaves, strategy, n_devices=n_devices)
     except EinshardError:
         return None, ()
     model = strategy.model or n_devices
@@ -314,7 +314,7 @@ def _split_share(strategy: Strategy, params: Any, n_devices: int) -> tuple[float
     for _, leaf in assigned:
         if leaf is None or not leaf.shape:
             continue
-        size = math.prod(leaf.shape) * itemsize(leaf.dtype)
+        size = nbytes(leaf.shape, leaf.dtype)
         total += size
         layout = leaf.layout
         known = seen.get(id(layout))

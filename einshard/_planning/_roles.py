@@ -1,6 +1,6 @@
 """Roles: each parameter leaf's tensor-parallel role, chosen for one model-axis size, and why.
 
-:func:`read` traces the step and runs the jaxpr reader (``_jaxpr``); :func:`assign` picks, for
+:func:`read` traces the step and runs the jaxpr reader (``_jaxpr``); :func:`choose_splits` picks, for
 one model-axis size, the groups that split the most parameter bytes per byte of communication,
 one axis per leaf, and says why for every leaf; :class:`Roles` is the printable table.
 """
@@ -12,19 +12,20 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .._arrays._build import itemsize
+from .._arrays._leaves import is_jax_array, is_traced, nbytes
+from .._cost._call import StepCall
 from .._language._errors import EinshardError
 from .._language._text import table_text
 from ._jaxpr import ACT, CORE, PARAM, Reader, Value, plain
 
-__all__ = ["LeafRole", "Roles", "assign", "read", "roles"]
+__all__ = ["LeafRole", "Roles", "choose_splits", "read", "read_call", "roles"]
 
 # --- reading a step ------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class Reading:
-    """What the dataflow says of every parameter leaf, for any model-axis size (see :func:`assign`)."""
+    """What the dataflow says of every parameter leaf, for any model-axis size (see :func:`choose_splits`)."""
 
     paths: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
@@ -45,34 +46,34 @@ class Reading:
     seconds: float
 
 
-def _step_function(step: Callable[..., Any] | str) -> Callable[..., Any]:
-    """The step as a function: the one place this module uses the step report's helpers."""
-    from .._cost._call import resolve_step
-
-    return resolve_step(step)
-
-
 def read(step: Callable[..., Any] | str, params: Any, batch: Any) -> Reading:
     """Traces ``step(params, batch)`` on abstract inputs and reads every parameter leaf's axes."""
+    return read_call(StepCall.of(step, (params, batch), {}))
+
+
+def read_call(call: StepCall) -> Reading:
+    """:func:`read` for a step whose arguments are already named and flattened (the planner's).
+
+    The parameters are the call's first argument; their paths are as rules see them below it
+    (``layers/0/kernel``, without the step's parameter name).
+    """
     import time
 
     import jax
     import numpy as np
 
-    from .._arrays._leaves import is_array, partition
-    from .._trees._paths import flatten_with_paths
-
     start = time.perf_counter()
-    fn = _step_function(step)
-    param_leaves, paths, _ = flatten_with_paths(params)
-    leaves = jax.tree_util.tree_leaves((params, batch))
-    dynamic = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
-    _, combine = partition((params, batch), is_array)
+    fn = call.fn
+    params_leaves = call.argument_leaves(0)
+    param_leaves = [call.leaves[i] for i in params_leaves]
+    paths = [call.paths[i].partition("/")[2] for i in params_leaves]
+    leaves = call.leaves
+    dynamic = list(call.arrays)
 
     def flat(*arrays: Any) -> Any:
-        call_params, call_batch = combine(arrays)
-        out = fn(call_params, call_batch)
-        return [leaf for leaf in jax.tree_util.tree_leaves(out) if isinstance(leaf, jax.Array)]
+        args, kwargs = call.rebuilt(arrays)
+        out = fn(*args, **kwargs)
+        return [leaf for leaf in jax.tree_util.tree_leaves(out) if is_jax_array(leaf)]
 
     abstract = [jax.ShapeDtypeStruct(np.shape(leaves[i]), leaves[i].dtype) for i in dynamic]
     try:
@@ -88,9 +89,9 @@ def read(step: Callable[..., Any] | str, params: Any, batch: Any) -> Reading:
             "names: einshard.strategies.tensor_parallel(column=[...], row=[...]).",
         ) from None
     n_params = len(param_leaves)
-    is_param = [i < n_params and is_array(leaves[i]) for i in range(len(leaves))]
+    is_param = [i < n_params and is_traced(leaves[i]) for i in range(len(leaves))]
     param_index = {i: i for i in range(n_params)}
-    shapes = tuple(tuple(np.shape(leaf)) if is_array(leaf) else () for leaf in param_leaves)
+    shapes = tuple(tuple(np.shape(leaf)) if is_traced(leaf) else () for leaf in param_leaves)
     reader = Reader(shapes)
     inputs = []
     for i in dynamic:
@@ -106,25 +107,25 @@ def read(step: Callable[..., Any] | str, params: Any, batch: Any) -> Reading:
     cost = [0.0] * len(reader.node_leaf)
     for (_, _, node), amount in reader.costs.items():
         cost[node] += amount
-    dtypes, nbytes, floating = [], [], []
+    dtypes, sizes, floating = [], [], []
     for leaf in param_leaves:
-        if is_array(leaf):
+        if is_traced(leaf):
             dtypes.append(str(leaf.dtype))
             try:
-                nbytes.append(math.prod(np.shape(leaf)) * itemsize(leaf.dtype))
+                sizes.append(nbytes(np.shape(leaf), leaf.dtype))
                 floating.append(bool(jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating)))
             except Exception:  # extended dtypes (random keys)
-                nbytes.append(0)
+                sizes.append(0)
                 floating.append(False)
         else:
             dtypes.append("")
-            nbytes.append(0)
+            sizes.append(0)
             floating.append(False)
     return Reading(
         paths=tuple(paths),
         shapes=shapes,
         dtypes=tuple(dtypes),
-        nbytes=tuple(nbytes),
+        nbytes=tuple(sizes),
         floating=tuple(floating),
         offsets=tuple(reader.offsets),
         node_leaf=tuple(reader.node_leaf),
@@ -230,7 +231,7 @@ class Roles:
 
 def _leaf_bytes(row: LeafRole) -> int:
     try:
-        return math.prod(row.shape) * itemsize(row.dtype)
+        return nbytes(row.shape, row.dtype)
     except Exception:
         return 0
 
@@ -263,7 +264,7 @@ def _largest_divisor(model: int, limit: int) -> int:
     return math.gcd(model, limit) if limit > 0 else 1
 
 
-def assign(reading: Reading, model: int) -> tuple[LeafRole, ...]:
+def choose_splits(reading: Reading, model: int) -> tuple[LeafRole, ...]:
     """The split of every floating-point parameter leaf over a model axis of ``model`` devices."""
     count = len(reading.node_leaf)
     parts = [_largest_divisor(model, reading.limit[n]) for n in range(count)]
@@ -569,21 +570,8 @@ def roles(step: Callable[..., Any] | str, params: Any, batch: Any, *, n_devices:
     >>> [(row.path, row.role, row.axis) for row in found.leaves]
     [('w1', 'column', 1), ('w2', 'row', 0)]
     """
-    from .._sharding._devices import device_target
+    from .._sharding._devices import count_to_plan
 
-    model = _count(n_devices, device_target(None).count)
+    model = count_to_plan(n_devices, hint="Give the model axis's size, e.g. n_devices=8.")
     reading = read(step, params, batch)
-    return Roles(assign(reading, model), model, reading.stops, reading.seconds)
-
-
-def _count(n_devices: Any, default: int) -> int:
-    if n_devices is None:
-        return default
-    if isinstance(n_devices, bool) or not isinstance(n_devices, int) or n_devices < 1:
-        raise EinshardError(
-            f"n_devices must be a positive integer, not {n_devices!r}",
-            hint="Give the model axis's size, e.g. n_devices=8.",
-        )
-    return n_devices
-
-
+    return Roles(choose_splits(reading, model), model, reading.stops, reading.seconds)

@@ -8,13 +8,14 @@ rule: the same resolution path as every other rule, so Flax, Equinox and optax s
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._arrays._build import itemsize
+from .._arrays._leaves import nbytes
 from .._language._errors import EinshardError
 from .._language._expression import REPLICATE
+from .._language._numbers import checked_count
+from .._sharding._devices import count_to_plan
 from .._trees._rules import Rules
 from .._trees._strategy import DEFAULT_MIN_BYTES, SplitLargest, Strategy
 from . import _roles
@@ -36,9 +37,6 @@ COLUMN = ("q", "k", "v", "query", "key", "value", "wq", "wk", "wv", "up", "gate"
 """Layer names the name-based :func:`tensor_parallel` table splits on the output axis by default."""
 ROW = ("o", "out", "wo", "down")
 """Layer names the name-based :func:`tensor_parallel` table splits on the input axis by default."""
-
-
-
 
 
 def data_parallel() -> Strategy:
@@ -248,13 +246,23 @@ def defaults(
     With ``step``, ``params`` and ``batch``, the tensor-parallel and hybrid tables are derived
     from the step's dataflow (read once for all of them); without, they go by layer names.
     """
-    out = [data_parallel(), fsdp(min_bytes=min_bytes)]
-    models = [m for m in range(2, n_devices) if n_devices % m == 0]
     if step is None:
-        return [*out, tensor_parallel()] + [hybrid(m, min_bytes=min_bytes) for m in models]
-    reading = _read(step, params, batch)
+        models = _model_sizes(n_devices)
+        out = [data_parallel(), fsdp(min_bytes=min_bytes), tensor_parallel()]
+        return out + [hybrid(m, min_bytes=min_bytes) for m in models]
+    return derived_defaults(_read(step, params, batch), n_devices, min_bytes)
+
+
+def derived_defaults(reading: _roles.Reading, n_devices: int, min_bytes: int) -> list[Strategy]:
+    """:func:`defaults` from a step already read: data parallel, FSDP, the derived tables."""
+    out = [data_parallel(), fsdp(min_bytes=min_bytes)]
     out.append(_derived_table(reading, n_devices, n_devices, min_bytes))
-    return out + [_derived_table(reading, n_devices, m, min_bytes) for m in models]
+    return out + [_derived_table(reading, n_devices, m, min_bytes) for m in _model_sizes(n_devices)]
+
+
+def _model_sizes(n_devices: int) -> list[int]:
+    """A hybrid's model-axis sizes: the divisors of the device count other than 1 and itself."""
+    return [m for m in range(2, n_devices) if n_devices % m == 0]
 
 
 def roles(
@@ -277,17 +285,15 @@ def _is_names(value: Any) -> bool:
 
 
 def _check_model(model: Any) -> None:
-    if isinstance(model, bool) or not isinstance(model, int) or model < 1:
-        raise EinshardError(
-            f"model must be a positive integer, not {model!r}",
-            hint="Give how many devices the model axis has, e.g. model=4 (the data axis takes the rest).",
-        )
+    checked_count(
+        model,
+        "model",
+        hint="Give how many devices the model axis has, e.g. model=4 (the data axis takes the rest).",
+    )
 
 
 def _device_count(n_devices: int | None) -> int:
-    from .._sharding._devices import device_target
-
-    return _roles._count(n_devices, device_target(None).count)
+    return count_to_plan(n_devices, hint="Give the model axis's size, e.g. n_devices=8.")
 
 
 def _read(step: Callable[..., Any] | str, params: Any, batch: Any) -> _roles.Reading:
@@ -305,14 +311,12 @@ def _derived_table(reading: _roles.Reading, n_devices: int, model: int, min_byte
     data = n_devices // model
     paths: list[str] = []
     choices: list[tuple[Any, str]] = []
-    for row in _roles.assign(reading, model):
+    for row in _roles.choose_splits(reading, model):
         if row.role == "unread":  # optimizer state and the like: its parameter's rule matches it
             continue
         paths.append(row.path)
         if row.axis is not None:
-            choices.append(
-                (tp_expression(row, model, data, _fsdp_axis(row, data, min_bytes)), row.note)
-            )
+            choices.append((tp_expression(row, model, data, _fsdp_axis(row, data, min_bytes)), row.note))
         elif data > 1:  # over the data axis only, copied over the model axis (ZeRO within a data group)
             choices.append(
                 (SplitLargest(min_bytes=min_bytes, parts=data), f"fsdp over the data axis: {row.note}")
@@ -350,7 +354,7 @@ def _fsdp_axis(row: _roles.LeafRole, data: int, min_bytes: int) -> int | None:
     axes makes XLA move the activations instead of gathering the table (on a LLaMA-shaped step,
     twice the bytes); copied over the data axis, it costs one all-reduce as in tensor parallelism.
     """
-    if data == 1 or row.role == "vocabulary" or math.prod(row.shape) * itemsize(row.dtype) < min_bytes:
+    if data == 1 or row.role == "vocabulary" or nbytes(row.shape, row.dtype) < min_bytes:
         return None
     others = sorted((i for i in range(len(row.shape)) if i != row.axis), key=lambda i: (-row.shape[i], i))
     return next((i for i in others if row.shape[i] % data == 0), None)

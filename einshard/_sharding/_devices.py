@@ -21,6 +21,7 @@ import jax
 from jax.sharding import AbstractMesh, Mesh
 
 from .._language._errors import EinshardError
+from .._language._numbers import checked_count
 
 __all__ = [
     "Device",
@@ -28,6 +29,7 @@ __all__ = [
     "DeviceTarget",
     "Devices",
     "ambient_mesh",
+    "count_to_plan",
     "device_order",
     "device_target",
     "use_devices",
@@ -199,3 +201,15 @@ def device_target(devices: Devices | None) -> DeviceTarget:
 
 
 _targets: dict[DeviceOrder, DeviceTarget] = {}
+
+
+def count_to_plan(n_devices: object, hint: str) -> int:
+    """The device count a report or a plan is for: ``n_devices`` (checked), else this process's.
+
+    Args:
+        n_devices: The count the user gave, or ``None``.
+        hint: What the error for a bad count suggests.
+    """
+    if n_devices is None:
+        return device_target(None).count
+    return checked_count(n_devices, "n_devices", hint=hint)

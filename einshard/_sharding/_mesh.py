@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._language._errors import EinshardError, EinshardWarning
-from .._language._expression import REPLICATE
+from .._language._expression import REPLICATE, axis_names
 from .._language._layout import Layout, compile_layout
 from .._language._numbers import prime_factors
 from ._devices import DeviceOrder
@@ -334,7 +334,7 @@ def spec_expression(sharding: object, rank: int) -> str:
         return str(sharding)
     sizes = dict(sharding.mesh.shape)
     names = [name for name in sharding.mesh.axis_names if sizes[name] > 1]
-    letters = "abcdefghijklmnopqrstuvwxyz"[:rank]
+    letters = axis_names(rank)
     owner: dict[str, int] = {}  # mesh axis -> array axis
     for axis, run in enumerate(spec_split(sharding, rank)):
         if run is None:

@@ -8,16 +8,17 @@ context here, once: the path, the shape, the rule and the device count.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from .._arrays._leaves import ARRAY_TYPES, is_array
 from .._language._errors import EinshardError, adding_context
-from .._language._expression import REPLICATE
+from .._language._expression import REPLICATE, axis_names
 from .._language._layout import Layout, compile_layout
 from ._paths import flatten_with_paths
 from ._rules import Rule, Rules, RulesLike
 
-__all__ = ["Assignment", "as_rules", "assign_rules", "describe_leaf", "leaf_context"]
+__all__ = ["Assignment", "as_rules", "assign_leaves", "assign_rules", "describe_leaf", "leaf_context"]
 
 
 class Assignment(NamedTuple):
@@ -58,8 +59,21 @@ def assign_rules(
         leaves that pass through), the tree structure, and the rules that
         decided no leaf.
     """
-    table = as_rules(rules)
     leaves, paths, treedef = flatten_with_paths(tree)
+    assigned, unused = assign_leaves(paths, leaves, rules, n_devices=n_devices)
+    return assigned, treedef, unused
+
+
+def assign_leaves(
+    paths: Sequence[str], leaves: Sequence[Any], rules: RulesLike, *, n_devices: int
+) -> tuple[list[tuple[Any, Assignment | None]], tuple[Rule, ...]]:
+    """:func:`assign_rules` for leaves already flattened with their paths (a step's arguments).
+
+    Returns:
+        ``(leaves, unused)``: each leaf with its assignment (``None`` for leaves that pass
+        through), and the rules that decided no leaf.
+    """
+    table = as_rules(rules)
     used: set[int] = set()
     assigned: list[tuple[Any, Assignment | None]] = []
     # Leaves of one kind (same rule, same shape) share a layout: decide each kind once.
@@ -92,7 +106,7 @@ def assign_rules(
                 used.add(assignment.rule.index)
         append((leaf, assignment))
     unused = tuple(rule for rule in table if rule.index not in used)
-    return assigned, treedef, unused
+    return assigned, unused
 
 
 def describe_leaf(path: str, shape: tuple[int, ...]) -> str:
@@ -169,5 +183,5 @@ def _suggest_pattern(path: str) -> str:
 
 
 def _replicate_for(rank: int) -> str:
-    names = " ".join("abcdefghijklmnopqrstuvwxyz"[:rank]) if rank <= 26 else "..."
+    names = " ".join(axis_names(rank)) if rank <= 26 else "..."
     return f"{names} -> * {names}"

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from typing import Any
 
-from .._arrays._build import itemsize as _itemsize
+from .._arrays._leaves import nbytes
 from .._language._text import size_text, table_text
 from .._sharding._devices import Devices, device_target
 from ._assign import assign_rules
@@ -148,7 +147,6 @@ def report_row(
     note: str | None,
 ) -> ReportRow:
     """A report's row for one leaf; its bytes, and each device's, from the shapes and the dtype."""
-    itemsize = _itemsize(dtype)
     return ReportRow(
         path=path,
         shape=tuple(shape),
@@ -156,8 +154,8 @@ def report_row(
         rule=rule,
         expression=expression,
         shard_shape=tuple(shard_shape),
-        bytes=math.prod(shape) * itemsize,
-        bytes_per_device=math.prod(shard_shape) * itemsize,
+        bytes=nbytes(shape, dtype),
+        bytes_per_device=nbytes(shard_shape, dtype),
         note=note,
     )
 

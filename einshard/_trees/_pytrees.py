@@ -17,7 +17,7 @@ Equinox's ``eqx.filter_shard``), keep the rules' layouts through every step.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -25,12 +25,13 @@ from jax.core import Tracer
 from jax.sharding import NamedSharding
 
 from .._arrays._build import build_sharded
+from .._arrays._leaves import carried_sharding
 from .._arrays._place import place_leaves
 from .._language._errors import EinshardError, EinshardWarning, adding_context
 from .._sharding._devices import Devices, device_target
 from .._sharding._expression_sharding import expression_sharding
-from ._assign import Assignment, as_rules, assign_rules, leaf_context
-from ._rules import RulesLike
+from ._assign import Assignment, as_rules, assign_leaves, assign_rules, leaf_context
+from ._rules import Rule, Rules, RulesLike
 
 __all__ = ["init_sharded", "leaf_shardings", "pytree_shardings", "shard_pytree", "shardings_of"]
 
@@ -107,9 +108,26 @@ def leaf_shardings(
     table = as_rules(rules)
     target = device_target(devices)
     assigned, treedef, unused = assign_rules(tree, table, n_devices=target.count)
+    return assigned, treedef, _shardings(assigned, table, unused, target)
+
+
+def path_shardings(
+    paths: Sequence[str], leaves: Sequence[Any], rules: RulesLike, devices: Devices | None
+) -> tuple[list[tuple[Any, Assignment | None]], list[NamedSharding | None]]:
+    """:func:`leaf_shardings` for leaves already flattened with their paths (a step's arguments)."""
+    table = as_rules(rules)
+    target = device_target(devices)
+    assigned, unused = assign_leaves(paths, leaves, table, n_devices=target.count)
+    return assigned, _shardings(assigned, table, unused, target)
+
+
+def _shardings(
+    assigned: list[tuple[Any, Assignment | None]], table: Rules, unused: tuple[Rule, ...], target: Any
+) -> list[NamedSharding | None]:
+    """Each assigned leaf's sharding (``None``: not an array), once per kind of leaf."""
     if table.strict and unused:
         listed = ", ".join(str(rule) for rule in unused)
-        warnings.warn(f"rules that matched no leaf: {listed}", EinshardWarning, stacklevel=3)
+        warnings.warn(f"rules that matched no leaf: {listed}", EinshardWarning, stacklevel=4)
     by_kind: dict[tuple[str, int], NamedSharding] = {}  # one lookup per kind of leaf
     shardings: list[NamedSharding | None] = []
     append, of_kind = shardings.append, by_kind.get
@@ -125,7 +143,7 @@ def leaf_shardings(
                 _, sharding = expression_sharding(assignment.expression, len(shape), target)
             by_kind[key] = sharding
         append(sharding)
-    return assigned, treedef, shardings
+    return shardings
 
 
 def init_sharded(init_fn: Callable[..., Any], rules: RulesLike, *args: Any, **kwargs: Any) -> Any:
@@ -200,8 +218,4 @@ def _sharding_of(leaf: Any) -> Any:
             hint="Read the shardings outside the step, from the placed inputs: "
             "step = jax.jit(train_step, out_shardings=(einshard.shardings_of(state), None)).",
         )
-    if isinstance(leaf, jax.Array):
-        return leaf.sharding
-    if isinstance(leaf, jax.ShapeDtypeStruct):
-        return leaf.sharding
-    return None  # NumPy arrays, Python numbers, functions: no layout to keep
+    return carried_sharding(leaf)  # None for NumPy arrays, Python numbers, functions: no layout to keep

@@ -6,18 +6,17 @@ Pure: no step is read here. The ready-made tables that use them are in ``_planni
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
-from .._arrays._build import itemsize
+from .._arrays._leaves import nbytes
 from .._language._errors import EinshardError
-from .._language._expression import REPLICATE, parse
+from .._language._expression import LETTERS, REPLICATE, parse, split_expression
+from .._language._numbers import checked_count
 from .._language._text import size_text
 from ._rules import ByShape, Indivisible, Rules, RulesLike, Unmatched
 
 __all__ = ["DEFAULT_MIN_BYTES", "SplitLargest", "Strategy"]
 
-_NAMES = "abcdefghijklmnopqrstuvwxyz"
 DEFAULT_MIN_BYTES = 1 << 20
 """FSDP's default: leaves smaller than this are replicated."""
 
@@ -61,11 +60,9 @@ class Strategy(Rules):
     ) -> None:
         super().__init__(rules, unmatched=unmatched, indivisible=indivisible, strict=strict)
         parse(batch)
-        if model is not None and (isinstance(model, bool) or not isinstance(model, int) or model < 0):
-            raise EinshardError(
-                f"model must be a non-negative integer or None, not {model!r}",
-                hint="Give how many devices share each split weight, e.g. model=4 (0: all devices).",
-            )
+        if model is not None:
+            hint = "Give how many devices share each split weight, e.g. model=4 (0: all devices)."
+            checked_count(model, "model", hint, minimum=0, kind="a non-negative integer or None")
         self.batch = batch
         self.name = name
         self.model = model
@@ -150,13 +147,13 @@ class SplitLargest(ByShape):
         parts = n_devices if self.parts is None else self.parts
         if n_devices % parts:
             return REPLICATE, f"parts={parts} does not divide the {n_devices} devices: replicated"
-        size = math.prod(shape) * itemsize(dtype)
+        size = nbytes(shape, dtype)
         if parts == 1 or not shape:
             return REPLICATE, None
         if size < self.min_bytes:
             return REPLICATE, f"{size_text(size)} < min_bytes {size_text(self.min_bytes)}: replicated"
-        if len(shape) > len(_NAMES):
-            return REPLICATE, f"rank {len(shape)} > {len(_NAMES)}: replicated"
+        if len(shape) > len(LETTERS):
+            return REPLICATE, f"rank {len(shape)} > {len(LETTERS)}: replicated"
         order = sorted(range(len(shape)), key=lambda i: (-shape[i], i))
         if self.axis != "largest":
             first = int(self.axis) % len(shape) if -len(shape) <= int(self.axis) < len(shape) else None
@@ -166,10 +163,7 @@ class SplitLargest(ByShape):
         split = next((i for i in order if shape[i] % parts == 0), None)
         if split is None:
             return REPLICATE, f"no axis of {shape} divides by {parts}: replicated"
-        names = list(_NAMES[: len(shape)])
-        right = [f"{name}{parts}" if i == split else name for i, name in enumerate(names)]
-        copies = n_devices // parts
-        expression = f"{' '.join(names)} -> {' '.join(right)}" + (f" {copies}" if copies > 1 else "")
+        expression = split_expression([parts if i == split else 1 for i in range(len(shape))], n_devices)
         if split == order[0]:
             return expression, None
         largest = order[0]

@@ -14,9 +14,7 @@ import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import jax
-import numpy as np
-
+from .._arrays._leaves import is_array
 from .._language._errors import EinshardError
 from .._trees._rules import Rules, RulesLike
 
@@ -87,11 +85,7 @@ def rule_table(
 
 def _no_table(value: Any) -> bool:
     """Values that cannot be a rule table: numbers, strings, arrays (PRNG keys), non-iterables."""
-    return (
-        value is None
-        or isinstance(value, (*_SHOWN, np.ndarray, jax.Array))
-        or not isinstance(value, Iterable)
-    )
+    return value is None or isinstance(value, _SHOWN) or is_array(value) or not isinstance(value, Iterable)
 
 
 def _what(verb: str, before: tuple[str, ...]) -> str:

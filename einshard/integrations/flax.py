@@ -67,7 +67,7 @@ import jax
 from flax.core import meta as flax_meta
 
 from .._arrays._build import build_sharded
-from .._arrays._leaves import is_concrete_array, partition
+from .._arrays._leaves import is_concrete_array, is_jax_array, partition
 from .._arrays._place import place_leaves
 from .._language._errors import EinshardError, adding_context
 from .._language._expression import REPLICATE
@@ -414,7 +414,7 @@ def create_optimizer(model: Any, tx: Any, *, wrt: Any = nnx.Param) -> Any:
 
 
 def _struct_with_sharding(leaf: Any) -> Any:
-    if isinstance(leaf, jax.Array):
+    if is_jax_array(leaf):
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
     return leaf
 

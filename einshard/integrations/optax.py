@@ -59,8 +59,8 @@ from jax.core import Tracer
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from .._arrays._arrays import make_sharding
-from .._arrays._build import build_sharded, itemsize
-from .._arrays._leaves import is_array
+from .._arrays._build import build_sharded
+from .._arrays._leaves import carried_sharding, is_array, nbytes
 from .._arrays._place import place_leaves
 from .._language._errors import EinshardError, EinshardWarning, short_repr
 from .._language._expression import REPLICATE
@@ -449,9 +449,8 @@ def _param_sharding(leaf: Any, path: str) -> Sharding | None:
             hint="Compute opt_state_shardings(...) outside the traced function (from placed or "
             "abstract params) and pass it to jax.jit(..., out_shardings=...).",
         )
-    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
-        return leaf.sharding  # None for a ShapeDtypeStruct without one
-    return None  # NumPy arrays and Python scalars are not placed
+    # None for a ShapeDtypeStruct without one; NumPy arrays and Python scalars are not placed.
+    return carried_sharding(leaf)
 
 
 _WHY_NO_LAYOUT = {SingleDeviceSharding: "is on one device", type(None): "is not placed"}
@@ -519,7 +518,7 @@ def _laid_out(
         for path, leaf, d in derived
     ]
     lost = [(path, leaf) for path, leaf, d, _ in laid if d is not None and d.lost]
-    total = sum(math.prod(leaf.shape) * itemsize(leaf.dtype) for _, leaf in lost)
+    total = sum(nbytes(leaf.shape, leaf.dtype) for _, leaf in lost)
     if placed.spread and total >= LARGE_REPLICATED_BYTES:
         examples = ", ".join(path for path, _ in lost[:3]) + (", ..." if len(lost) > 3 else "")
         warnings.warn(

@@ -49,7 +49,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from .._arrays._leaves import is_array
+from .._arrays._leaves import is_array, is_jax_array
 from .._arrays._place import place_leaves
 from .._language._errors import EinshardError
 from .._sharding._devices import Devices
@@ -226,7 +226,7 @@ def _checked_target(target: Any) -> Any:
     """A given target with every array leaf a ``ShapeDtypeStruct`` that carries a sharding."""
 
     def leaf_target(key_path: Any, leaf: Any) -> Any:
-        if isinstance(leaf, jax.Array):
+        if is_jax_array(leaf):
             return jax.ShapeDtypeStruct(
                 leaf.shape, leaf.dtype, sharding=leaf.sharding, weak_type=leaf.weak_type
             )
