@@ -8,6 +8,7 @@ match an unsharded run, and the compiled step must not gather a weight.
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -67,9 +68,9 @@ class MLP(eqx.Module):
 
 
 MLP_RULES = [
-    (r"^layers/0/weight$", "... o i -> ... o* i"),
-    (r"^layers/0/bias$", "... o -> ... o*"),
-    (r"^layers/1/weight$", "... o i -> ... o i*"),
+    (r"(^|/)layers/0/weight$", "... o i -> ... o* i"),
+    (r"(^|/)layers/0/bias$", "... o -> ... o*"),
+    (r"(^|/)layers/1/weight$", "... o i -> ... o i*"),
     (r".*", REPLICATE),
 ]
 
@@ -167,6 +168,31 @@ def test_decorators_compose_into_one_model_wide_table():
     assert module_rules(reference, default=None).pairs() == ()
 
 
+def test_module_rules_match_a_step_s_paths_and_never_take_another_layer():
+    """(^|/) lets the table match explain_step's 'model/...' paths; a rule whose path another leaf
+    of the model ends with (a nested plain layer) is anchored at the start, so it takes only its own."""
+
+    class Inner(eqx.Module):
+        up: eqx.nn.Linear
+
+    class Outer(eqx.Module):
+        up: ColumnLinear
+        inner: Inner
+
+    key = jax.random.key(0)
+    model = Outer(ColumnLinear(D_IN, HIDDEN, key=key), Inner(eqx.nn.Linear(D_IN, HIDDEN, key=key)))
+    rules = module_rules(model)
+    assert rules.pairs()[:2] == ((r"^up/weight$", "... o i -> ... o* i"), (r"^up/bias$", "... o -> ... o*"))
+    report = einshard.explain(model, rules)
+    shards = {row.path: row.shard_shape for row in report.rows}
+    assert shards["up/weight"] == (HIDDEN // N_DEVICES, D_IN)
+    assert shards["inner/up/weight"] == (HIDDEN, D_IN)  # the plain layer is not taken by up's rule
+    mlp_rules = module_rules(MLP(key))
+    assert all(pattern.startswith("(^|/)") for pattern, _ in mlp_rules.pairs()[:-1])
+    step_paths = {f"model/{row.path}" for row in einshard.explain(MLP(key), mlp_rules).rows}
+    assert all(any(re.search(p, path) for path in step_paths) for p, _ in mlp_rules.pairs())
+
+
 def test_subclasses_inherit_and_may_override():
     class Inherits(ColumnLinear):
         pass
@@ -207,9 +233,9 @@ def test_subclasses_inherit_and_may_override():
             self.layers = [Overrides(HIDDEN, HIDDEN, key=key), WithOwnInit(2.0, key=key)]
 
     assert module_rules(Model(key), default=None).pairs() == (
-        (r"^layers/0/weight$", "... o i -> ... o i*"),
-        (r"^layers/1/weight$", "... o i -> ... o* i"),
-        (r"^layers/1/bias$", "... o -> ... * o"),
+        (r"(^|/)layers/0/weight$", "... o i -> ... o i*"),
+        (r"(^|/)layers/1/weight$", "... o i -> ... o* i"),
+        (r"(^|/)layers/1/bias$", "... o -> ... * o"),
     )
 
 
@@ -297,7 +323,7 @@ def test_stacked_layers_use_ellipsis():
     stacked = eqx.filter_vmap(lambda key: ColumnLinear(HIDDEN, HIDDEN, key=key))(keys)
     assert stacked.weight.shape == (n_layers, HIDDEN, HIDDEN)
     rules = module_rules(stacked)
-    assert rules.pairs()[0] == (r"^weight$", "... o i -> ... o* i")
+    assert rules.pairs()[0] == (r"(^|/)weight$", "... o i -> ... o* i")
     placed = shard_module(stacked)
     assert_layout(placed.weight, "l o i -> l o* i")
     assert_layout(placed.bias, "l o -> l o*")

@@ -33,8 +33,8 @@ rules.
 (2, 4)
 >>> module_rules(layer)
 Rules([
-    ('^weight$', 'o i -> o* i'),
-    ('^bias$', 'o -> o*'),
+    ('(^|/)weight$', 'o i -> o* i'),
+    ('(^|/)bias$', 'o -> o*'),
     ('.*', '... -> * ...'),
 ])
 
@@ -78,7 +78,7 @@ from .._language._expression import REPLICATE as _REPLICATE
 from .._language._expression import parse
 from .._sharding._devices import Devices
 from .._trees import _pytrees
-from .._trees._paths import path_string
+from .._trees._paths import flatten_with_paths, path_string
 from .._trees._rules import Rules, RulesLike
 from ._calls import rule_table
 
@@ -331,8 +331,13 @@ def module_rules(model: Any, *, default: str | None = "... -> * ...") -> Rules:
     """The model-wide rule table its decorated layers compose into.
 
     One rule per decorated array field of each layer instance, anchored to
-    its path (``('^layers/0/weight$', 'o i -> o* i')``), in tree order, then
-    ``(r'.*', default)`` for every other leaf. Works on a concrete model and
+    the end of its path and to a path boundary (``('(^|/)layers/0/weight$',
+    'o i -> o* i')``), in tree order, then ``(r'.*', default)`` for every other
+    leaf. The ``(^|/)`` anchor lets the same table shard the model itself and a
+    step's arguments in :func:`einshard.explain_step` and :func:`einshard.plan`,
+    whose paths begin with the argument's name (``model/layers/0/weight``). A
+    rule that would also take another leaf of this model (a nested layer whose
+    path ends the same way) is anchored at the start too (``'^...$'``). Works on a concrete model and
     on an abstract one (``eqx.filter_eval_shape``), so it can plan a model
     that was never built. Combine it with other rules by ``+``.
 
@@ -363,7 +368,15 @@ def module_rules(model: Any, *, default: str | None = "... -> * ...") -> Rules:
     layers/1/weight ... -> * ... (4, 8)
     layers/1/bias ... -> * ... (4,)
     """
-    pairs = [(f"^{re.escape(path)}$", expression) for path, expression in _decorated_leaves(model)]
+    decorated = list(_decorated_leaves(model))
+    _, every_path, _ = flatten_with_paths(model)
+    taken: set[str] = set()
+    pairs = []
+    for path, expression in decorated:
+        pattern = f"(^|/){re.escape(path)}$"
+        others = [p for p in every_path if p != path and p not in taken and re.search(pattern, p)]
+        pairs.append((f"^{re.escape(path)}$" if others else pattern, expression))
+        taken.add(path)
     if default is not None:
         pairs.append((r".*", default))
     return Rules(pairs)
