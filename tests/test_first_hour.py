@@ -86,7 +86,7 @@ def test_ci_runs_the_readmes_commands_verbatim():
 def test_the_readmes_commands_install_into_a_virtual_environment():
     """pip refuses to install into an externally managed (PEP 668) system Python: the commands must not."""
     installs = [command for command in _readme_commands() if "pip install" in command]
-    assert len(installs) >= 3  # from GitHub, from a clone, and the example's and the tests' own
+    assert len(installs) >= 3  # from the source, and the example's and the tests' own
     for command in installs:
         steps = [step.strip() for step in command.split("&&")]
         assert steps[0] == "python3 -m venv .venv", command
