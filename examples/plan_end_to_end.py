@@ -17,10 +17,10 @@ This is the block of docs/strategies.md's "Plan, shard, train" section, as a scr
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)  # no accelerator? simulate 8 CPU devices, before JAX starts
-import jax.numpy as jnp
-import numpy as np
+import jax.numpy as jnp  # noqa: E402  (after the device count)
+import numpy as np  # noqa: E402
 
-import einshard
+import einshard  # noqa: E402
 
 
 def loss(params, batch):

@@ -494,13 +494,19 @@ def test_shard_pytree_given_one_array_names_einshard(abstract):
     function = einshard.pytree_shardings if abstract else einshard.shard_pytree
     with pytest.raises(EinshardError) as info:
         function(leaf, [(r"kernel$", "x y -> x y*")])
-    assert info.value.headline == "one array (shape (8, 16)) where a tree goes: its path is '' and no rule matches it"
+    assert (
+        info.value.headline
+        == "one array (shape (8, 16)) where a tree goes: its path is '' and no rule matches it"
+    )
     assert "einshard.einshard(x, '... -> * ...')" in info.value.hint
     placed = einshard.einshard(x, "... -> * ...")  # the hint's call
     assert placed.sharding.is_fully_replicated
     np.testing.assert_array_equal(np.asarray(placed), x)
     # A table whose rule matches the empty path places one array as before.
-    assert einshard.shard_pytree(x, [(r".*", "x y -> x y*")]).sharding.shard_shape(x.shape) == (8, 16 // N_DEVICES)
+    assert einshard.shard_pytree(x, [(r".*", "x y -> x y*")]).sharding.shard_shape(x.shape) == (
+        8,
+        16 // N_DEVICES,
+    )
 
 
 def test_optax_state_from_unplaced_params_warns_and_says_how_to_place_them():

@@ -338,7 +338,10 @@ def test_einshard_warns_only_with_einshard_warning():
         for call in ast.walk(module.tree):
             if isinstance(call, ast.Call) and _name(call.func) == "warn":
                 category = _argument(call, 1, "category")
-                if category is None or _name(category) not in ("EinshardWarning", "EinshardDeprecationWarning"):
+                if category is None or _name(category) not in (
+                    "EinshardWarning",
+                    "EinshardDeprecationWarning",
+                ):
                     others.append(module.where(call))
     assert not others, "warnings that are not EinshardWarning: " + ", ".join(others)
 

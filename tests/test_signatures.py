@@ -273,9 +273,17 @@ def test_flax_create_sharded_every_misplaced_table():
         np.testing.assert_array_equal(np.asarray(model.kernel[...]), np.asarray(reference.kernel[...]))
     # By keyword with no positional argument for the factory: an error, not Python's TypeError.
     error = _nnx_call(
-        einshard_flax.create_sharded, nnx.Linear, in_features=D_IN, out_features=HIDDEN, rngs=rngs(), rules=NNX_RULES
+        einshard_flax.create_sharded,
+        nnx.Linear,
+        in_features=D_IN,
+        out_features=HIDDEN,
+        rngs=rngs(),
+        rules=NNX_RULES,
     )
-    assert error.hint == f"Call create_sharded(Linear, rules, in_features={D_IN}, out_features={HIDDEN}, rngs=…)."
+    assert (
+        error.hint
+        == f"Call create_sharded(Linear, rules, in_features={D_IN}, out_features={HIDDEN}, rngs=…)."
+    )
     assert_layout(run_hint(error, namespace, hidden=[rngs()]).kernel[...], "x y -> x y*")
     # No table at all.
     error = _nnx_call(einshard_flax.create_sharded, nnx.Linear)
@@ -285,10 +293,17 @@ def test_flax_create_sharded_every_misplaced_table():
 
 def test_equinox_create_sharded_every_misplaced_table():
     key = jax.random.key(0)
-    namespace = {"create_sharded": einshard_equinox.create_sharded, "Linear": eqx.nn.Linear, "rules": EQX_RULES}
+    namespace = {
+        "create_sharded": einshard_equinox.create_sharded,
+        "Linear": eqx.nn.Linear,
+        "rules": EQX_RULES,
+    }
     reference = eqx.nn.Linear(D_IN, HIDDEN, key=key)
     for args, hint in [
-        ((EQX_RULES, eqx.nn.Linear, D_IN, HIDDEN), f"Call create_sharded(Linear, rules, {D_IN}, {HIDDEN}, key=…)."),
+        (
+            (EQX_RULES, eqx.nn.Linear, D_IN, HIDDEN),
+            f"Call create_sharded(Linear, rules, {D_IN}, {HIDDEN}, key=…).",
+        ),
         (
             (eqx.nn.Linear, D_IN, HIDDEN, EQX_RULES),
             f"Move the table there: create_sharded(Linear, rules, {D_IN}, {HIDDEN}, key=…).",
@@ -330,7 +345,10 @@ def test_create_train_state_takes_the_rules_second_and_says_so_for_the_old_order
 def test_linen_and_core_init_sharded_refuse_the_table_first():
     key, x = jax.random.key(0), jnp.ones((1, D_IN))
     error = _nnx_call(einshard_flax.init_sharded, LINEN_RULES, nn.Dense(HIDDEN), key, x)
-    assert error.headline == "init_sharded takes the module first, then the rule table: here the table comes first"
+    assert (
+        error.headline
+        == "init_sharded takes the module first, then the rule table: here the table comes first"
+    )
     assert error.hint == "Call init_sharded(Dense(...), rules, …, …)."
     namespace = {"init_sharded": einshard_flax.init_sharded, "rules": LINEN_RULES}
     variables = run_hint(error, namespace, instance=nn.Dense(HIDDEN), hidden=[key, x])
@@ -342,7 +360,9 @@ def test_linen_and_core_init_sharded_refuse_the_table_first():
     table = [("w", "x y -> x y*")]
     error = _nnx_call(einshard.init_sharded, table, init, key)
     assert error.hint == "Call init_sharded(init, rules, …)."
-    params = run_hint(error, {"init_sharded": einshard.init_sharded, "init": init, "rules": table}, hidden=[key])
+    params = run_hint(
+        error, {"init_sharded": einshard.init_sharded, "init": init, "rules": table}, hidden=[key]
+    )
     assert_layout(params["w"], "x y -> x y*")
     np.testing.assert_array_equal(np.asarray(params["w"]), np.asarray(init(key)["w"]))
 
@@ -356,7 +376,9 @@ def test_shard_module_refuses_the_table_first_in_both_integrations():
     layer = eqx.nn.Linear(D_IN, HIDDEN, key=jax.random.key(0))
     error = _nnx_call(einshard_equinox.shard_module, EQX_RULES, layer)
     assert error.hint == "Call shard_module(Linear(...), rules)."
-    placed = run_hint(error, {"shard_module": einshard_equinox.shard_module, "rules": EQX_RULES}, instance=layer)
+    placed = run_hint(
+        error, {"shard_module": einshard_equinox.shard_module, "rules": EQX_RULES}, instance=layer
+    )
     assert_layout(placed.weight, "o i -> o* i")
 
 

@@ -109,7 +109,8 @@ def einshard(x: Any, expression: str, *, devices: Devices | None = None) -> Any:
         )
     if _holds_mapping(x):  # a dict, or a list of them: a tree, which NumPy would make objects of
         raise EinshardError(
-            f"einshard places one array, and was given a {type(x).__name__}: a tree is placed by shard_pytree",
+            f"einshard places one array, and was given a {type(x).__name__}: "
+            "a tree is placed by shard_pytree",
             hint="Place a tree of arrays (a dict, a list, a module) with "
             "einshard.shard_pytree(tree, rules), a table of (path regex, expression) pairs, "
             "e.g. shard_pytree(tree, [(r'.*', '... -> * ...')]).",

@@ -34,8 +34,10 @@ After = Mapping[str, Callable[[Any], bool]]  # the builder's own arguments after
 
 def is_optimizer(value: Any) -> bool:
     """Whether ``value`` looks like an optax ``GradientTransformation`` (``init`` and ``update``)."""
-    return not is_table(value) and callable(getattr(value, "init", None)) and callable(
-        getattr(value, "update", None)
+    return (
+        not is_table(value)
+        and callable(getattr(value, "init", None))
+        and callable(getattr(value, "update", None))
     )
 
 
@@ -56,7 +58,11 @@ def is_table(value: Any) -> bool:
     if isinstance(value, (list, tuple)) and value:
         return all(
             isinstance(row, Rule)
-            or (isinstance(row, (list, tuple)) and len(row) in (2, 3) and isinstance(row[0], (str, re.Pattern)))
+            or (
+                isinstance(row, (list, tuple))
+                and len(row) in (2, 3)
+                and isinstance(row[0], (str, re.Pattern))
+            )
             for row in value
         )
     return False
@@ -222,7 +228,10 @@ def _names_rules(target: Any) -> bool:
 
 
 def _name(target: Any) -> str:
-    """How a hint writes what a builder works on: a class or function by name, an instance as ``Dense(...)``."""
+    """How a hint writes what a builder works on: a class or function by name, an instance as ``Dense(...)``.
+
+    A nested class goes by its path, a local one by its name.
+    """
     if isinstance(target, (type, Callable)) and hasattr(target, "__qualname__"):
         qualname = target.__qualname__  # a nested class by its path, a local one by its name
         return target.__name__ if "<" in qualname else qualname

@@ -444,7 +444,10 @@ def _is_nnx_node(leaf: Any) -> bool:
 
 def _is_nnx_object(value: Any) -> bool:
     """Whether ``value`` is what :func:`shard_module` places: an NNX object, or a container of them."""
-    return any(nnx.graph.is_graph_node(node) for node in jax.tree_util.tree_leaves(value, is_leaf=nnx.graph.is_graph_node))
+    return any(
+        nnx.graph.is_graph_node(node)
+        for node in jax.tree_util.tree_leaves(value, is_leaf=nnx.graph.is_graph_node)
+    )
 
 
 def _no_eager_sharding() -> contextlib.AbstractContextManager[Any]:
