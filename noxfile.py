@@ -432,7 +432,9 @@ def benchmarks_quick(session: nox.Session) -> None:
     Each script runs with ``--reps 2 --seconds 0 --warmup 1 --no-fail`` (``bench_curves.py``:
     ``--quick``; ``bench_rules.py`` without its memory subprocesses) and writes its JSON to
     ``.nox/benchmarks-quick/``; the session fails if a script fails or writes no table. The
-    published figures come from ``nox -s benchmarks`` on an idle machine.
+    published figures come from ``nox -s benchmarks``, meant for an idle machine; each results
+    file records the load it was measured under, and the benchmarks page says when it was not
+    idle.
     """
     scripts = sorted((ROOT / "benchmarks").glob("bench_*.py"))
     if not scripts:

@@ -47,7 +47,7 @@ tensor parallelism (the first matching regex wins; the last rule replicates):
    the process peaked higher before the baseline. Bar: init_sharded ≤ 1.2
    (init-then-shard needs about 2: the whole model on one device, then its
    shards). A third row makes AdamW's state (2.09 GiB) born sharded with the
-   optax integration's ``init_sharded(optax.adamw(1e-3), params)``, the
+   optax integration's ``init_opt_state(optax.adamw(1e-3), params)``, the
    params made before the baseline; bar: ≤ 1.2 x the state's bytes.
 
 Memory for the timings: on Linux with glibc the script re-executes itself with
@@ -481,9 +481,9 @@ def optax_state(params: Any) -> Any:
     """AdamW's state for ``params``, born sharded like them (the optax row; optax imported here only)."""
     import optax
 
-    from einshard.integrations.optax import init_sharded
+    from einshard.integrations.optax import init_opt_state
 
-    return init_sharded(optax.adamw(1e-3), params)
+    return init_opt_state(optax.adamw(1e-3), params)
 
 
 def memory_child(mode: str) -> int:
@@ -556,7 +556,7 @@ def memory_rows() -> tuple[list[list[str]], list[dict[str, Any]], bool, str]:
     for mode, label, held in (
         ("init_sharded", "init_sharded(init_fn, rules, key)", True),
         ("init_then_shard", "shard_pytree(jit(init_fn)(key), rules)", False),
-        ("optax_init_sharded", "optax init_sharded(adamw, params): the state", True),
+        ("optax_init_sharded", "optax init_opt_state(adamw, params): the state", True),
     ):
         result = _common.run_child(__file__, ["--memory-child", mode], env, timeout=600)
         method = result["method"]

@@ -14,6 +14,7 @@ from ._cost._step import Finding as Finding
 from ._cost._step import StepReport as StepReport
 from ._cost._step import StepRow as StepRow
 from ._cost._step import explain_step as explain_step
+from ._language._errors import EinshardDeprecationWarning as EinshardDeprecationWarning
 from ._language._errors import EinshardError as EinshardError
 from ._language._errors import EinshardWarning as EinshardWarning
 from ._language._expression import Expression as Expression

@@ -30,7 +30,7 @@ import optax
 
 import einshard
 from einshard.integrations.equinox import module_rules, sharded
-from einshard.integrations.optax import init_sharded
+from einshard.integrations.optax import init_opt_state
 
 
 @sharded(weight="y x -> y* x", output="y -> y*")  # W1: split the hidden axis y (its rows here)...
@@ -61,7 +61,7 @@ def loss_fn(model: MLP, x: jax.Array, target: jax.Array) -> jax.Array:
 def train(model: MLP, x: jax.Array, target: jax.Array, steps: int) -> tuple[MLP, list[float]]:
     """AdamW steps; the optimizer state starts with the layout of the model's weights."""
     tx = optax.adamw(1e-3)
-    state = init_sharded(tx, eqx.filter(model, eqx.is_array))  # mu and nu born sharded like W1, W2
+    state = init_opt_state(tx, eqx.filter(model, eqx.is_array))  # mu and nu born sharded like W1, W2
 
     keep = einshard.shardings_of((model, state))  # the layouts to keep through every step
 

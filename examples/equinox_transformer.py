@@ -30,7 +30,7 @@ import optax
 
 import einshard
 from einshard.integrations.equinox import create_sharded
-from einshard.integrations.optax import init_sharded
+from einshard.integrations.optax import init_opt_state
 
 VOCAB, D_MODEL, HEADS, D_FF, LAYERS = 64, 64, 8, 256, 2
 SEQ, BATCH, STEPS = 16, 16, 25
@@ -125,7 +125,7 @@ def main() -> None:
     print(f"{jax.device_count()} devices\n")
     model = create_sharded(Transformer, RULES, jax.random.key(0))  # never whole on one device
     tx = optax.adamw(3e-3)
-    state = init_sharded(tx, eqx.filter(model, eqx.is_array))  # adamw's mu and nu sharded like the weights
+    state = init_opt_state(tx, eqx.filter(model, eqx.is_array))  # adamw's mu and nu sharded like the weights
     print(einshard.explain(model, RULES))
 
     # Check the layouts against the rules: the weights and the adamw state that mirrors them.

@@ -67,7 +67,7 @@ def main() -> None:
         return einshard.einshard(x, BATCH_EXPRESSION), einshard.einshard(y, BATCH_EXPRESSION)
 
     sample = jnp.zeros((1, D_IN))
-    state = create_train_state(MLP(), optax.adamw(3e-3), RULES, jax.random.key(0), sample)
+    state = create_train_state(MLP(), RULES, optax.adamw(3e-3), jax.random.key(0), sample)
     print(einshard.explain(state, RULES))
 
     kernel = state.params["Dense_0"]["kernel"]

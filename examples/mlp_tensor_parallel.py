@@ -27,7 +27,7 @@ import optax
 
 import einshard
 from einshard import einshard as shard
-from einshard.integrations.optax import init_sharded
+from einshard.integrations.optax import init_opt_state
 
 
 class Params(NamedTuple):
@@ -69,7 +69,7 @@ def loss_fn(params: Params, x: jax.Array, target: jax.Array) -> jax.Array:
 def train(params: Params, x: jax.Array, target: jax.Array, steps: int) -> tuple[Params, list[float]]:
     """AdamW steps; the optimizer state starts with the layout of ``params``."""
     tx = optax.adamw(1e-2)
-    state = init_sharded(tx, params)  # mu and nu born sharded like W1 and W2
+    state = init_opt_state(tx, params)  # mu and nu born sharded like W1 and W2
 
     def train_step(params: Params, state: optax.OptState) -> tuple[Params, optax.OptState, jax.Array]:
         loss, grads = jax.value_and_grad(loss_fn)(params, x, target)

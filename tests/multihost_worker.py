@@ -178,8 +178,7 @@ def local_inputs_scenario(jax):
     )
     out["init"] = {name: shards(leaf) for name, leaf in born.items()}
     try:
-        from einshard.integrations.optax import init_sharded as init_opt_state
-        from einshard.integrations.optax import shard_opt_state
+        from einshard.integrations.optax import init_opt_state, shard_opt_state
     except ImportError:
         return out
     import optax

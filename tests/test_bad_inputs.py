@@ -466,3 +466,60 @@ def test_einshard_inside_shard_map_lays_out_over_the_axes_left(manual):
     assert out.sharding.spec == P(manual[0], left)
     blocks = {s[1].indices(N_DEVICES)[:2] for s in out.sharding.devices_indices_map(value.shape).values()}
     assert len(blocks) == mesh.shape[left]
+
+
+# --- the function for the input: one array, or a tree --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [{"w": np.ones((8, 16))}, [{"w": np.ones((8, 16))}], ({"a": 1.0}, np.ones(8))],
+    ids=["dict", "list of dicts", "tuple with a dict"],
+)
+def test_einshard_given_a_tree_names_shard_pytree(tree):
+    with pytest.raises(EinshardError) as info:
+        einshard.einshard(tree, "... -> * ...")
+    assert info.value.headline.startswith("einshard places one array, and was given a ")
+    assert "einshard.shard_pytree(tree, rules)" in info.value.hint
+    # What the hint says to call places the tree.
+    placed = einshard.shard_pytree(tree, [(r".*", "... -> * ...")])
+    leaves = [leaf for leaf in jax.tree_util.tree_leaves(placed) if isinstance(leaf, jax.Array)]
+    assert leaves and all(leaf.sharding.is_fully_replicated for leaf in leaves)
+
+
+@pytest.mark.parametrize("abstract", [False, True], ids=["concrete", "abstract"])
+def test_shard_pytree_given_one_array_names_einshard(abstract):
+    x = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
+    leaf = jax.ShapeDtypeStruct(x.shape, x.dtype) if abstract else x
+    function = einshard.pytree_shardings if abstract else einshard.shard_pytree
+    with pytest.raises(EinshardError) as info:
+        function(leaf, [(r"kernel$", "x y -> x y*")])
+    assert (
+        info.value.headline
+        == "one array (shape (8, 16)) where a tree goes: its path is '' and no rule matches it"
+    )
+    assert "einshard.einshard(x, '... -> * ...')" in info.value.hint
+    placed = einshard.einshard(x, "... -> * ...")  # the hint's call
+    assert placed.sharding.is_fully_replicated
+    np.testing.assert_array_equal(np.asarray(placed), x)
+    # A table whose rule matches the empty path places one array as before.
+    assert einshard.shard_pytree(x, [(r".*", "x y -> x y*")]).sharding.shard_shape(x.shape) == (
+        8,
+        16 // N_DEVICES,
+    )
+
+
+def test_optax_state_from_unplaced_params_warns_and_says_how_to_place_them():
+    optax = pytest.importorskip("optax")
+    from einshard.integrations.optax import init_opt_state
+
+    params = {"w": np.ones((8, 64), np.float32)}
+    if N_DEVICES < 2:
+        pytest.skip("one device: nothing is replicated")
+    with pytest.warns(einshard.EinshardWarning, match=r"not placed \(NumPy arrays\)") as record:
+        state = init_opt_state(optax.adam(1e-3), params)
+    assert "params = einshard.shard_pytree(params, rules)" in str(record[0].message)
+    assert state[0].mu["w"].sharding.is_fully_replicated  # what the warning says happened
+    # The fix it names: placed params, and the state follows them, with no warning.
+    placed = einshard.shard_pytree(params, [("w", "x y -> x y*")])
+    assert init_opt_state(optax.adam(1e-3), placed)[0].mu["w"].sharding == placed["w"].sharding

@@ -21,7 +21,7 @@ pytest.importorskip("orbax.checkpoint")
 optax = pytest.importorskip("optax")
 from einshard.integrations import orbax as ckpt  # noqa: E402  (after the importorskip)
 from einshard.integrations.optax import (  # noqa: E402
-    init_sharded,
+    init_opt_state,
     opt_state_shardings,
     shard_opt_state,
 )
@@ -105,7 +105,7 @@ def trained_state():
         RULES,
     )
     tx = optax.adamw(1e-2, weight_decay=0.1)
-    opt_state = init_sharded(tx, params)
+    opt_state = init_opt_state(tx, params)
     x, y = jax.random.normal(kx, (32, D_IN)), jax.random.normal(ky, (32, D_OUT))
     for _ in range(2):
         grads = jax.grad(loss_fn)(params, x, y)
@@ -243,7 +243,7 @@ CHILD = textwrap.dedent(
     import jax.numpy as jnp, numpy as np, optax
     import einshard
     from einshard.integrations import orbax as ckpt
-    from einshard.integrations.optax import init_sharded, shard_opt_state
+    from einshard.integrations.optax import init_opt_state, shard_opt_state
 
     RULES = json.loads(sys.argv[4])
     tx = optax.adamw(1e-2, weight_decay=0.1)
@@ -258,7 +258,7 @@ CHILD = textwrap.dedent(
     def make():
         kx = jax.random.key(1)
         params = einshard.shard_pytree(make_params(), RULES)
-        opt_state = init_sharded(tx, params)
+        opt_state = init_opt_state(tx, params)
         loss = lambda p, x: jnp.sum(jax.nn.relu(x @ p["hidden"]["w"] + p["hidden"]["b"]) @ p["out"]["w"])
         grads = jax.grad(loss)(params, jax.random.normal(kx, (4, 16)))
         updates, opt_state = tx.update(grads, opt_state, params)

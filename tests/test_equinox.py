@@ -374,7 +374,7 @@ def test_train_steps_match_unsharded():
     tx = optax.adamw(1e-2)
     step = make_step(tx)
     model = create_sharded(MLP, None, jax.random.key(0))
-    opt_state = einshard_optax.init_sharded(tx, eqx.filter(model, eqx.is_array))
+    opt_state = einshard_optax.init_opt_state(tx, eqx.filter(model, eqx.is_array))
     reference = plain_mlp(jax.random.key(0))
     reference_state = tx.init(eqx.filter(reference, eqx.is_array))
 
@@ -398,7 +398,7 @@ def test_compiled_step_gathers_no_weight():
     x, y = data()
     tx = optax.adamw(1e-2)
     model = create_sharded(MLP, None, jax.random.key(0))
-    opt_state = einshard_optax.init_sharded(tx, eqx.filter(model, eqx.is_array))
+    opt_state = einshard_optax.init_opt_state(tx, eqx.filter(model, eqx.is_array))
     hlo = make_step(tx).lower(model, opt_state, x, y).compile().compiled.as_text()  # eqx wraps jax's
     assert "all-reduce" in hlo  # the row-parallel matmul's partial sums
     assert not SHARDED_SHAPES & set(all_gather_shapes(hlo))

@@ -4,7 +4,7 @@ The messages are read from einshard's source, without importing it (no JAX, no d
 
 * every ``EinshardError(...)`` headline, including those built by helper functions
   (``_error(text, headline, ...)``) and through local variables;
-* every ``warnings.warn(..., EinshardWarning)`` message;
+* every ``warnings.warn(..., EinshardWarning)`` message (and ``EinshardDeprecationWarning``);
 * every context line (``error.add_context(...)``, ``EinshardError(..., context=[...])``);
 * the command line's argument errors (``argparse.ArgumentTypeError``) and the
   ``ImportError`` for a missing ``rich``.
@@ -35,7 +35,7 @@ Template = tuple[str | None, ...]  # literal text, and None for a hole
 # Where each kind of message shows on the catalogue page: the start of its line.
 PREFIXES = {
     "error": r"(?:einshard\.EinshardError: |einshard: error: )",
-    "warning": r"einshard\.EinshardWarning: ",
+    "warning": r"einshard\.Einshard(?:Deprecation)?Warning: ",
     "context": r"  ",
     "argument": r"python -m einshard: error: argument [^\s:]+: ",
     "import": r"(?:ImportError: |einshard: error: )",
@@ -338,7 +338,10 @@ def test_einshard_warns_only_with_einshard_warning():
         for call in ast.walk(module.tree):
             if isinstance(call, ast.Call) and _name(call.func) == "warn":
                 category = _argument(call, 1, "category")
-                if category is None or _name(category) != "EinshardWarning":
+                if category is None or _name(category) not in (
+                    "EinshardWarning",
+                    "EinshardDeprecationWarning",
+                ):
                     others.append(module.where(call))
     assert not others, "warnings that are not EinshardWarning: " + ", ".join(others)
 

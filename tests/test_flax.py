@@ -412,7 +412,7 @@ def test_linen_init_sharded_unboxes_partitioning_metadata():
 def test_linen_train_state_is_born_sharded_with_its_optax_state():
     x, _ = data()
     tx = optax.adamw(1e-2)
-    state = create_train_state(LinenMLP(), tx, LINEN_RULES, jax.random.key(0), x)
+    state = create_train_state(LinenMLP(), LINEN_RULES, tx, jax.random.key(0), x)
     assert isinstance(state, train_state.TrainState)
     paths = assert_follows(state, LINEN_RULES)
     expected_paths = {"step", "params/Dense_0/kernel", "opt_state/0/mu/Dense_0/kernel", "opt_state/0/count"}
@@ -437,18 +437,18 @@ def test_linen_train_state_keeps_collections_its_class_has():
     rules = [(r"BatchNorm_0/(mean|var|scale|bias)$", "y -> y*"), *LINEN_RULES]
     x, _ = data()
     key, tx = jax.random.key(0), optax.adam(1e-2)
-    state = create_train_state(BatchNormMLP(), tx, rules, key, x, state_class=State)
+    state = create_train_state(BatchNormMLP(), rules, tx, key, x, state_class=State)
     assert isinstance(state, State)
     assert_layout(state.batch_stats["BatchNorm_0"]["mean"], "y -> y*")
     assert_follows(state, rules)
-    plain = create_train_state(BatchNormMLP(), tx, rules, key, x)
+    plain = create_train_state(BatchNormMLP(), rules, tx, key, x)
     assert not hasattr(plain, "batch_stats")
 
 
 def test_linen_train_steps_match_unsharded_and_gather_no_weight():
     x, y = data()
     tx = optax.adamw(1e-2)
-    state = create_train_state(LinenMLP(), tx, LINEN_RULES, jax.random.key(0), x)
+    state = create_train_state(LinenMLP(), LINEN_RULES, tx, jax.random.key(0), x)
     reference = train_state.TrainState.create(
         apply_fn=LinenMLP().apply, params=LinenMLP().init(jax.random.key(0), x)["params"], tx=tx
     )

@@ -15,7 +15,7 @@ from einshard import EinshardError
 optax = pytest.importorskip("optax")
 from einshard.integrations.optax import (  # noqa: E402  (after the importorskip)
     explain_opt_state,
-    init_sharded,
+    init_opt_state,
     opt_state_shardings,
     shard_opt_state,
 )
@@ -170,14 +170,14 @@ def full_weight_all_gathers(hlo, shapes):
 class TestOptimizers:
     def test_born_sharded_init(self, name, params, sharded):
         tx = OPTIMIZERS[name]()
-        state = init_sharded(tx, sharded)
+        state = init_opt_state(tx, sharded)
         assert check_layout(state, sharded) == expected_mirrors(name)
         assert_trees_close(state, tx.init(params))
 
     def test_training_matches_unsharded_and_keeps_layout(self, name, params, sharded):
         tx = OPTIMIZERS[name]()
         x, y = make_batch()
-        state = init_sharded(tx, sharded)
+        state = init_opt_state(tx, sharded)
         shardings = opt_state_shardings(state, sharded)
         step = jax.jit(make_step(tx))
         compiled = step.lower(sharded, state, x, y).compile()
@@ -202,7 +202,7 @@ class TestOptimizers:
         state = shard_opt_state(plain, sharded)
         assert check_layout(state, sharded) == expected_mirrors(name)
         assert_trees_close(state, plain)
-        born = init_sharded(tx, sharded)
+        born = init_opt_state(tx, sharded)
         for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(born), strict=True):
             assert same_layout(a.sharding, b.sharding, a.shape)
 
@@ -210,8 +210,8 @@ class TestOptimizers:
         tx = OPTIMIZERS[name]()
         abstract_params = jax.eval_shape(lambda p: p, sharded)
         abstract_params = einshard.shard_pytree(abstract_params, RULES)  # ShapeDtypeStructs with shardings
-        abstract = init_sharded(tx, abstract_params)
-        born = init_sharded(tx, sharded)
+        abstract = init_opt_state(tx, abstract_params)
+        born = init_opt_state(tx, sharded)
         assert jax.tree.structure(abstract) == jax.tree.structure(born)
         for a, b in zip(jax.tree.leaves(abstract), jax.tree.leaves(born), strict=True):
             assert isinstance(a, jax.ShapeDtypeStruct)
@@ -219,7 +219,7 @@ class TestOptimizers:
             assert same_layout(a.sharding, b.sharding, a.shape)
 
     def test_every_row_explained(self, name, sharded):
-        state = init_sharded(OPTIMIZERS[name](), sharded)
+        state = init_opt_state(OPTIMIZERS[name](), sharded)
         report = explain_opt_state(state, sharded)
         assert len(report.rows) == len(jax.tree.leaves(state))
         assert all(row.note for row in report.rows)
@@ -239,7 +239,7 @@ class TestAdafactor:
         return OPTIMIZERS["adafactor"]()
 
     def test_factored_statistics_keep_the_surviving_axes(self, sharded):
-        state = init_sharded(self.tx(), sharded)[0]
+        state = init_opt_state(self.tx(), sharded)[0]
         column = einshard.make_sharding("y -> y*", shape=(HIDDEN,))
         # hidden/w (D_IN, HIDDEN) split on HIDDEN: v_row reduces HIDDEN (the largest axis), v_col keeps it.
         assert state.v_row["hidden"]["w"].shape == (D_IN,)
@@ -257,7 +257,7 @@ class TestAdafactor:
             assert len(leaf.sharding.spec) <= leaf.ndim
 
     def test_report(self, sharded):
-        state = init_sharded(self.tx(), sharded)
+        state = init_opt_state(self.tx(), sharded)
         notes = {row.path: row.note for row in explain_opt_state(state, sharded).rows}
         assert notes["0/count"] == "scalar"
         assert notes["0/v_row/hidden/w"] == "adafactor v_row of hidden/w (axis 1 reduced): replicated"
@@ -292,12 +292,12 @@ class TestAdafactor:
         # A tie: optax reduces axis 1 for v_row and axis 0 for v_col (np.argsort order).
         size = 8 * N_DEVICES
         params = einshard.shard_pytree({"w": jnp.ones((size, size))}, {"w": "x y -> x y*"})
-        state = init_sharded(self.tx(), params)[0]
+        state = init_opt_state(self.tx(), params)[0]
         assert state.v_row["w"].sharding.is_fully_replicated
         column = einshard.make_sharding("y -> y*", shape=(size,))
         assert same_layout(state.v_col["w"].sharding, column, (size,))
         tx = self.tx()
-        updates, _ = jax.jit(tx.update)(params, init_sharded(tx, params), params)
+        updates, _ = jax.jit(tx.update)(params, init_opt_state(tx, params), params)
         assert updates["w"].shape == (size, size)
 
 
@@ -368,7 +368,7 @@ class TestMatching:
         devices = jax.devices()[:2]
         with einshard.use_devices(devices):
             placed = einshard.shard_pytree(params, RULES)
-        state = init_sharded(optax.adam(1e-3), placed)
+        state = init_opt_state(optax.adam(1e-3), placed)
         for leaf in jax.tree.leaves(state):
             assert leaf.sharding.device_set == set(devices)
         assert explain_opt_state(state, placed).n_devices == 2
@@ -377,7 +377,7 @@ class TestMatching:
         mesh = jax.make_mesh((2, N_DEVICES // 2), ("data", "model"))
         with jax.set_mesh(mesh):
             placed = einshard.shard_pytree(params, RULES)
-            state = init_sharded(optax.adafactor(1e-2, min_dim_size_to_factor=8), placed)
+            state = init_opt_state(optax.adafactor(1e-2, min_dim_size_to_factor=8), placed)
         assert state[0].v_col["hidden"]["w"].sharding.mesh == mesh
         assert state[0].v_col["hidden"]["w"].sharding.spec == jax.sharding.PartitionSpec(("data", "model"))
         assert state[0].count.sharding.mesh == mesh
@@ -387,7 +387,7 @@ class TestMatching:
     def test_multi_transform(self, params, sharded):
         labels = {"hidden": {"w": "adam", "b": "sgd"}, "out": "adam"}  # a prefix label tree
         tx = optax.multi_transform({"adam": optax.adam(1e-2), "sgd": optax.sgd(1e-2, momentum=0.9)}, labels)
-        state = init_sharded(tx, sharded)
+        state = init_opt_state(tx, sharded)
         assert check_layout(state, sharded) == 7  # mu, nu of three arrays; trace of one
         assert_trees_close(state, tx.init(params))
 
@@ -442,10 +442,10 @@ class TestMatching:
     def test_mixed_abstract_and_concrete_params_are_an_error(self, sharded):
         mixed = dict(sharded, out=jax.eval_shape(lambda p: p, sharded["out"]))
         with pytest.raises(EinshardError, match="mix abstract"):
-            init_sharded(optax.adam(1e-3), mixed)
+            init_opt_state(optax.adam(1e-3), mixed)
 
     def test_explain_device_count_must_match_placed_params(self, sharded):
-        state = init_sharded(optax.adam(1e-3), sharded)
+        state = init_opt_state(optax.adam(1e-3), sharded)
         with pytest.raises(EinshardError, match="pass the rule table"):
             explain_opt_state(state, sharded, n_devices=2 * N_DEVICES)
         assert explain_opt_state(state, sharded, n_devices=N_DEVICES).n_devices == N_DEVICES
@@ -453,7 +453,7 @@ class TestMatching:
     def test_jit_with_out_shardings_does_not_recompile(self, sharded):
         tx = optax.adam(1e-2)
         x, y = make_batch()
-        state = init_sharded(tx, sharded)
+        state = init_opt_state(tx, sharded)
         param_shardings = jax.tree.map(lambda p: p.sharding, sharded)
         step = jax.jit(
             make_step(tx), out_shardings=(param_shardings, opt_state_shardings(state, sharded), None)
@@ -469,7 +469,7 @@ def test_a_param_left_on_one_device_gets_its_state_replicated_beside_placed_ones
     params = make_params()
     params["hidden"]["w"] = einshard.einshard(params["hidden"]["w"], "x y -> x y*")
     tx = optax.adam(1e-2)
-    state = init_sharded(tx, params)
+    state = init_opt_state(tx, params)
     mu = state[0].mu
     assert mu["hidden"]["w"].sharding == params["hidden"]["w"].sharding
     for path in (("hidden", "b"), ("out", "w"), ("out", "b")):
@@ -577,7 +577,7 @@ def test_many_optimizers_layouts_and_one_step(name, params, sharded):
         )
     else:
         plain_params = params
-    state = init_sharded(tx, sharded)
+    state = init_opt_state(tx, sharded)
     assert check_many_layouts(state, model_sharded) >= 2
     assert_trees_close(state, tx.init(plain_params))
     # Restored without its optimizer, the state is laid out the same way (structural matching).
@@ -605,7 +605,7 @@ def test_many_optimizers_layouts_and_one_step(name, params, sharded):
 def test_lookahead_fast_state_follows_the_fast_params_not_the_slow(params):
     fast = einshard.shard_pytree(params, RULES)
     slow = einshard.shard_pytree(params, [(r".*", REPLICATE)])
-    state = init_sharded(optax.lookahead(optax.adam(1e-2), 2, 0.5), optax.LookaheadParams(fast, slow))
+    state = init_opt_state(optax.lookahead(optax.adam(1e-2), 2, 0.5), optax.LookaheadParams(fast, slow))
     assert state.fast_state[0].mu["hidden"]["w"].sharding == fast["hidden"]["w"].sharding
     report = explain_opt_state(state, optax.LookaheadParams(fast, slow))
     assert {row.note for row in report.rows if "/mu/" in row.path} == {
@@ -638,7 +638,7 @@ def test_leading_axes_keep_tuple_spec_entries_on_an_ambient_mesh(params):
     mesh = jax.make_mesh((2, N_DEVICES // 2), ("data", "model"))
     with jax.set_mesh(mesh):
         placed = einshard.shard_pytree(params, RULES)
-        state = init_sharded(optax.lbfgs(1e-2, linesearch=None), placed)
+        state = init_opt_state(optax.lbfgs(1e-2, linesearch=None), placed)
     spec = placed["hidden"]["w"].sharding.spec
     assert tuple(spec)[-1] == ("data", "model")
     history = state[0].diff_params_memory["hidden"]["w"]
@@ -667,7 +667,7 @@ def test_optax_says_where_the_parameter_copies_are_when_the_optimizer_is_at_hand
         return {"copy": jax.tree.map(jnp.zeros_like, p), "table": jax.tree.map(jnp.copy, table)}
 
     tx = optax.GradientTransformation(init, lambda u, s, p=None: (u, s))
-    born = init_sharded(tx, sharded)
+    born = init_opt_state(tx, sharded)
     assert born["copy"]["hidden"]["w"].sharding == sharded["hidden"]["w"].sharding
     assert born["table"]["hidden"]["w"].sharding.is_fully_replicated  # optax: not a parameter copy
     notes = {row.path: row.note for row in explain_opt_state(born, sharded, tx=tx).rows}

@@ -12,7 +12,7 @@ import einshard
 from conftest import N_DEVICES
 
 optax = pytest.importorskip("optax")
-from einshard.integrations.optax import init_sharded, shard_opt_state  # noqa: E402  (after the importorskip)
+from einshard.integrations.optax import init_opt_state, shard_opt_state  # noqa: E402  (after the importorskip)
 
 REPLICATE = "... -> * ..."
 SHAPES = [(2 * N_DEVICES, 3), (4, N_DEVICES), (N_DEVICES,), (3, 5)]
@@ -44,7 +44,7 @@ def test_adam_state_is_laid_out_as_its_parameters(model):
     placed = einshard.shard_pytree(params, rules)
     expressions = dict((regex.strip("^$"), expression) for regex, expression in rules)
     tx = optax.adam(1e-3)
-    born = init_sharded(tx, placed)[0]
+    born = init_opt_state(tx, placed)[0]
     moved = shard_opt_state(tx.update(params, tx.init(params), params)[1], placed)[0]
     for name, value in params.items():
         shards, _ = blocks_v020(expressions[name], value.ndim, N_DEVICES)

@@ -1,4 +1,6 @@
-"""Every code block of README.md and docs/index.md, run as a reader pastes it: in a fresh interpreter.
+"""Every code block of README.md and docs/index.md, and of the sections of other pages that say
+they paste (the strategies page's plan, shard, train), run as a reader pastes it: in a fresh
+interpreter.
 
 What a newcomer sees first must work as shown, with nothing hidden:
 
@@ -34,6 +36,8 @@ from conftest import DOCTEST_DEVICES, N_DEVICES
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ["README.md", "docs/index.md"]
+# Sections of other pages written to be pasted whole: (page, heading).
+SECTIONS = [("docs/strategies.md", "## Plan, shard, train")]
 SHOWN_AS_IS = {"sh", "text"}
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 # What a user's shell does not set, and the test session does: simulated devices, a platform.
@@ -57,9 +61,15 @@ class Block:
         return f"{self.page}:{self.line}"
 
 
-def _blocks(page: str) -> list[Block]:
+def _blocks(page: str, section: str | None = None) -> list[Block]:
     text = (ROOT / page).read_text(encoding="utf-8")
     fences = list(FENCE.finditer(text))
+    if section is not None:  # the blocks between the heading and the next heading of its level
+        start = text.index(f"\n{section}\n")
+        level = section.split(" ")[0]
+        following = re.compile(f"^{level} ", re.MULTILINE).search(text, start + len(section) + 2)
+        end = following.start() if following else len(text)
+        fences = [fence for fence in fences if start < fence.start() < end]
     blocks = []
     for i, fence in enumerate(fences):
         language, source = fence.group(1).strip(), fence.group(2)
@@ -75,6 +85,14 @@ def _blocks(page: str) -> list[Block]:
 
 
 BLOCKS = [block for page in PAGES for block in _blocks(page)]
+BLOCKS += [block for page, section in SECTIONS for block in _blocks(page, section)]
+
+
+def test_the_pasted_sections_are_there():
+    """A renamed heading would drop its blocks from these tests silently: each must have some."""
+    for page, section in SECTIONS:
+        languages = [block.language for block in _blocks(page, section)]
+        assert "python" in languages, f"{page}: no python block under {section!r}"
 
 
 def _environment() -> dict[str, str]:
@@ -157,16 +175,24 @@ def test_a_console_block_prints_what_the_page_shows(block, tmp_path):
         assert (done.returncode, got) == (0, expected), f"{block}: $ {command}\n{done.stdout}{done.stderr}"
 
 
-def test_the_install_line_gets_this_version_from_the_projects_source():
-    """The package index serves einshard 0.2.0: the pages install from the repository instead."""
+def test_the_install_line_gets_this_version_from_the_source_at_hand():
+    """The package index, and the public repository, serve einshard 0.2.0: the pages install from
+    the source the reader has (a clone or an unpacked archive), name no address that would install
+    another version, and show how to check the version, with this version as its output."""
     import tomllib
 
-    source = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["urls"]["Source"]
+    import einshard
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    assert "yixiaoer" not in repr(project.get("urls", {})), "pyproject's URLs lead to the public 0.2.0"
     for page in PAGES:
+        text = (ROOT / page).read_text(encoding="utf-8")
         sh = [block.source for block in _blocks(page) if block.language == "sh"]
         lines = [line for block in sh for line in block.splitlines()]
-        assert f".venv/bin/pip install 'einshard[all] @ git+{source}'" in " ".join(lines), page
-        assert f"git clone {source}" in " ".join(lines), page
-        assert not any(re.search(r"pip install '?einshard\b(?! *@|\[all\] @)", line) for line in lines), page
-        text = (ROOT / page).read_text(encoding="utf-8")
+        assert "python3 -m venv .venv && .venv/bin/pip install '.[all]'" in lines, page
+        assert not re.search(r"git\+|git clone", text), page
+        assert not any(re.search(r"pip install '?einshard\b", line) for line in lines), page
         assert "0.2.0" in text, f"{page} says nothing of the index's 0.2.0"
+        check = [b for b in _blocks(page) if b.language == "console" and "__version__" in b.source]
+        assert len(check) == 1, f"{page}: one version check"
+        assert check[0].source.splitlines()[-1] == einshard.__version__, page  # run by the console test

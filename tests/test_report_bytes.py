@@ -14,8 +14,7 @@ import einshard
 from conftest import N_DEVICES
 
 optax = pytest.importorskip("optax")
-from einshard.integrations.optax import explain_opt_state  # noqa: E402  (after the importorskip)
-from einshard.integrations.optax import init_sharded as init_opt_state  # noqa: E402
+from einshard.integrations.optax import explain_opt_state, init_opt_state  # noqa: E402
 
 REPLICATE = "... -> * ..."
 RULES = [("w1", "x y -> x y*"), (".*", REPLICATE)]

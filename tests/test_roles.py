@@ -683,7 +683,7 @@ def test_data_parallel_bytes_equal_the_textbook():
 
 def test_a_derived_table_serves_init_sharded_and_optax_state():
     optax = pytest.importorskip("optax")
-    from einshard.integrations.optax import init_sharded as init_opt_state
+    from einshard.integrations.optax import init_opt_state
 
     params = gpt_params(jax.random.key(0))
     table = tensor_parallel(gpt_step(), params, tokens())

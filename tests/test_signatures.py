@@ -10,6 +10,7 @@ only: no integration function takes them.
 """
 
 import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +59,7 @@ def test_create_sharded_has_one_argument_order_in_flax_and_equinox():
     assert _shape(einshard_equinox.create_sharded) == expected
     # The builders of the same family: what they build from, the rules, then its arguments.
     assert [name for name, _ in _shape(einshard_flax.init_sharded)][:2] == ["module", "rules"]
-    assert [name for name, _ in _shape(einshard_flax.create_train_state)][:3] == ["module", "tx", "rules"]
+    assert [name for name, _ in _shape(einshard_flax.create_train_state)][:3] == ["module", "rules", "tx"]
 
 
 def _functions(module):
@@ -166,11 +167,11 @@ def test_flax_builders_refuse_rules_by_keyword():
     assert info.value.hint == "Call init_sharded(Dense(...), rules, …, …)."
     with pytest.raises(einshard.EinshardError) as info:
         einshard_flax.create_train_state(nn.Dense(HIDDEN), optax.adam(1e-3), key, x, rules=LINEN_RULES)
-    assert info.value.hint == "Call create_train_state(Dense(...), tx, rules, …, …)."
+    assert info.value.hint == "Call create_train_state(Dense(...), rules, tx, …, …)."
     # The calls the hints show.
     variables = einshard_flax.init_sharded(nn.Dense(HIDDEN), LINEN_RULES, key, x)
     assert_layout(variables["params"]["kernel"], "x y -> x y*")
-    state = einshard_flax.create_train_state(nn.Dense(HIDDEN), optax.adam(1e-3), LINEN_RULES, key, x)
+    state = einshard_flax.create_train_state(nn.Dense(HIDDEN), LINEN_RULES, optax.adam(1e-3), key, x)
     assert_layout(state.opt_state[0].mu["kernel"], "x y -> x y*")
 
 
@@ -202,3 +203,190 @@ def test_a_factorys_own_rules_keyword_reaches_it():
     nnx_model = einshard_flax.create_sharded(NnxWithRules, NNX_RULES, nnx.Rngs(0), rules="mine")
     assert nnx_model.rules == "mine"
     assert_layout(nnx_model.linear.kernel[...], "x y -> x y*")
+
+
+# --- every misplaced table: the error's suggested call, run ------------------------------------
+
+
+def _suggested_call(hint):
+    """The first call a hint writes (``create_sharded(Linear, rules, 4, key=…)``), as text."""
+    match = re.search(r"\b(create_sharded|create_train_state|init_sharded|shard_module)\(", hint)
+    assert match, hint
+    depth = 0
+    for end in range(match.end() - 1, len(hint)):
+        depth += {"(": 1, ")": -1}.get(hint[end], 0)
+        if depth == 0:
+            return hint[match.start() : end + 1]
+    raise AssertionError(f"unbalanced call in {hint!r}")
+
+
+def run_hint(error, namespace, instance=None, hidden=()):
+    """Runs the call an error's hint suggests.
+
+    ``Name(...)`` in the hint (a module instance, shown by its class) becomes ``instance``;
+    each ``…`` (an argument too long to show) becomes the next of ``hidden``, in order.
+    """
+    call = _suggested_call(error.hint)
+    call = re.sub(r"\b\w+\(\.\.\.\)", "_instance", call)
+    parts = call.split("…")
+    assert len(parts) - 1 == len(hidden), (call, hidden)
+    call = "".join(part + (f"_hidden{i}" if i < len(hidden) else "") for i, part in enumerate(parts))
+    scope = {**namespace, "_instance": instance, **{f"_hidden{i}": value for i, value in enumerate(hidden)}}
+    return eval(call, scope)  # the hint's own text, with the values it could not show
+
+
+def test_run_hint_runs_exactly_the_suggested_call():
+    class Error:
+        hint = "Put the table first, then the arguments for f: create_sharded(f, rules, 2, key=…)."
+
+    seen = run_hint(Error, {"create_sharded": lambda *a, **k: (a, k), "f": "F", "rules": "R"}, hidden=[7])
+    assert seen == (("F", "R", 2), {"key": 7})
+
+
+def _nnx_call(function, *args, **kwargs):
+    with pytest.raises(einshard.EinshardError) as info:
+        function(*args, **kwargs)
+    return info.value
+
+
+def test_flax_create_sharded_every_misplaced_table():
+    rngs = lambda: nnx.Rngs(0)  # noqa: E731  (each call consumes its own)
+    namespace = {"create_sharded": einshard_flax.create_sharded, "Linear": nnx.Linear, "rules": NNX_RULES}
+    reference = nnx.Linear(D_IN, HIDDEN, rngs=rngs())
+    cases = {
+        "swapped": (
+            (NNX_RULES, nnx.Linear, D_IN, HIDDEN),
+            "create_sharded takes the factory first, then the rule table: here the table comes first",
+            f"Call create_sharded(Linear, rules, {D_IN}, {HIDDEN}, rngs=…).",
+        ),
+        "among the arguments": (
+            (nnx.Linear, D_IN, HIDDEN, NNX_RULES),
+            f"the argument after the factory is the rule table, not an int {D_IN}",
+            f"Move the table there: create_sharded(Linear, rules, {D_IN}, {HIDDEN}, rngs=…).",
+        ),
+    }
+    for name, (args, headline, hint) in cases.items():
+        error = _nnx_call(einshard_flax.create_sharded, *args, rngs=rngs())
+        assert (error.headline, error.hint) == (headline, hint), name
+        model = run_hint(error, namespace, hidden=[rngs()])
+        assert_layout(model.kernel[...], "x y -> x y*")
+        np.testing.assert_array_equal(np.asarray(model.kernel[...]), np.asarray(reference.kernel[...]))
+    # By keyword with no positional argument for the factory: an error, not Python's TypeError.
+    error = _nnx_call(
+        einshard_flax.create_sharded,
+        nnx.Linear,
+        in_features=D_IN,
+        out_features=HIDDEN,
+        rngs=rngs(),
+        rules=NNX_RULES,
+    )
+    assert (
+        error.hint
+        == f"Call create_sharded(Linear, rules, in_features={D_IN}, out_features={HIDDEN}, rngs=…)."
+    )
+    assert_layout(run_hint(error, namespace, hidden=[rngs()]).kernel[...], "x y -> x y*")
+    # No table at all.
+    error = _nnx_call(einshard_flax.create_sharded, nnx.Linear)
+    assert error.headline == "create_sharded needs the rule table, right after the factory"
+    assert error.hint == "Call create_sharded(Linear, rules)."
+
+
+def test_equinox_create_sharded_every_misplaced_table():
+    key = jax.random.key(0)
+    namespace = {
+        "create_sharded": einshard_equinox.create_sharded,
+        "Linear": eqx.nn.Linear,
+        "rules": EQX_RULES,
+    }
+    reference = eqx.nn.Linear(D_IN, HIDDEN, key=key)
+    for args, hint in [
+        (
+            (EQX_RULES, eqx.nn.Linear, D_IN, HIDDEN),
+            f"Call create_sharded(Linear, rules, {D_IN}, {HIDDEN}, key=…).",
+        ),
+        (
+            (eqx.nn.Linear, D_IN, HIDDEN, EQX_RULES),
+            f"Move the table there: create_sharded(Linear, rules, {D_IN}, {HIDDEN}, key=…).",
+        ),
+    ]:
+        error = _nnx_call(einshard_equinox.create_sharded, *args, key=key)
+        assert error.hint == hint
+        layer = run_hint(error, namespace, hidden=[key])
+        assert_layout(layer.weight, "o i -> o* i")
+        assert_trees_close(layer, reference, rtol=0, atol=0)
+
+
+def test_create_train_state_takes_the_rules_second_and_says_so_for_the_old_order():
+    key, x, tx = jax.random.key(0), jnp.ones((1, D_IN)), optax.adam(1e-3)
+    namespace = {"create_train_state": einshard_flax.create_train_state, "rules": LINEN_RULES, "tx": tx}
+    cases = [
+        (  # the order of the first 0.3 (tx, then the rules)
+            (nn.Dense(HIDDEN), tx, LINEN_RULES, key, x),
+            "create_train_state takes the rule table right after the module, then tx",
+        ),
+        (
+            (LINEN_RULES, nn.Dense(HIDDEN), tx, key, x),
+            "create_train_state takes the module first, then the rule table: here the table comes first",
+        ),
+        (  # no optimizer
+            (nn.Dense(HIDDEN), LINEN_RULES, key, x),
+            "the argument after the rule table of create_train_state is tx, not a key<fry> array of shape ()",
+        ),
+    ]
+    for args, headline in cases:
+        error = _nnx_call(einshard_flax.create_train_state, *args)
+        assert error.headline == headline
+        assert error.hint == "Call create_train_state(Dense(...), rules, tx, …, …)."
+        state = run_hint(error, namespace, instance=nn.Dense(HIDDEN), hidden=[key, x])
+        assert_layout(state.params["kernel"], "x y -> x y*")
+        assert_layout(state.opt_state[0].mu["kernel"], "x y -> x y*")
+
+
+def test_linen_and_core_init_sharded_refuse_the_table_first():
+    key, x = jax.random.key(0), jnp.ones((1, D_IN))
+    error = _nnx_call(einshard_flax.init_sharded, LINEN_RULES, nn.Dense(HIDDEN), key, x)
+    assert (
+        error.headline
+        == "init_sharded takes the module first, then the rule table: here the table comes first"
+    )
+    assert error.hint == "Call init_sharded(Dense(...), rules, …, …)."
+    namespace = {"init_sharded": einshard_flax.init_sharded, "rules": LINEN_RULES}
+    variables = run_hint(error, namespace, instance=nn.Dense(HIDDEN), hidden=[key, x])
+    assert_layout(variables["params"]["kernel"], "x y -> x y*")
+
+    def init(key):
+        return {"w": jax.random.normal(key, (D_IN, HIDDEN))}
+
+    table = [("w", "x y -> x y*")]
+    error = _nnx_call(einshard.init_sharded, table, init, key)
+    assert error.hint == "Call init_sharded(init, rules, …)."
+    params = run_hint(
+        error, {"init_sharded": einshard.init_sharded, "init": init, "rules": table}, hidden=[key]
+    )
+    assert_layout(params["w"], "x y -> x y*")
+    np.testing.assert_array_equal(np.asarray(params["w"]), np.asarray(init(key)["w"]))
+
+
+def test_shard_module_refuses_the_table_first_in_both_integrations():
+    model = nnx.Linear(D_IN, HIDDEN, rngs=nnx.Rngs(0))
+    error = _nnx_call(einshard_flax.shard_module, NNX_RULES, model)
+    assert error.hint == "Call shard_module(Linear(...), rules)."
+    placed = run_hint(error, {"shard_module": einshard_flax.shard_module, "rules": NNX_RULES}, instance=model)
+    assert_layout(placed.kernel[...], "x y -> x y*")
+    layer = eqx.nn.Linear(D_IN, HIDDEN, key=jax.random.key(0))
+    error = _nnx_call(einshard_equinox.shard_module, EQX_RULES, layer)
+    assert error.hint == "Call shard_module(Linear(...), rules)."
+    placed = run_hint(
+        error, {"shard_module": einshard_equinox.shard_module, "rules": EQX_RULES}, instance=layer
+    )
+    assert_layout(placed.weight, "o i -> o* i")
+
+
+def test_optax_init_sharded_is_init_opt_state_under_a_deprecation_warning():
+    params = einshard.shard_pytree({"w": jnp.ones((D_IN, HIDDEN))}, [("w", "x y -> x y*")])
+    with pytest.warns(einshard.EinshardDeprecationWarning, match=r"call init_opt_state\(tx, params\)"):
+        old = einshard_optax.init_sharded(optax.adam(1e-3), params)
+    new = einshard_optax.init_opt_state(optax.adam(1e-3), params)
+    assert old[0].mu["w"].sharding == new[0].mu["w"].sharding == params["w"].sharding
+    assert issubclass(einshard.EinshardDeprecationWarning, DeprecationWarning)
+    assert issubclass(einshard.EinshardDeprecationWarning, einshard.EinshardWarning)

@@ -108,7 +108,7 @@ def test_linen_train_state_step_keeps_layouts_and_matches_one_device():
     rules = FLAX_RULES
     x, y = _data()
     tx = optax.adamw(LEARNING_RATE)
-    state = create_train_state(Block(), tx, rules, jax.random.key(0), x)
+    state = create_train_state(Block(), rules, tx, jax.random.key(0), x)
 
     def train_step(state, x, y):
         def loss_fn(params):
@@ -243,7 +243,7 @@ def test_nnx_optimizer_step_keeps_layouts_and_matches_one_device():
 
 def test_equinox_filter_jit_step_keeps_layouts_and_matches_one_device():
     eqx = pytest.importorskip("equinox")
-    from einshard.integrations.optax import init_sharded
+    from einshard.integrations.optax import init_opt_state
 
     class Block(eqx.Module):
         q: eqx.nn.Linear
@@ -276,7 +276,7 @@ def test_equinox_filter_jit_step_keeps_layouts_and_matches_one_device():
     x, y = _data()
     tx = optax.adamw(LEARNING_RATE)
     model = einshard.shard_pytree(Block(jax.random.key(0)), rules)
-    opt_state = init_sharded(tx, eqx.filter(model, eqx.is_array))
+    opt_state = init_opt_state(tx, eqx.filter(model, eqx.is_array))
     keep = einshard.shardings_of((model, opt_state))
 
     @eqx.filter_jit

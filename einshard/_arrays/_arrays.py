@@ -8,7 +8,7 @@ sharding constraint, or a reshard under an Explicit mesh) and on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -107,18 +107,34 @@ def einshard(x: Any, expression: str, *, devices: Devices | None = None) -> Any:
             expression=x,
             hint=f"Call einshard(array, {x!r}).",
         )
+    if _holds_mapping(x):  # a dict, or a list of them: a tree, which NumPy would make objects of
+        raise EinshardError(
+            f"einshard places one array, and was given a {type(x).__name__}: "
+            "a tree is placed by shard_pytree",
+            hint="Place a tree of arrays (a dict, a list, a module) with "
+            "einshard.shard_pytree(tree, rules), a table of (path regex, expression) pairs, "
+            "e.g. shard_pytree(tree, [(r'.*', '... -> * ...')]).",
+        )
     if not is_array(x) and not isinstance(x, _SCALARS):
         try:
             x = np.asarray(x)
         except Exception as error:  # anything np.asarray rejects is the caller's input
             raise EinshardError(
                 f"cannot make an array of {type(x).__name__}: {error}",
-                hint="Pass a jax.Array, a NumPy array, a scalar, or a jax.ShapeDtypeStruct.",
+                hint="Pass a jax.Array, a NumPy array, a scalar, or a jax.ShapeDtypeStruct; "
+                "place a tree of arrays with einshard.shard_pytree(tree, rules).",
             ) from None
     check_array_value(x)  # strings, objects, ints beyond JAX's: JAX's own errors are not ours
     shape = tuple(np.shape(x))
     check_arguments(expression)
     return place_leaf(x, _call_sharding(expression, len(shape), shape, devices))
+
+
+def _holds_mapping(x: Any) -> bool:
+    """Whether ``x`` is a dict, or a list or tuple with a dict somewhere in it (a pytree, not an array)."""
+    if isinstance(x, Mapping):
+        return True
+    return isinstance(x, (list, tuple)) and any(_holds_mapping(item) for item in x)
 
 
 def _call_sharding(
@@ -179,7 +195,8 @@ def check_array_value(x: Any) -> None:
         what = "Python objects" if dtype.kind == "O" else f"dtype {dtype}"
         raise EinshardError(
             f"cannot shard an array of {what}",
-            hint="Pass numbers: a jax.Array, a NumPy array, a scalar or a nested list of numbers.",
+            hint="Pass numbers: a jax.Array, a NumPy array, a scalar or a nested list of numbers; "
+            "place a tree of arrays with einshard.shard_pytree(tree, rules).",
         )
     if isinstance(x, int) and not isinstance(x, bool):
         int_type = np.iinfo(jax.dtypes.canonicalize_dtype(np.int64))

@@ -79,6 +79,13 @@ class EinshardWarning(UserWarning):
     """A problem that is not an error: rules that matched nothing (strict mode), a doubtful regex."""
 
 
+class EinshardDeprecationWarning(EinshardWarning, DeprecationWarning):
+    """A name or a call that still works but is going away; the message says what to call instead.
+
+    Both an :class:`EinshardWarning` and a ``DeprecationWarning``, so either filter catches it.
+    """
+
+
 class adding_context:  # named as it reads: `with adding_context(...):`
     """Adds a public function's context lines to an :class:`EinshardError` leaving a block.
 
@@ -120,6 +127,7 @@ def short_repr(value: Any, limit: int = 200) -> str:
 # The public home is the package, so tracebacks read `einshard.EinshardError`.
 EinshardError.__module__ = "einshard"
 EinshardWarning.__module__ = "einshard"
+EinshardDeprecationWarning.__module__ = "einshard"
 
 
 def _shown(char: str) -> str:

@@ -25,7 +25,7 @@ from jax.core import Tracer
 from jax.sharding import NamedSharding
 
 from .._arrays._build import build_sharded
-from .._arrays._leaves import carried_sharding
+from .._arrays._leaves import carried_sharding, is_array
 from .._arrays._place import place_leaves
 from .._language._errors import EinshardError, EinshardWarning, adding_context
 from .._sharding._devices import Devices, device_target
@@ -106,6 +106,13 @@ def leaf_shardings(
     gets its sharding once. Warns about unused rules when the table is strict.
     """
     table = as_rules(rules)
+    if is_array(tree) and table.unmatched == "error" and table.match("") is None:
+        shape = tuple(getattr(tree, "shape", ()))
+        raise EinshardError(
+            f"one array (shape {shape}) where a tree goes: its path is '' and no rule matches it",
+            hint="Place one array with einshard.einshard(x, expression), e.g. einshard.einshard(x, "
+            "'... -> * ...'); shard_pytree and pytree_shardings take a tree (a dict, a list, a module).",
+        )
     target = device_target(devices)
     assigned, treedef, unused = assign_rules(tree, table, n_devices=target.count)
     return assigned, treedef, _shardings(assigned, table, unused, target)
@@ -166,6 +173,11 @@ def init_sharded(init_fn: Callable[..., Any], rules: RulesLike, *args: Any, **kw
     Returns:
         ``init_fn(*args, **kwargs)``, value for value, each array placed by its rule.
 
+    Raises:
+        EinshardError: The table anywhere but second (``init_sharded(rules,
+            init_fn, ...)``, or among ``args``), or with a mistake; a leaf its
+            rule does not fit. The hint shows the call to write.
+
     >>> import jax, einshard
     >>> def init(key):
     ...     return {'w': jax.random.normal(key, (8, 64))}
@@ -173,7 +185,10 @@ def init_sharded(init_fn: Callable[..., Any], rules: RulesLike, *args: Any, **kw
     >>> params['w'].sharding.shard_shape((8, 64))
     (8, 8)
     """
-    table = as_rules(rules)
+    from ..integrations._calls import rule_table  # the one home of the builders' argument checks
+
+    table = rule_table("init_sharded", init_fn, rules, args, kwargs, noun="the function")
+    assert table is not None  # None is no table here (rule_table refuses it)
     return build_sharded(init_fn, lambda abstract: pytree_shardings(abstract, table), *args, **kwargs)
 
 

@@ -80,7 +80,7 @@ from .._sharding._devices import Devices
 from .._trees import _pytrees
 from .._trees._paths import flatten_with_paths, path_string
 from .._trees._rules import Rules, RulesLike
-from ._calls import rule_table
+from ._calls import rule_table, table_second
 
 __all__ = ["create_sharded", "field_expressions", "module_rules", "shard_module", "sharded"]
 
@@ -450,6 +450,7 @@ def shard_module(module: T, rules: RulesLike | None = None, *, devices: Devices 
     >>> emb.weight.sharding.shard_shape((100, 64))
     (100, 8)
     """
+    table_second("shard_module", module, rules, noun="the module", is_target=_has_module)
     table = _rules_for(module, rules)
     try:
         return _pytrees.shard_pytree(module, table, devices=devices)
@@ -502,7 +503,13 @@ def create_sharded(
     [(2, 4)]
     """
     checked = rule_table(
-        "create_sharded", factory, rules, args, kwargs, none="the table its @sharded layers compose into"
+        "create_sharded",
+        factory,
+        rules,
+        args,
+        kwargs,
+        noun="the factory",
+        none="the table its @sharded layers compose into",
     )
     abstract = eqx.filter_eval_shape(factory, *args, **kwargs)
     table = _rules_for(abstract, checked)

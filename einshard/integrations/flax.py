@@ -75,7 +75,7 @@ from .._sharding._devices import Devices
 from .._trees import _pytrees
 from .._trees._paths import register_value_wrapper
 from .._trees._rules import Rules, RulesLike
-from ._calls import rule_table
+from ._calls import is_optimizer, rule_table, table_second
 
 __all__ = [
     "create_optimizer",
@@ -182,7 +182,8 @@ def shard_module(
 
     Raises:
         EinshardError: A variable no rule matches, or one its rule does not
-            fit; the message names the path, the shape and the rule.
+            fit; the message names the path, the shape and the rule. The
+            table first and the object second.
 
     >>> import optax
     >>> from flax import nnx
@@ -194,6 +195,7 @@ def shard_module(
     >>> optimizer.opt_state[0].mu['kernel'][...].sharding.shard_shape((4, 16))
     (4, 2)
     """
+    table_second("shard_module", obj, rules, noun="the NNX object", is_target=_is_nnx_object)
     _place_state(obj, rules, devices)
     return obj
 
@@ -220,7 +222,9 @@ def _place_part(obj: Any, state: Any, shardings_of: Callable[[Any], list[Any]]) 
     return {id(v): s for v, s in zip(placed, shardings, strict=True) if s is not None}
 
 
-def create_sharded(factory: Callable[..., T], rules: RulesLike, /, *args: Any, **kwargs: Any) -> T:
+def create_sharded(
+    factory: Callable[..., T], rules: RulesLike | None = None, /, *args: Any, **kwargs: Any
+) -> T:
     """Builds an NNX object born sharded: ``factory(*args, **kwargs)``, every variable placed by its rule.
 
     The construction is compiled by einshard's born-sharded builder (the one
@@ -279,7 +283,7 @@ def create_sharded(factory: Callable[..., T], rules: RulesLike, /, *args: Any, *
     >>> [shard.data.shape for shard in model.kernel[...].addressable_shards][:2]
     [(4, 2), (4, 2)]
     """
-    table = _table("create_sharded", factory, rules, args, kwargs)
+    table = _table("create_sharded", factory, rules, args, kwargs, noun="the factory")
 
     def make(*args: Any, **kwargs: Any) -> Any:
         with _no_eager_sharding():
@@ -289,7 +293,7 @@ def create_sharded(factory: Callable[..., T], rules: RulesLike, /, *args: Any, *
 
 
 def _table(
-    verb: str, target: Any, rules: RulesLike, args: tuple[Any, ...], kwargs: dict[str, Any], **how: Any
+    verb: str, target: Any, rules: RulesLike | None, args: tuple[Any, ...], kwargs: dict[str, Any], **how: Any
 ) -> Rules:
     table = rule_table(verb, target, rules, args, kwargs, **how)
     assert table is not None  # None is no table here (rule_table refuses it)
@@ -438,6 +442,14 @@ def _is_nnx_node(leaf: Any) -> bool:
     return isinstance(leaf, (nnx.Pytree, nnx.Variable))
 
 
+def _is_nnx_object(value: Any) -> bool:
+    """Whether ``value`` is what :func:`shard_module` places: an NNX object, or a container of them."""
+    return any(
+        nnx.graph.is_graph_node(node)
+        for node in jax.tree_util.tree_leaves(value, is_leaf=nnx.graph.is_graph_node)
+    )
+
+
 def _no_eager_sharding() -> contextlib.AbstractContextManager[Any]:
     """Turns off Flax's eager sharding (by ``with_partitioning`` annotations), where Flax has it."""
     use_eager_sharding = getattr(nnx, "use_eager_sharding", None)
@@ -453,7 +465,7 @@ def _state_context(error: EinshardError, obj: Any) -> None:
 # --- linen --------------------------------------------------------------------
 
 
-def init_sharded(module: Any, rules: RulesLike, /, *init_args: Any, **init_kwargs: Any) -> Any:
+def init_sharded(module: Any, rules: RulesLike | None = None, /, *init_args: Any, **init_kwargs: Any) -> Any:
     """A born-sharded ``module.init(*init_args, **init_kwargs)`` for a linen module.
 
     The variables are computed by one compiled call whose outputs carry the
@@ -492,8 +504,8 @@ def init_sharded(module: Any, rules: RulesLike, /, *init_args: Any, **init_kwarg
 
 def create_train_state(
     module: Any,
-    tx: Any,
-    rules: RulesLike,
+    rules: RulesLike | None = None,
+    tx: Any = None,
     /,
     *init_args: Any,
     state_class: type | None = None,
@@ -503,7 +515,7 @@ def create_train_state(
 
     The parameters are initialized by :func:`init_sharded` (rules match
     ``params/Dense_0/kernel``, the path the state's ``params`` field gives),
-    then the optimizer state by :func:`einshard.integrations.optax.init_sharded`:
+    then the optimizer state by :func:`einshard.integrations.optax.init_opt_state`:
     each leaf that mirrors a parameter (``mu``, ``nu``, momentum) is born with
     that parameter's sharding, scalars (``count``) replicated. ``step`` is a
     replicated ``int32`` zero. Nothing exists whole on one device.
@@ -513,10 +525,15 @@ def create_train_state(
     sharded by the rules (``batch_stats/BatchNorm_0/mean``); otherwise they
     are dropped, as ``TrainState.create(params=variables['params'])`` drops them.
 
+    The rule table comes second, as in every builder (:func:`create_sharded`,
+    :func:`init_sharded`), then the optimizer. The order of einshard 0.3's
+    first version, ``create_train_state(module, tx, rules, ...)``, is refused
+    with an error showing this call.
+
     Args:
         module: A ``flax.linen.Module``; ``module.apply`` becomes ``apply_fn``.
-        tx: An optax ``GradientTransformation``.
         rules: The rule table (see :func:`einshard.shard_pytree`).
+        tx: An optax ``GradientTransformation``.
         *init_args: Arguments for ``module.init``: the RNG key(s), then sample inputs.
         state_class: The state class, ``flax.training.train_state.TrainState``
             by default, or a subclass with extra fields.
@@ -530,7 +547,7 @@ def create_train_state(
     >>> import flax.linen as nn
     >>> from einshard.integrations.flax import create_train_state
     >>> rules = [(r'kernel$', 'x y -> x y*'), (r'bias$', 'y -> y*')]
-    >>> state = create_train_state(nn.Dense(16), optax.adam(1e-3), rules, jax.random.key(0), jnp.ones((1, 4)))
+    >>> state = create_train_state(nn.Dense(16), rules, optax.adam(1e-3), jax.random.key(0), jnp.ones((1, 4)))
     >>> state.opt_state[0].mu['kernel'].sharding.shard_shape((4, 16))
     (4, 2)
     """
@@ -540,7 +557,9 @@ def create_train_state(
 
     from . import optax as optax_integration
 
-    table = _table("create_train_state", module, rules, init_args, init_kwargs, before=("tx",))
+    table = _table(
+        "create_train_state", module, rules, (tx, *init_args), init_kwargs, after={"tx": is_optimizer}
+    )
     cls: Any = train_state.TrainState if state_class is None else state_class
     fields = {field.name for field in dataclasses.fields(cls)}
     extra_fields = fields - {"step", "apply_fn", "params", "tx", "opt_state"}
@@ -556,6 +575,6 @@ def create_train_state(
             hint="A TrainState needs parameters to optimize.",
         )
     params = variables.pop("params")
-    opt_state = optax_integration.init_sharded(tx, params)
+    opt_state = optax_integration.init_opt_state(tx, params)
     step = _pytrees.shard_pytree(jnp.zeros((), jnp.int32), _REPLICATE)
     return cls(step=step, apply_fn=module.apply, params=params, tx=tx, opt_state=opt_state, **variables)

@@ -3,7 +3,7 @@
 Each array leaf of an optax state gets one **derivation**, computed once: the
 parameter it follows and, per axis, which axis of that parameter it takes the
 split of (or none), with the reason. Shardings (:func:`opt_state_shardings`,
-:func:`shard_opt_state`, :func:`init_sharded`) and the rows of
+:func:`shard_opt_state`, :func:`init_opt_state`) and the rows of
 :func:`explain_opt_state` are read off it. A leaf that **mirrors** a parameter
 (Adam's ``mu``) gets its sharding; one with **axes reduced** (Adafactor's
 ``v_row`` / ``v_col``, SM3), **leading axes added** (L-BFGS's history) or
@@ -23,10 +23,10 @@ The parameters' layouts are read from ``params`` (placed arrays, or
 does not import optax; this module does.
 
 >>> import jax.numpy as jnp, optax, einshard
->>> from einshard.integrations.optax import init_sharded
+>>> from einshard.integrations.optax import init_opt_state
 >>> rules = [('w', 'x y -> x y*'), ('b', 'y -> y*')]
 >>> params = einshard.shard_pytree({'w': jnp.ones((4, 64)), 'b': jnp.zeros(64)}, rules)
->>> state = init_sharded(optax.adam(1e-3), params)
+>>> state = init_opt_state(optax.adam(1e-3), params)
 >>> state[0].mu['w'].sharding == params['w'].sharding
 True
 >>> state[0].count.sharding.is_fully_replicated
@@ -60,9 +60,9 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSha
 
 from .._arrays._arrays import make_sharding
 from .._arrays._build import build_sharded
-from .._arrays._leaves import carried_sharding, is_array, nbytes
+from .._arrays._leaves import carried_sharding, is_array, is_jax_array, nbytes
 from .._arrays._place import place_leaves
-from .._language._errors import EinshardError, EinshardWarning, short_repr
+from .._language._errors import EinshardDeprecationWarning, EinshardError, EinshardWarning, short_repr
 from .._language._expression import REPLICATE
 from .._language._layout import carried_expression, compile_layout
 from .._language._text import size_text
@@ -73,7 +73,7 @@ from .._trees._explain import Report, report_row
 from .._trees._paths import flatten_or_explain, flatten_with_paths
 from .._trees._rules import RulesLike
 
-__all__ = ["explain_opt_state", "init_sharded", "opt_state_shardings", "shard_opt_state"]
+__all__ = ["explain_opt_state", "init_opt_state", "init_sharded", "opt_state_shardings", "shard_opt_state"]
 
 KeyPath = tuple[Any, ...]
 Axes = tuple[int | None, ...]  # per leaf axis: the parameter axis whose split it takes, or None
@@ -605,7 +605,7 @@ def shard_opt_state(opt_state: Any, params: Any, *, tx: Initable | None = None) 
     return jax.tree_util.tree_unflatten(treedef, placed)
 
 
-def init_sharded(tx: Initable, params: Any) -> Any:
+def init_opt_state(tx: Initable, params: Any) -> Any:
     """Runs ``tx.init(params)`` so that the state is born sharded.
 
     The state's shapes are found abstractly, their shardings derived from
@@ -614,6 +614,9 @@ def init_sharded(tx: Initable, params: Any) -> Any:
     ``out_shardings`` by einshard's born-sharded builder (in parts of
     bounded size, as :func:`einshard.init_sharded`): each device computes
     only its own shards, and no state leaf ever exists whole on one device.
+    It is ``tx.init`` for sharded params: ``init_opt_state(tx, params)``
+    where unsharded code has ``tx.init(params)``. (Until einshard 0.3 it was
+    called ``init_sharded``, a name that still works, with a warning.)
 
     Args:
         tx: An optax ``GradientTransformation`` (any: ``chain``,
@@ -631,10 +634,15 @@ def init_sharded(tx: Initable, params: Any) -> Any:
     Raises:
         EinshardError: If ``params`` mixes abstract and concrete arrays.
 
+    Warns:
+        EinshardWarning: If array params are not placed (NumPy arrays), on
+            more than one device: their state is then replicated on every
+            device, not split like the params would be.
+
     >>> import jax.numpy as jnp, optax, einshard
-    >>> from einshard.integrations.optax import init_sharded
+    >>> from einshard.integrations.optax import init_opt_state
     >>> params = einshard.shard_pytree({'w': jnp.ones((4, 64))}, {'w': 'x y -> x y*'})
-    >>> state = init_sharded(optax.MultiSteps(optax.lion(1e-4), every_k_schedule=4), params)
+    >>> state = init_opt_state(optax.MultiSteps(optax.lion(1e-4), every_k_schedule=4), params)
     >>> [shard.data.shape for shard in state.acc_grads['w'].addressable_shards][:2]
     [(4, 8), (4, 8)]
     """
@@ -645,9 +653,50 @@ def init_sharded(tx: Initable, params: Any) -> Any:
             "params mix abstract (jax.ShapeDtypeStruct) and concrete arrays",
             hint="Pass placed params to create the state, or abstract ones for an abstract state.",
         )
+    _warn_if_unplaced(arrays, params)
     if any(abstract_params):
         return shard_opt_state(jax.eval_shape(tx.init, params), params, tx=tx)
     return build_sharded(tx.init, lambda abstract: opt_state_shardings(abstract, params, tx=tx), params)
+
+
+def _warn_if_unplaced(arrays: list[Any], params: Any) -> None:
+    """Warns that a state built from unplaced (NumPy) params is replicated on every device."""
+    unplaced = [
+        leaf for leaf in arrays if not is_jax_array(leaf) and not isinstance(leaf, jax.ShapeDtypeStruct)
+    ]
+    if not unplaced or jax.device_count() < 2:
+        return
+    total = sum(nbytes(np.shape(leaf), np.asarray(leaf).dtype) for leaf in unplaced)
+    warnings.warn(
+        f"{len(unplaced)} of the params ({size_text(total)}) are not placed (NumPy arrays): "
+        f"the optimizer state that mirrors them is replicated on all {jax.device_count()} devices; "
+        "place the params first, params = einshard.shard_pytree(params, rules), "
+        "then call init_opt_state(tx, params)",
+        EinshardWarning,
+        stacklevel=3,
+    )
+
+
+def init_sharded(tx: Initable, params: Any) -> Any:
+    """Deprecated: the old name of :func:`init_opt_state`, which it calls (with a warning).
+
+    Args:
+        tx: The optimizer (see :func:`init_opt_state`).
+        params: The parameters (see :func:`init_opt_state`).
+
+    Returns:
+        ``init_opt_state(tx, params)``.
+
+    Warns:
+        EinshardDeprecationWarning: Always: call :func:`init_opt_state`.
+    """
+    warnings.warn(
+        "einshard.integrations.optax.init_sharded is now init_opt_state: "
+        "call init_opt_state(tx, params) (the old name goes in a future release)",
+        EinshardDeprecationWarning,
+        stacklevel=2,
+    )
+    return init_opt_state(tx, params)
 
 
 def explain_opt_state(
