@@ -236,13 +236,25 @@ def _up(middle):
     [
         (lambda h: h, True),
         (lambda h: jnp.stack([h, -h], 1).sum(1), True),  # stack: a new axis, the hidden axis goes through
+        (lambda h: jnp.stack([h, -h], -1).max(-1), True),  # a new last axis, reduced again
+        (lambda h: jnp.stack([h, -h], 0)[1], True),
         (lambda h: jnp.tile(h, (2, 1)).reshape(2, *h.shape).sum(0), True),  # tiled along the batch only
         (lambda h: jnp.flip(h, 0), True),  # reversed along the batch only
         (lambda h: jnp.flip(h, 1), False),  # reversed along the hidden axis: a break
         (lambda h: jnp.tile(h, (1, 2))[:, : h.shape[1]], False),
         (lambda h: jax.lax.cumsum(h, 1), False),
     ],
-    ids=["plain", "stack", "tile-batch", "rev-batch", "rev-hidden", "tile-hidden", "cumsum-hidden"],
+    ids=[
+        "plain",
+        "stack",
+        "stack-last",
+        "stack-first",
+        "tile-batch",
+        "rev-batch",
+        "rev-hidden",
+        "tile-hidden",
+        "cumsum-hidden",
+    ],
 )
 def test_handled_primitives_keep_the_axes_they_do_not_touch(middle, split):
     up, _ = _up(middle)

@@ -265,7 +265,7 @@ def _stopped_attention(stop):
     return loss, params, jnp.ones((BATCH, SEQ, 64))
 
 
-@pytest.mark.parametrize(
+STOPS = pytest.mark.parametrize(
     ("stop", "words"),
     [
         (lambda q: jnp.sort(q, axis=2), "sorted along"),
@@ -277,6 +277,9 @@ def _stopped_attention(stop):
     ],
     ids=["sort", "cumsum", "callback"],
 )
+
+
+@STOPS
 def test_the_note_names_the_break_that_stopped_the_split(stop, words):
     loss, params, x = _stopped_attention(stop)
     found = {row.path: row for row in roles(loss, params, x, n_devices=8).leaves}
@@ -288,3 +291,11 @@ def test_the_note_names_the_break_that_stopped_the_split(stop, words):
     loss, params, x = _stopped_attention(lambda q: q)
     free = {row.path: row for row in roles(loss, params, x, n_devices=8).leaves}
     assert (free["q"].axis, free["q"].parts) == (1, 8)
+
+
+@STOPS
+def test_the_derived_rule_of_a_weight_left_whole_carries_that_note(stop, words):
+    loss, params, x = _stopped_attention(stop)
+    rule = tensor_parallel(loss, params, x).match("q")
+    assert rule.expression.endswith("-> * ...") or "*" not in rule.expression.split("->")[1], rule
+    assert f"axis 1 is {words}" in rule.note and "sliced" not in rule.note, rule.note
