@@ -545,9 +545,6 @@ class Reader:
             merged = lhs.axes[i] | rhs.axes[j]
             self.join(node for node, _, _ in merged)
             self.role(merged, "heads")
-            # Heads split whole: a finer split would cut a head between devices (no layout of
-            # the (heads, head_dim) activations gives it), so the split stops at the heads.
-            self.brk(((node, outer * size, size) for node, outer, size in merged), "cut inside a head")
             batch.append(merged)
         axes = batch + [lhs.axes[i] for i in lfree] + [rhs.axes[i] for i in rfree]
         return [Value(ACT, tuple(axes))]
