@@ -394,6 +394,34 @@ DATAFLOW_ROLES = [
     ),
 ]
 
+PRIMITIVES = ("tests/test_reading.py", "tests/test_primitives.py")
+DATAFLOW_ROLES += [
+    Mutant(
+        "roles-stack-axis-misplaced",
+        JAXPR,
+        "grown = [Value(v.kind, (*v.axes[:axis], EMPTY, *v.axes[axis:]), v.leaves) for v in ins]",
+        "grown = [Value(v.kind, (EMPTY, *v.axes), v.leaves) for v in ins]",
+        PRIMITIVES,
+        "stack: the new axis put first, not where stack puts it (GPT-J's rotary stacks along the last)",
+    ),
+    Mutant(
+        "roles-first-break-blamed",
+        JAXPR,
+        "            if node not in self.why or bound < self.bound[node]:",
+        "            if node not in self.why:",
+        PRIMITIVES,
+        "a weight's note names the first break met, not the one that stopped its split",
+    ),
+    Mutant(
+        "roles-stops-guessed-at",
+        JAXPR,
+        "        if name in STOPS:",
+        "        if name in ():",
+        PRIMITIVES,
+        "the listed stops are not honoured: a callback or a factorization of one shape read as elementwise",
+    ),
+]
+
 ALL = MUTANTS + DATAFLOW_ROLES
 
 

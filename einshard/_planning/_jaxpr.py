@@ -29,9 +29,19 @@ from typing import Any
 
 from .._arrays._leaves import nbytes
 from .._language._errors import EinshardError
-from ._primitives import AXIS_PARAMS, CALLBACKS, CUMULATIVE, ELEMENTWISE, IDENTITY, MIXING, RANDOM, REDUCE
+from ._primitives import (
+    AXIS_PARAMS,
+    CALLS,
+    CONSTANT,
+    CUMULATIVE,
+    ELEMENTWISE,
+    IDENTITY,
+    RANDOM,
+    REDUCE,
+    STOPS,
+)
 
-__all__ = ["ACT", "CORE", "PARAM", "Reader", "Value", "plain"]
+__all__ = ["ACT", "CORE", "HANDLED", "PARAM", "READ", "Reader", "Value", "plain"]
 
 CONST, PARAM, ACT, BACK = 0, 1, 2, 3
 """What a value derives from, in increasing precedence: constants only, parameters (a weight
@@ -106,7 +116,9 @@ class Reader:
         self.parent = list(range(count))
         self.limit = [shapes[leaf][axis] for leaf, axis in zip(self.node_leaf, self.node_axis, strict=True)]
         self.roles: list[set[str]] = [set() for _ in range(count)]
+        self.size = list(self.limit)
         self.why: dict[int, str] = {}
+        self.bound: dict[int, int] = {}
         self.feeds: set[tuple[int, int]] = set()
         self.costs: dict[tuple, float] = {}
         self.uses: list[set[str]] = [set() for _ in shapes]
@@ -144,10 +156,18 @@ class Reader:
                     self.feeds.add((column, row))
 
     def brk(self, tags: Iterable[tuple[int, int, int]], reason: str) -> None:
-        """The tagged axes cannot be split here: their parameter axes split only above them."""
+        """The tagged axes cannot be split here: their parameter axes split only above them.
+
+        A parameter axis keeps, as its ``why``, the reason of the break that limits it most on
+        its own (the first of equals): a harmless earlier cut between whole heads does not hide
+        the break that stops the split altogether.
+        """
         for node, outer, _ in tags:
             self.limit[node] = math.gcd(self.limit[node], outer)
-            self.why.setdefault(node, reason)
+            bound = math.gcd(self.size[node], outer)
+            if node not in self.why or bound < self.bound[node]:
+                self.why[node] = reason
+                self.bound[node] = bound
 
     def cost(self, eqn: Any, nodes: Iterable[int], amount: float) -> None:
         """A collective of ``amount`` bytes per run, if the nodes' axes were split, at this site."""
@@ -190,16 +210,21 @@ class Reader:
             return handler(self, eqn, ins)
         if name in ELEMENTWISE:
             return self.elementwise(eqn, ins)
-        if name in RANDOM:
+        if name in RANDOM or name in CONSTANT:
             return [plain(CONST, _rank(v)) for v in eqn.outvars]
-        if name in CALLBACKS:
-            return self.opaque(eqn, ins, f"{name}, which einshard cannot see into")
+        if name in STOPS:
+            return self.opaque(eqn, ins, f"{name}, {STOPS[name]}")
         subs = [v for v in eqn.params.values() if _is_jaxpr(v)]
-        if len(subs) == 1 and len(_inner(subs[0]).invars) == len(ins):
+        if (
+            len(subs) == 1
+            and len(_inner(subs[0]).invars) == len(ins)
+            and len(_inner(subs[0]).outvars) == len(eqn.outvars)
+        ):
             return self.call(eqn, subs[0], ins)
         if kind == CONST:
             return [plain(CONST, _rank(v)) for v in eqn.outvars]
-        if not subs and name not in MIXING and _same_shape(eqn):
+        # A primitive JAX does not define (tests/test_primitives.py holds JAX's own to the lists).
+        if not subs and name not in READ and _same_shape(eqn):
             return self.elementwise(eqn, ins)
         return self.opaque(eqn, ins, f"{name}, which the reading does not follow")
 
@@ -329,7 +354,7 @@ class Reader:
 
     def reduce(self, eqn: Any, ins: list[Value]) -> list[Value]:
         value = ins[0]
-        axes = set(eqn.params.get("axes", ()))
+        axes = set(eqn.params.get("axes", eqn.params.get("dimensions", ())))
         if value.kind == ACT:
             amount = _nbytes(eqn.outvars[0])
             for i in axes:
@@ -342,7 +367,11 @@ class Reader:
         return out + [Value(value.kind, kept, value.leaves) for _ in eqn.outvars[1:]]
 
     def along(self, eqn: Any, ins: list[Value], axes: set[int], reason: str) -> list[Value]:
-        """An operation that mixes the elements along ``axes`` (a sort, a scan over an axis)."""
+        """An operation that mixes the elements along ``axes`` (a sort, a scan over an axis).
+
+        The other axes go through as in an elementwise operation; a parameter that goes into
+        the activations this way (a class token concatenated in front of them) is read.
+        """
         kind = max((v.kind for v in ins), default=CONST)
         rank = _rank(eqn.outvars[0])
         out = []
@@ -354,9 +383,16 @@ class Reader:
                         self.brk(value.axes[axis], reason)
                     else:
                         merged = merged | value.axes[axis]
+                        if kind == ACT and value.kind == PARAM:
+                            self.role(value.axes[axis], "elementwise")
             if len(merged) > 1:
                 self.join(node for node, _, _ in merged)
             out.append(merged)
+        if kind == ACT:
+            for value in ins:
+                if value.kind == PARAM:
+                    for leaf in value.leaves:
+                        self.uses[leaf].add(eqn.primitive.name)
         leaves = frozenset().union(*(v.leaves for v in ins)) if kind == PARAM else EMPTY
         value = Value(kind, tuple(out), leaves)
         return [value if _rank(v) == rank else plain(kind, _rank(v)) for v in eqn.outvars]
@@ -368,10 +404,12 @@ class Reader:
         return self.along(eqn, ins, {eqn.params["dimension"]}, "sorted along")
 
     def top_k(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        """``top_k`` and ``approx_top_k``: the axis searched along is a break, the others go through."""
         rank = len(ins[0].axes)
-        axis = eqn.params.get("axis", -1) % rank if rank else 0
+        axis = eqn.params.get("axis", eqn.params.get("reduction_dimension", -1))
+        axis = axis % rank if rank else 0
         value = ins[0]
-        self.brk(value.axes[axis] if rank else (), "searched along by top_k")
+        self.brk(value.axes[axis] if rank else (), f"searched along by {eqn.primitive.name}")
         axes = tuple(EMPTY if i == axis else t for i, t in enumerate(value.axes))
         return [Value(value.kind, axes, value.leaves), plain(value.kind, _rank(eqn.outvars[1]))]
 
@@ -439,6 +477,36 @@ class Reader:
 
     def concatenate(self, eqn: Any, ins: list[Value]) -> list[Value]:
         return self.along(eqn, ins, {eqn.params["dimension"]}, "concatenated with other arrays")
+
+    def stack(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        """``jnp.stack``: a concatenate along a new axis (each operand's axes keep their places)."""
+        rank = _rank(eqn.outvars[0])
+        axis = eqn.params["axis"] % max(rank, 1)
+        grown = [Value(v.kind, (*v.axes[:axis], EMPTY, *v.axes[axis:]), v.leaves) for v in ins]
+        return self.along(eqn, grown, {axis}, "stacked with other arrays")
+
+    def tile(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        """``jnp.tile``: an axis repeated end to end holds its parameter axis more than once."""
+        repeated = {i for i, r in enumerate(eqn.params["reps"]) if r != 1}
+        return self.along(eqn, ins, repeated, "repeated end to end (tiled)")
+
+    def rev(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        return self.along(eqn, ins, set(eqn.params["dimensions"]), "reversed")
+
+    def fft(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        rank = _rank(eqn.outvars[0])
+        count = len(eqn.params["fft_lengths"])
+        return self.along(eqn, ins, set(range(rank - count, rank)), "transformed along by an FFT")
+
+    def tie(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        """``tie(x, y)`` is ``y`` (``x`` only orders the program)."""
+        return [ins[-1]]
+
+    def bitcast_convert_type(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        """Elementwise between types of one width; otherwise a new minor axis: a stop."""
+        if _shape(eqn.invars[0]) == _shape(eqn.outvars[0]):
+            return self.elementwise(eqn, ins)
+        return self.opaque(eqn, ins, "bitcast_convert_type, which changes the width of its elements")
 
     def pad(self, eqn: Any, ins: list[Value]) -> list[Value]:
         padded = {i for i, (lo, hi, inner) in enumerate(eqn.params["padding_config"]) if lo or hi or inner}
@@ -781,6 +849,13 @@ _HANDLERS: dict[str, Callable[[Reader, Any, list[Value]], list[Value]]] = {
     "split": Reader.split,
     "unstack": Reader.unstack,
     "concatenate": Reader.concatenate,
+    "stack": Reader.stack,
+    "tile": Reader.tile,
+    "rev": Reader.rev,
+    "fft": Reader.fft,
+    "tie": Reader.tie,
+    "bitcast_convert_type": Reader.bitcast_convert_type,
+    "approx_top_k": Reader.top_k,
     "pad": Reader.pad,
     "sort": Reader.sort,
     "top_k": Reader.top_k,
@@ -791,13 +866,24 @@ _HANDLERS: dict[str, Callable[[Reader, Any, list[Value]], list[Value]]] = {
     "reduce_window_max": Reader.windowed,
     "reduce_window_min": Reader.windowed,
     "reduce_window": Reader.windowed,
+    "select_and_gather_add": Reader.windowed,
+    "select_and_scatter_add": Reader.windowed,
+    "select_and_scatter": Reader.windowed,
     "scatter": Reader.scatter,
     "scatter-add": Reader.scatter,
     "scatter_add": Reader.scatter,
     "scatter-mul": Reader.scatter,
     "scatter-min": Reader.scatter,
     "scatter-max": Reader.scatter,
+    "scatter-sub": Reader.scatter,
     **{name: Reader.identity for name in IDENTITY},
     **{name: Reader.reduce for name in REDUCE},
     **{name: Reader.cumulative for name in CUMULATIVE},
 }
+
+
+HANDLED = frozenset(_HANDLERS)
+"""The primitives with a handler of their own."""
+
+READ = HANDLED | ELEMENTWISE | IDENTITY | REDUCE | CUMULATIVE | RANDOM | CONSTANT | CALLS
+"""Every primitive the reader follows (the others of JAX's own stop it: ``_primitives.STOPS``)."""

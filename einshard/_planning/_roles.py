@@ -498,7 +498,11 @@ def _no_split_note(
     uses = reading.uses[leaf]
     nodes = list(_nodes(reading, leaf))
     if "opaque" in uses or any("opaque" in reading.roles[n] for n in nodes):
-        stopped = next((n for n in nodes if n in reading.why), None)
+        # The axis whose break limits it most: the one a split would have taken.
+        known = [n for n in nodes if n in reading.why]
+        stopped = min(
+            known, key=lambda n: (reading.limit[n], -reading.shapes[leaf][reading.node_axis[n]]), default=None
+        )
         if stopped is None:
             return "no split: read by an operation einshard cannot see into"
         return f"no split: axis {reading.node_axis[stopped]} is {reading.why[stopped]}"

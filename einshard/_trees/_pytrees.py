@@ -31,6 +31,7 @@ from .._language._errors import EinshardError, EinshardWarning, adding_context
 from .._sharding._devices import Devices, device_target
 from .._sharding._expression_sharding import expression_sharding
 from ._assign import Assignment, as_rules, assign_leaves, assign_rules, leaf_context
+from ._calls import rule_table  # the one home of the builders' argument checks
 from ._rules import Rule, Rules, RulesLike
 
 __all__ = ["init_sharded", "leaf_shardings", "pytree_shardings", "shard_pytree", "shardings_of"]
@@ -185,8 +186,6 @@ def init_sharded(init_fn: Callable[..., Any], rules: RulesLike, *args: Any, **kw
     >>> params['w'].sharding.shard_shape((8, 64))
     (8, 8)
     """
-    from ..integrations._calls import rule_table  # the one home of the builders' argument checks
-
     table = rule_table("init_sharded", init_fn, rules, args, kwargs, noun="the function")
     assert table is not None  # None is no table here (rule_table refuses it)
     return build_sharded(init_fn, lambda abstract: pytree_shardings(abstract, table), *args, **kwargs)

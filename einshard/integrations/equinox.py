@@ -78,9 +78,9 @@ from .._language._expression import REPLICATE as _REPLICATE
 from .._language._expression import parse
 from .._sharding._devices import Devices
 from .._trees import _pytrees
+from .._trees._calls import rule_table, table_second
 from .._trees._paths import flatten_with_paths, path_string
 from .._trees._rules import Rules, RulesLike
-from ._calls import rule_table, table_second
 
 __all__ = ["create_sharded", "field_expressions", "module_rules", "shard_module", "sharded"]
 

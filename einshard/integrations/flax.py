@@ -73,9 +73,9 @@ from .._language._errors import EinshardError, adding_context
 from .._language._expression import REPLICATE
 from .._sharding._devices import Devices
 from .._trees import _pytrees
+from .._trees._calls import is_optimizer, rule_table, table_second
 from .._trees._paths import register_value_wrapper
 from .._trees._rules import Rules, RulesLike
-from ._calls import is_optimizer, rule_table, table_second
 
 __all__ = [
     "create_optimizer",

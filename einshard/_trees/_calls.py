@@ -21,7 +21,7 @@ from typing import Any
 
 from .._arrays._leaves import is_array
 from .._language._errors import EinshardError
-from .._trees._rules import ByShape, Rule, Rules, RulesLike
+from ._rules import ByShape, Rule, Rules, RulesLike
 
 __all__ = ["is_optimizer", "is_table", "rule_table", "table_second"]
 
