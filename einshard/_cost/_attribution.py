@@ -349,8 +349,12 @@ def attributed_rows(
     mesh: tuple[tuple[str, int], ...],
     positions: list[int],
     paths: list[str | None] | None,
+    hosts: Sequence[int] | None = None,
 ) -> tuple[list[StepRow], list[tuple[_hlo.Collective, int]]]:
-    """One row per array of every collective, and for each row its collective and array index."""
+    """One row per array of every collective, and for each row its collective and array index.
+
+    ``hosts``: the host of each partition's device, for the rows' :attr:`~StepRow.hosts`.
+    """
     found = _hlo.collectives(module)
     origins: list[tuple[_hlo.Collective, int]] = []
     # A backward pass shows as op names 'transpose(jvp(...))'; the raw text is enough to tell.
@@ -363,6 +367,7 @@ def attributed_rows(
         # The largest group: a permute's cycles can include devices that keep their own shard.
         group_size = max((len(group) for group in collective.groups), default=1)
         axes = mesh_axes(collective.groups, mesh, positions)
+        spans = _hosts(collective.groups, hosts)
         inputs = [s for s in (_operand_shape(flow, o) for o in instruction.operands) if s is not None]
         outputs = list(instruction.shapes)
         if instruction.opcode.endswith("-start") or len(outputs) != len(inputs):
@@ -411,9 +416,20 @@ def attributed_rows(
                     source=source,
                     param=param,
                     instruction=instruction.name,
+                    hosts=spans,
                 )
             )
     return rows, origins
+
+
+def _hosts(groups: Sequence[Sequence[int]], hosts: Sequence[int] | None) -> int:
+    """How many hosts the largest group's devices are on (1 without hosts)."""
+    if not hosts:
+        return 1
+    return max(
+        (len({hosts[p] for p in group if p < len(hosts)}) for group in groups),
+        default=1,
+    )
 
 
 def _user_phase(

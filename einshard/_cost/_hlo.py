@@ -43,6 +43,8 @@ COLLECTIVES = {
     "all-gather": "all-gather",
     "all-gather-start": "all-gather",
     "reduce-scatter": "reduce-scatter",
+    "reduce-scatter-start": "reduce-scatter",
+    "all-to-all-start": "all-to-all",
     "all-to-all": "all-to-all",
     "ragged-all-to-all": "all-to-all",
     "collective-permute": "collective-permute",

@@ -9,6 +9,7 @@ from typing import Any
 
 from .._language._errors import EinshardError
 from .._language._text import seconds_text, size_text, table_text
+from ._target import Hardware
 
 __all__ = [
     "ACCELERATORS",
@@ -60,6 +61,8 @@ class StepRow:
         source: ``file:line`` of the user code, or ``None``.
         param: The path of the parameter it gathers or whose gradient it reduces, or ``None``.
         instruction: The HLO instruction (rows of one combined collective share it).
+        hosts: How many hosts the devices of its largest group are on (1 on CPU devices and
+            TPU slices); a collective across hosts runs at the network's bandwidth.
     """
 
     kind: str
@@ -77,6 +80,7 @@ class StepRow:
     source: str | None
     param: str | None
     instruction: str
+    hosts: int = 1
 
     @property
     def total_bytes(self) -> int:
@@ -172,6 +176,16 @@ class StepReport:
             rewrites of it the rows and totals include (``'gpu'``).
         compiled: The rows and findings as compiled, before an accelerator's rewrites (by default
             the report's own).
+        target: What the step was compiled for: ``'cpu'`` (simulated CPU devices), a GPU
+            (``'h100'``) or a TPU generation (``'v5e'``); the rows, bytes, findings and memory
+            are that compiler's.
+        topology: The target's topology (``'1x8x8'``, ``'v5e:2x4'``), or ``None`` on CPU devices.
+        hardware: The target's figures (:class:`~einshard.Hardware`), with their sources, or
+            ``None`` on CPU devices.
+        flops_source: Where :attr:`flops` comes from when the compiled program has no cost
+            analysis (a compile-only device's), or ``None``: from the program itself.
+        network_bandwidth: Bytes per second each device sends to other hosts, for the rows whose
+            groups span hosts, or ``None``: every row at :attr:`bandwidth`.
     """
 
     rows: tuple[StepRow, ...]
@@ -199,6 +213,11 @@ class StepReport:
     compiled: tuple[tuple[StepRow, ...], tuple[Finding, ...]] | None = dataclasses.field(
         default=None, repr=False
     )
+    target: str = "cpu"
+    topology: str | None = None
+    hardware: Hardware | None = dataclasses.field(default=None, repr=False)
+    flops_source: str | None = None
+    network_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         # A report made without the compiled rows (by hand, or as compiled) keeps its own.
@@ -245,6 +264,8 @@ class StepReport:
             bandwidth if bandwidth is not None else self.bandwidth,
             latency if latency is not None else self.latency,
             flops_per_second if flops_per_second is not None else self.flops_per_second,
+            # A bandwidth given is every link's; the target's network figure is kept otherwise.
+            self.network_bandwidth if bandwidth is None else None,
         )
 
     def __str__(self) -> str:
@@ -365,9 +386,17 @@ def accelerated(report: StepReport, accelerator: str | None) -> StepReport:
 
 
 def estimated(
-    report: StepReport, bandwidth: float | None, latency: float, flops_per_second: float | None
+    report: StepReport,
+    bandwidth: float | None,
+    latency: float,
+    flops_per_second: float | None,
+    network_bandwidth: float | None = None,
 ) -> StepReport:
-    """The report with its rows' times and the totals estimated at these figures."""
+    """The report with its rows' times and the totals estimated at these figures.
+
+    A row whose groups span hosts runs at ``network_bandwidth`` where one is given (a ring is
+    as fast as its slowest link), the others at ``bandwidth``.
+    """
     rows = []
     started: set[str] = set()
     for row in report.rows:
@@ -377,7 +406,8 @@ def estimated(
             # The arrays of a combined collective travel together: its latency is paid once.
             hops = steps(row.group_size) if row.group_size > 1 and row.instruction not in started else 0
             started.add(row.instruction)
-            seconds = row.traffic / bandwidth + row.times * hops * latency
+            link = network_bandwidth if row.hosts > 1 and network_bandwidth is not None else bandwidth
+            seconds = row.traffic / link + row.times * hops * latency
         rows.append(dataclasses.replace(row, seconds=seconds))
     communication = sum(r.seconds for r in rows if r.seconds is not None) if bandwidth is not None else None
     compute = report.flops / flops_per_second if flops_per_second and report.flops is not None else None
@@ -389,6 +419,7 @@ def estimated(
         flops_per_second=flops_per_second,
         communication_seconds=communication,
         compute_seconds=compute,
+        network_bandwidth=network_bandwidth if bandwidth is not None else None,
     )
 
 
@@ -422,8 +453,14 @@ def _columns(report: StepReport) -> tuple[list[str], list[list[str]], list[str]]
     rewritten = (
         f", as XLA's {report.accelerator.upper()} compiler makes the program" if report.accelerator else ""
     )
+    devices = f"{report.n_devices} devices"
+    if report.target != "cpu":
+        devices = (
+            f"{report.n_devices} {report.target.upper()} ({report.topology}), "
+            "as XLA's compiler for them makes it"
+        )
     headline = (
-        f"{collectives_text(report.rows)} on {report.n_devices} devices (mesh {mesh}){rewritten}: "
+        f"{collectives_text(report.rows)} on {devices} (mesh {mesh}){rewritten}: "
         f"{size_text(report.bytes)} per device per step" + (f" ({kinds})" if kinds else "")
     )
     footer = textwrap.wrap(headline, _HEADLINE_WIDTH, subsequent_indent="  ", break_on_hyphens=False)
@@ -435,11 +472,19 @@ def _columns(report: StepReport) -> tuple[list[str], list[list[str]], list[str]]
             f"aliased {size_text(report.alias_bytes or 0)}, "
             f"temporaries {size_text(report.temp_bytes or 0)})"
         )
+        if report.hardware is not None:
+            footer += _wrapped(f"  {memory_note(report)}", "  ")
     if report.flops is not None:
-        footer.append(f"flops per device: {report.flops:.3g}")
+        footer.append(
+            f"flops per device: {report.flops:.3g}"
+            + (f" ({report.flops_source})" if report.flops_source else "")
+        )
     if report.communication_seconds is not None and report.bandwidth is not None:
+        links = f"{report.bandwidth / 1e9:g} GB/s"
+        if report.network_bandwidth is not None and any(row.hosts > 1 for row in report.rows):
+            links += f" within a host, {report.network_bandwidth / 1e9:g} GB/s across hosts"
         text = (
-            f"estimate at {report.bandwidth / 1e9:g} GB/s, latency {seconds_text(report.latency)}: "
+            f"estimate at {links}, latency {seconds_text(report.latency)}: "
             f"communication {seconds_text(report.communication_seconds)}"
         )
         if report.compute_seconds is not None:
@@ -448,9 +493,29 @@ def _columns(report: StepReport) -> tuple[list[str], list[list[str]], list[str]]
                 f", compute {seconds_text(report.compute_seconds)} at {report.flops_per_second:.3g} FLOP/s: "
                 f"{bound}-bound"
             )
-        footer.append(text)
+        footer += _wrapped(text, "  ")
+        hardware = report.hardware
+        if hardware is not None and report.flops_per_second == hardware.flops_per_second:
+            footer += _wrapped(
+                f"  compute at {hardware.efficiency:g} of the {hardware.device}'s peak "
+                f"{hardware.peak_flops_per_second / 1e12:.4g} TFLOP/s ({hardware.sources['efficiency']})",
+                "  ",
+            )
     footer += _findings_lines(report)
     return header, body, footer
+
+
+def memory_note(report: StepReport) -> str:
+    """What the memory of a target's report is, against the device's own memory."""
+    hardware = report.hardware
+    assert hardware is not None and report.peak_bytes is not None
+    share = report.peak_bytes / hardware.memory_bytes
+    fits = "fits in" if share <= 1 else "does NOT fit in"
+    return (
+        f"{fits} the {hardware.device}'s {size_text(hardware.memory_bytes)} ({share:.1%}); the "
+        f"buffers as XLA's compiler for it assigns them (on an H200 that peak equalled the device's "
+        f"measured peak to 0.1 %)"
+    )
 
 
 def collectives_text(rows: Sequence[StepRow]) -> str:
