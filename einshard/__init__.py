@@ -10,9 +10,6 @@ from . import strategies as strategies
 from ._arrays._arrays import einshard as einshard
 from ._arrays._arrays import make_sharding as make_sharding
 from ._arrays._multihost import from_process_local as from_process_local
-from ._cost._planner import Plan as Plan
-from ._cost._planner import PlanRow as PlanRow
-from ._cost._planner import plan as plan
 from ._cost._step import Finding as Finding
 from ._cost._step import StepReport as StepReport
 from ._cost._step import StepRow as StepRow
@@ -23,6 +20,9 @@ from ._language._expression import Expression as Expression
 from ._language._expression import parse as parse
 from ._language._layout import Layout as Layout
 from ._language._layout import layout as layout
+from ._planning._planner import Plan as Plan
+from ._planning._planner import PlanRow as PlanRow
+from ._planning._planner import plan as plan
 from ._sharding._devices import use_devices as use_devices
 from ._sharding._picture import picture as picture
 from ._sharding._picture import visualize as visualize

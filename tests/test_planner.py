@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import einshard
 from einshard import strategies
-from einshard._cost._planner import _with_batch
+from einshard._planning._planner import _with_batch
 
 N = jax.device_count()
 D, HIDDEN = 32, 16 * N  # every split axis divides by the device count

@@ -79,8 +79,9 @@ class Mutant:
 
 REPORT = "einshard/_cost/_report.py"
 ATTRIBUTION = "einshard/_cost/_attribution.py"
-PLANNER = "einshard/_cost/_planner.py"
-STRATEGIES = "einshard/_cost/_strategies.py"
+PLANNER = "einshard/_planning/_planner.py"
+STRATEGIES = "einshard/_planning/_strategies.py"
+STRATEGY = "einshard/_trees/_strategy.py"
 MESH = "einshard/_sharding/_mesh.py"
 VOLUMES = ("tests/test_volumes.py", "tests/test_step.py")
 PLANNING = ("tests/test_planner.py",)
@@ -189,7 +190,7 @@ MUTANTS = [
     # --- strategies ---
     Mutant(
         "fsdp-smallest-axis",
-        STRATEGIES,
+        STRATEGY,
         "        order = sorted(range(len(shape)), key=lambda i: (-shape[i], i))",
         "        order = sorted(range(len(shape)), key=lambda i: (shape[i], i))",
         ("tests/test_strategies.py",),
@@ -197,7 +198,7 @@ MUTANTS = [
     ),
     Mutant(
         "fsdp-min-bytes-inverted",
-        STRATEGIES,
+        STRATEGY,
         "        if size < self.min_bytes:",
         "        if size > self.min_bytes:",
         ("tests/test_strategies.py",),
@@ -205,7 +206,7 @@ MUTANTS = [
     ),
     Mutant(
         "fsdp-ties-to-the-last",
-        STRATEGIES,
+        STRATEGY,
         "        order = sorted(range(len(shape)), key=lambda i: (-shape[i], i))",
         "        order = sorted(range(len(shape)), key=lambda i: (-shape[i], -i))",
         ("tests/test_strategies.py",),
@@ -302,12 +303,14 @@ MUTANTS = [
 
 # --- the tensor-parallel roles read from the step's dataflow, the tables derived from them, and the
 # planner's split share ---
-ROLES = "einshard/_cost/_roles.py"
+JAXPR = "einshard/_planning/_jaxpr.py"
+ROLES = "einshard/_planning/_roles.py"
+DERIVED = "einshard/_planning/_derived.py"
 READING = ("tests/test_roles.py", "tests/test_strategies.py")
 DATAFLOW_ROLES = [
     Mutant(
         "roles-contraction-read-as-free",
-        ROLES,
+        JAXPR,
         '            self.role(mine, "contraction")',
         '            self.role(mine, "free")',
         READING,
@@ -315,7 +318,7 @@ DATAFLOW_ROLES = [
     ),
     Mutant(
         "roles-transpose-not-followed",
-        ROLES,
+        JAXPR,
         'tuple(value.axes[i] for i in eqn.params["permutation"])',
         "value.axes",
         READING,
@@ -323,15 +326,15 @@ DATAFLOW_ROLES = [
     ),
     Mutant(
         "roles-scan-stacked-axis-offset",
-        ROLES,
-        "            slices.append(_Value(value.kind, value.axes[1:], value.leaves))",
-        "            slices.append(_Value(value.kind, value.axes[:-1], value.leaves))",
+        JAXPR,
+        "            slices.append(Value(value.kind, value.axes[1:], value.leaves))",
+        "            slices.append(Value(value.kind, value.axes[:-1], value.leaves))",
         READING,
         "scan: a stacked weight's slice loses its last axis's tags, not its (stacked) first",
     ),
     Mutant(
         "roles-column-row-pair-unrecorded",
-        ROLES,
+        JAXPR,
         "                for row, _, _ in mine:\n"
         "                    if self.node_leaf[column] != self.node_leaf[row]:\n"
         "                        self.feeds.add((column, row))",
@@ -351,7 +354,7 @@ DATAFLOW_ROLES = [
     ),
     Mutant(
         "rules-regex-start-anchor-dropped",
-        ROLES,
+        DERIVED,
         '    return "(^|/)" + "/".join(pieces) + "$"',
         '    return "/".join(pieces) + "$"',
         READING,
@@ -359,7 +362,7 @@ DATAFLOW_ROLES = [
     ),
     Mutant(
         "rules-regex-end-anchor-dropped",
-        ROLES,
+        DERIVED,
         '    return "(^|/)" + "/".join(pieces) + "$"',
         '    return "(^|/)" + "/".join(pieces)',
         READING,
@@ -367,7 +370,7 @@ DATAFLOW_ROLES = [
     ),
     Mutant(
         "hybrid-model-axis-major",
-        ROLES,
+        DERIVED,
         "    return f\"{left} -> {' '.join([*rest, first, split, *copies])}\"",
         "    return f\"{left} -> {' '.join([*rest, split, first, *copies])}\"",
         READING + PLANNING,

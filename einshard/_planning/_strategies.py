@@ -8,23 +8,21 @@ rule: the same resolution path as every other rule, so Flax, Equinox and optax s
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._arrays._build import itemsize
 from .._language._errors import EinshardError
-from .._language._expression import REPLICATE, parse
-from .._language._text import size_text
-from .._trees._rules import ByShape, Indivisible, Rules, RulesLike, Unmatched
+from .._language._expression import REPLICATE
+from .._trees._rules import Rules
+from .._trees._strategy import DEFAULT_MIN_BYTES, SplitLargest, Strategy
 from . import _roles
+from ._derived import rule_patterns, tp_expression
 
 __all__ = [
     "COLUMN",
     "ROW",
-    "SplitLargest",
-    "Strategy",
     "data_parallel",
     "fsdp",
     "hybrid",
@@ -39,170 +37,8 @@ COLUMN = ("q", "k", "v", "query", "key", "value", "wq", "wk", "wv", "up", "gate"
 ROW = ("o", "out", "wo", "down")
 """Layer names the name-based :func:`tensor_parallel` table splits on the input axis by default."""
 
-_NAMES = "abcdefghijklmnopqrstuvwxyz"
-DEFAULT_MIN_BYTES = 1 << 20
 
 
-class Strategy(Rules):
-    """A rule table for one parallelism strategy, with the expression for its batch.
-
-    An ordinary :class:`~einshard.Rules` in every other way: ``shard_pytree``, ``explain``,
-    ``init_sharded`` and the integrations take it as they take any table. Rules added in front
-    (``my_rules + strategy``) or behind keep the strategy's name and batch expression.
-
-    Attributes:
-        name: What the strategy is, e.g. ``'fsdp'`` or ``'hybrid model=4'``.
-        batch: The expression to shard each batch array with (its first axis is the batch
-            axis), so that the batch is laid out consistently with the parameters.
-        model: How many neighbouring devices share each split weight (the model axis): a
-            hybrid's ``model``, a derived tensor-parallel table's device count, ``0`` for the
-            name-based tensor-parallel table (all devices, whatever their count), ``None``
-            for strategies without a model axis (data parallel, FSDP).
-
-    >>> import einshard
-    >>> strategy = einshard.strategies.data_parallel()
-    >>> strategy.name, strategy.batch
-    ('data parallel', 'b ... -> b* ...')
-    >>> (einshard.Rules([('embed', 'v d -> v d*')]) + strategy).batch
-    'b ... -> b* ...'
-    """
-
-    __slots__ = ("batch", "model", "name")
-
-    def __init__(
-        self,
-        rules: RulesLike = (),
-        *,
-        batch: str,
-        name: str,
-        model: int | None = None,
-        unmatched: Unmatched | None = None,
-        indivisible: Indivisible | None = None,
-        strict: bool | None = None,
-    ) -> None:
-        super().__init__(rules, unmatched=unmatched, indivisible=indivisible, strict=strict)
-        parse(batch)
-        if model is not None and (isinstance(model, bool) or not isinstance(model, int) or model < 0):
-            raise EinshardError(
-                f"model must be a non-negative integer or None, not {model!r}",
-                hint="Give how many devices share each split weight, e.g. model=4 (0: all devices).",
-            )
-        self.batch = batch
-        self.name = name
-        self.model = model
-
-    def _like(self, rules: Rules) -> Strategy:
-        return Strategy(rules, batch=self.batch, name=self.name, model=self.model)
-
-    def __add__(self, other: RulesLike) -> Strategy:
-        return self._like(Rules.__add__(self, other))
-
-    def __radd__(self, other: RulesLike) -> Strategy:
-        return self._like(Rules.__radd__(self, other))
-
-    def replace(
-        self,
-        *,
-        unmatched: Unmatched | None = None,
-        indivisible: Indivisible | None = None,
-        strict: bool | None = None,
-    ) -> Strategy:
-        """The same strategy with other policies (those not given are kept)."""
-        return self._like(Rules.replace(self, unmatched=unmatched, indivisible=indivisible, strict=strict))
-
-    def __eq__(self, other: object) -> bool:
-        same_extra = not isinstance(other, Strategy) or (other.batch, other.name) == (self.batch, self.name)
-        return Rules.__eq__(self, other) and same_extra
-
-    def __hash__(self) -> int:
-        return Rules.__hash__(self)
-
-    def __repr__(self) -> str:
-        defaults = {"unmatched": "error", "indivisible": "error", "strict": False}
-        policies = "".join(f", {k}={v!r}" for k, v in self._policies().items() if v != defaults[k])
-        return f"Strategy({self.name!r}, batch={self.batch!r}, {Rules.__repr__(self)}{policies})"
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitLargest(ByShape):
-    """FSDP's per-leaf decision, as a rule's expression: split the largest axis that divides.
-
-    A leaf of at least ``min_bytes`` is split over ``parts`` devices (all of them when ``None``;
-    the other devices hold copies) on its largest axis whose length ``parts`` divides, the next
-    largest when it does not (ties: the first such axis). A smaller leaf, or one no axis of which
-    divides, is replicated; the reason is the leaf's note in :func:`~einshard.explain`.
-
-    Attributes:
-        min_bytes: Leaves smaller than this are replicated.
-        axis: ``'largest'``, or an axis (``0``, ``-1``) to try first, then the largest ones.
-        parts: How many devices each leaf is split over, or ``None`` for all.
-
-    >>> import einshard
-    >>> einshard.strategies.SplitLargest(min_bytes=1024).expression_for((16, 4096), 'float32', 8)
-    ('a b -> a b8', None)
-    >>> einshard.strategies.SplitLargest(min_bytes=1024).expression_for((16, 4100), 'float32', 8)
-    ('a b -> a8 b', 'axis 1 (4100) does not divide by 8: axis 0 split')
-    """
-
-    min_bytes: int = DEFAULT_MIN_BYTES
-    axis: str | int = "largest"
-    parts: int | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.min_bytes, bool) or not isinstance(self.min_bytes, int) or self.min_bytes < 0:
-            raise EinshardError(
-                f"min_bytes must be a non-negative integer, not {self.min_bytes!r}",
-                hint="Give a size in bytes, e.g. min_bytes=1 << 20 (leaves below it are replicated).",
-            )
-        if self.axis != "largest" and (isinstance(self.axis, bool) or not isinstance(self.axis, int)):
-            raise EinshardError(
-                f"axis must be 'largest' or an axis number, not {self.axis!r}",
-                hint="Use axis='largest' (the default), or e.g. axis=0 to try the first axis first.",
-            )
-        if self.parts is not None and (
-            isinstance(self.parts, bool) or not isinstance(self.parts, int) or self.parts < 1
-        ):
-            raise EinshardError(
-                f"parts must be a positive integer or None, not {self.parts!r}",
-                hint="Give how many devices each leaf is split over, or None for all of them.",
-            )
-
-    def expression_for(self, shape: tuple[int, ...], dtype: Any, n_devices: int) -> tuple[str, str | None]:
-        parts = n_devices if self.parts is None else self.parts
-        if n_devices % parts:
-            return REPLICATE, f"parts={parts} does not divide the {n_devices} devices: replicated"
-        size = math.prod(shape) * itemsize(dtype)
-        if parts == 1 or not shape:
-            return REPLICATE, None
-        if size < self.min_bytes:
-            return REPLICATE, f"{size_text(size)} < min_bytes {size_text(self.min_bytes)}: replicated"
-        if len(shape) > len(_NAMES):
-            return REPLICATE, f"rank {len(shape)} > {len(_NAMES)}: replicated"
-        order = sorted(range(len(shape)), key=lambda i: (-shape[i], i))
-        if self.axis != "largest":
-            first = int(self.axis) % len(shape) if -len(shape) <= int(self.axis) < len(shape) else None
-            if first is not None:
-                order.remove(first)
-                order.insert(0, first)
-        split = next((i for i in order if shape[i] % parts == 0), None)
-        if split is None:
-            return REPLICATE, f"no axis of {shape} divides by {parts}: replicated"
-        names = list(_NAMES[: len(shape)])
-        right = [f"{name}{parts}" if i == split else name for i, name in enumerate(names)]
-        copies = n_devices // parts
-        expression = f"{' '.join(names)} -> {' '.join(right)}" + (f" {copies}" if copies > 1 else "")
-        if split == order[0]:
-            return expression, None
-        largest = order[0]
-        return expression, f"axis {largest} ({shape[largest]}) does not divide by {parts}: axis {split} split"
-
-    def __repr__(self) -> str:
-        fields = [f"min_bytes={self.min_bytes}"]
-        if self.axis != "largest":
-            fields.append(f"axis={self.axis!r}")
-        if self.parts is not None:
-            fields.append(f"parts={self.parts}")
-        return f"SplitLargest({', '.join(fields)})"
 
 
 def data_parallel() -> Strategy:
@@ -336,7 +172,7 @@ def tensor_parallel(
     if step is not None and not _is_names(step):
         count = _device_count(n_devices)
         reading = _read(step, params, batch)  # type: ignore[arg-type]  # not names: a step
-        return _derived(reading, count, count, DEFAULT_MIN_BYTES)
+        return _derived_table(reading, count, count, DEFAULT_MIN_BYTES)
     if step is not None:  # the name-based table's first argument, given by position
         column = step  # type: ignore[assignment]
         if params is not None:
@@ -394,7 +230,7 @@ def hybrid(
                 hint=f"Choose a model axis that divides {count}, e.g. "
                 f"model={max(d for d in range(1, count + 1) if count % d == 0 and d < count) or 1}.",
             )
-        return _derived(_read(step, params, batch), count, model, min_bytes)
+        return _derived_table(_read(step, params, batch), count, model, min_bytes)
     rules = [*_tensor_rules(column, row, model), (r".*", SplitLargest(min_bytes=min_bytes))]
     return Strategy(rules, batch=f"b ... -> b* ... {model}", name=f"hybrid model={model}", model=model)
 
@@ -417,8 +253,8 @@ def defaults(
     if step is None:
         return [*out, tensor_parallel()] + [hybrid(m, min_bytes=min_bytes) for m in models]
     reading = _read(step, params, batch)
-    out.append(_derived(reading, n_devices, n_devices, min_bytes))
-    return out + [_derived(reading, n_devices, m, min_bytes) for m in models]
+    out.append(_derived_table(reading, n_devices, n_devices, min_bytes))
+    return out + [_derived_table(reading, n_devices, m, min_bytes) for m in models]
 
 
 def roles(
@@ -464,7 +300,7 @@ def _read(step: Callable[..., Any] | str, params: Any, batch: Any) -> _roles.Rea
     return _roles.read(step, params, batch)
 
 
-def _derived(reading: _roles.Reading, n_devices: int, model: int, min_bytes: int) -> Strategy:
+def _derived_table(reading: _roles.Reading, n_devices: int, model: int, min_bytes: int) -> Strategy:
     """The tensor-parallel (``model == n_devices``) or hybrid table for the roles read."""
     data = n_devices // model
     paths: list[str] = []
@@ -475,7 +311,7 @@ def _derived(reading: _roles.Reading, n_devices: int, model: int, min_bytes: int
         paths.append(row.path)
         if row.axis is not None:
             choices.append(
-                (_roles.tp_expression(row, model, data, _fsdp_axis(row, data, min_bytes)), row.note)
+                (tp_expression(row, model, data, _fsdp_axis(row, data, min_bytes)), row.note)
             )
         elif data > 1:  # over the data axis only, copied over the model axis (ZeRO within a data group)
             choices.append(
@@ -484,7 +320,7 @@ def _derived(reading: _roles.Reading, n_devices: int, model: int, min_bytes: int
         else:
             choices.append((REPLICATE, f"replicated: {row.note}"))
     rules: list[tuple[str, Any, str | None]] = list(
-        _roles.rule_patterns(paths, choices, _roles.prefix_parts(reading))
+        rule_patterns(paths, choices, _roles.prefix_parts(reading))
     )
     # Leaves without a rule of their own (integer leaves, state the forward pass does not read
     # that mirrors no parameter): the rest, when there are any; in any other tree (optimizer

@@ -16,13 +16,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._arrays._build import itemsize
+from .._cost._call import StepCall
+from .._cost._report import KINDS, StepReport, accelerated, check_accelerator, estimated
+from .._cost._step import reports
 from .._language._errors import EinshardError
 from .._language._text import seconds_text, size_text, table_text
 from .._trees._rules import Rules
-from ._call import StepCall
-from ._report import KINDS, StepReport, accelerated, check_accelerator, estimated
-from ._step import reports
-from ._strategies import DEFAULT_MIN_BYTES, Strategy, defaults
+from .._trees._strategy import DEFAULT_MIN_BYTES, Strategy
+from ._strategies import defaults
 
 __all__ = ["Plan", "PlanRow", "plan"]
 

@@ -1,0 +1,227 @@
+"""Reductions a better program would not send: ``repeated``, ``unsummed``, ``sliced all-reduce``."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+from .._language._text import size_text
+from ._detect import (
+    REDUCTIONS,
+    REPEATED,
+    SLICED,
+    UNSUMMED,
+    Context,
+    array_text,
+    capital,
+    rows_params,
+    rows_sources,
+    rows_traffic,
+)
+from ._report import RING, Finding
+
+
+def find_repeated(context: Context, extra: set[int]) -> list[Finding]:
+    """A parameter's gradient reduced piece by piece, or its value gathered more than once.
+
+    Piece by piece: several collectives whose results are added (its contributions reduced one
+    by one).
+    Reductions of disjoint parts (a stacked layer weight, one slice per layer) are not repeated:
+    they are put together, not added; gathers are repeated when they move more than the whole.
+    """
+    rows = context.rows
+    by_param: dict[tuple[str, str, int], list[int]] = {}
+    for position, row in enumerate(rows):
+        if row.param is None or row.kind not in (*REDUCTIONS, "all-gather"):
+            continue
+        family = "gather" if row.kind == "all-gather" else "reduce"
+        by_param.setdefault((row.param, family, row.group_size), []).append(position)
+    out = []
+    gathered: dict[tuple[str, ...], list[tuple[str, list[int], int]]] = {}
+    for (param, family, _), candidates in by_param.items():
+        if len(candidates) < 2:
+            continue
+        removed: tuple[str, ...] = ()
+        rewritten: tuple[tuple[int, str], ...] = ()
+        if family == "reduce":
+            values = [context.values[p] for p in candidates]
+            if any(v is None for v in values):
+                continue
+            groups = context.uses.summed(values)  # type: ignore[arg-type]
+            if not groups:
+                continue
+            summed, pure = max(groups, key=lambda g: len(g[0]))
+            positions = [candidates[i] for i in summed]
+            keep = max(positions, key=lambda p: rows[p].traffic)
+            others = [p for p in positions if p != keep]
+            wasted = rows_traffic(rows, others)
+            if len(pure) == 1 and len(pure[0]) == len(summed):  # one sum of these alone: GPU adds first
+                removed = ("gpu",)
+                rewritten = tuple((p, "merged") for p in others)
+        else:
+            positions = candidates
+            moved = sum(rows[p].total_bytes for p in positions)
+            whole = context.sizes.get(param, 0)
+            if not whole or moved <= whole:
+                continue
+            traffic = rows_traffic(rows, positions)
+            gathered.setdefault(rows_sources(rows, positions), []).append(
+                (param, positions, traffic - round(traffic * whole / moved))
+            )
+            continue
+        others = [p for p in positions if p != max(positions, key=lambda q: rows[q].traffic)]
+        extra.update(others)
+        count, row = len(positions), rows[positions[0]]
+        array, each = array_text(row), size_text(row.bytes)
+        cause = (
+            f"The gradient of {param} is reduced {count} times per step ({count} {row.kind}s of "
+            f"{array}, {each} each, then added): the parameter is used in {count} places (as tied "
+            "embeddings are) and each contribution is reduced on its own."
+        )
+        fix = (
+            "Add the contributions before reducing them (compute that gradient in jax.shard_map "
+            "and psum the total once); XLA's GPU compiler does it itself here (accelerator='gpu' "
+            "estimates that)."
+            if removed
+            else "Add the contributions before reducing them: compute that gradient in "
+            "jax.shard_map and psum the total once."
+        )
+        out.append(
+            Finding(
+                REPEATED,
+                wasted,
+                0,
+                (param,),
+                rows_sources(rows, positions),
+                cause,
+                fix,
+                tuple(positions),
+                removed,
+                rewritten,
+            )
+        )
+    # Gathered again: one finding per place in the code (a norm scale in every layer: one line).
+    for sources, items in gathered.items():
+        params = tuple(param for param, _, _ in items)
+        positions = [p for _, group, _ in items for p in group]
+        row = rows[positions[0]]
+        what = params[0] if len(params) == 1 else f"{len(params)} parameters ({params[0]}, ...)"
+        cause = (
+            f"{what} {'is' if len(params) == 1 else 'are'} gathered more than once per step "
+            f"({len(positions)} all-gathers of {array_text(row)} and the like), usually once in the forward "
+            "pass and again in the backward pass."
+        )
+        fix = (
+            "Keep the gathered weights for the backward pass (a jax.checkpoint policy that saves "
+            "them), if the memory allows; otherwise this is the price of not holding them."
+        )
+        wasted = sum(w for _, _, w in items)
+        out.append(Finding(REPEATED, wasted, 0, params, sources, cause, fix, tuple(positions)))
+    return out
+
+
+def find_unsummed(context: Context, extra: set[int]) -> list[Finding]:
+    rows = context.rows
+    keys: dict[tuple, list[int]] = {}
+    for position, row in enumerate(rows):
+        value = context.values[position]
+        if row.kind != "all-reduce" or position in extra or value is None:
+            continue
+        keys.setdefault((row.dtype, row.shape, row.group_size, row.axes, row.times), []).append(position)
+    raw: list[tuple[list[int], list[int]]] = []  # (rows summed, rows the GPU compiler merges away)
+    for positions in keys.values():
+        if len(positions) < 2:
+            continue
+        values = [context.values[p] for p in positions]
+        for group, pure in context.uses.summed(values):  # type: ignore[arg-type]
+            members = [positions[i] for i in group]
+            merged = [positions[i] for g in pure for i in g[1:]]
+            raw.append((members, merged))
+    # One finding per place in the code (a layer written once and run many times: one finding).
+    by_place: dict[tuple[str, ...], list[tuple[list[int], list[int]]]] = {}
+    for members, merged in raw:
+        by_place.setdefault(rows_sources(rows, members), []).append((members, merged))
+    out = []
+    for sources, groups in by_place.items():
+        members = [p for group, _ in groups for p in group]
+        wasted = [p for group, _ in groups for p in sorted(group, key=lambda q: rows[q].traffic)[:-1]]
+        merged = {p for _, m in groups for p in m}
+        extra.update(wasted)
+        k, n = len(groups[0][0]), len(groups)
+        row = rows[members[0]]
+        times = f"{n} times, " if n > 1 else ""
+        weights = tuple(dict.fromkeys(w for p in members for w in context.producers(p)))
+        made = f", made by the matmuls with {', '.join(weights[:k])}" if weights else ""
+        cause = (
+            f"{k} partial sums of {array_text(row)} ({size_text(row.bytes)} each, {times}"
+            f"{row.phase or 'in the step'}{made}) are all-reduced one by one and added right after: "
+            f"{k} reductions where one of their sum would do."
+        )
+        fix = (
+            "Add them before reducing: fuse the layers that read the same input into one matmul "
+            "(q, k and v into one QKV projection), so their input gradient is one partial sum."
+        )
+        removed: tuple[str, ...] = ("gpu",) if len(merged) >= len(wasted) else ()
+        if removed:
+            fix += " XLA's GPU compiler adds them first itself here (accelerator='gpu' estimates that)."
+        out.append(
+            Finding(
+                UNSUMMED,
+                rows_traffic(rows, wasted),
+                0,
+                rows_params(rows, members) or weights,
+                sources,
+                cause,
+                fix,
+                tuple(members),
+                removed,
+                tuple((p, "merged") for p in sorted(merged)) if removed else (),
+            )
+        )
+    return out
+
+
+def find_sliced(context: Context, extra: set[int]) -> list[Finding]:
+    rows = context.rows
+    positions = []
+    for position, row in enumerate(rows):
+        value = context.values[position]
+        if row.kind != "all-reduce" or position in extra or value is None or row.group_size < 2:
+            continue
+        if context.uses.slice_fraction(value) == Fraction(1, row.group_size):
+            positions.append(position)
+    if not positions:
+        return []
+    scatter, _ = RING["reduce-scatter"]
+    saved = sum(
+        rows[p].traffic - round(scatter(rows[p].group_size) * rows[p].bytes) * rows[p].times
+        for p in positions
+    )
+    params = rows_params(rows, positions)
+    what = f"the gradients of {len(params)} parameters" if len(params) > 1 else (params[0] if params else "")
+    what = what or f"{len(positions)} arrays"
+    n = rows[positions[0]].group_size
+    cause = (
+        f"{capital(what)} {'is' if len(positions) == 1 else 'are'} all-reduced whole "
+        f"({len(positions)} all-reduce{'s' if len(positions) > 1 else ''}, "
+        f"{size_text(sum(rows[p].total_bytes for p in positions))} per device), and each device then keeps "
+        f"only its 1/{n} slice: a reduce-scatter sends half the bytes."
+    )
+    fix = (
+        "XLA's GPU compiler makes this a reduce-scatter itself (ReduceScatterCreator), its CPU compiler "
+        "does not: estimate with accelerator='gpu' for GPUs; in your own code, jax.lax.psum_scatter does it."
+    )
+    rewritten = tuple((p, "reduce-scatter") for p in positions)
+    return [
+        Finding(
+            SLICED,
+            saved,
+            0,
+            params,
+            rows_sources(rows, positions),
+            cause,
+            fix,
+            tuple(positions),
+            ("gpu",),
+            rewritten,
+        )
+    ]

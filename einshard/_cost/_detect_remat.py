@@ -1,0 +1,147 @@
+"""XLA's involuntary full rematerialization, read from what the compiler printed."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from . import _hlo
+from ._detect import (
+    REMAT,
+    Context,
+    expression_of,
+    rows_traffic,
+    split_counts,
+)
+from ._report import Finding
+
+_REMAT = re.compile(
+    r"cannot go from sharding (?P<before>.*?) to (?P<after>.*?) efficiently for HLO operation "
+    r"(?P<op>.*?)(?:\. As the last resort|$)"
+)
+_OPERATION = re.compile(
+    r"%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\S+)\s+(?P<opcode>[\w\-]+)\((?P<operands>[^)]*)\)"
+)
+
+
+def find_remats(context: Context, excluded: set[int]) -> tuple[list[Finding], set[int]]:
+    rows = context.rows
+    claimed: set[int] = set()
+    by_place: dict[tuple, list[tuple[str, str, str | None, str | None, list[int], int]]] = {}
+    for message in dict.fromkeys(context.messages):
+        match = _REMAT.search(message)
+        if match is None:
+            continue
+        before, after = split_counts(match.group("before")), split_counts(match.group("after"))
+        operation = match.group("op")
+        op_name = _quoted(operation, "op_name")
+        source = _source_of(context, operation)
+        param = _param_of(context, operation, op_name)
+        # The all-gather that replicates it (not counted yet): the same op name; else, as XLA
+        # versions name them differently, a gather then slice of the same parameter or shape.
+        free = [
+            p
+            for p, row in enumerate(rows)
+            if p not in claimed and p not in excluded and row.kind == "all-gather"
+        ]
+        matched = [p for p in free if op_name and rows[p].op_name == op_name]
+        if not matched:
+            whole = _whole_shape(operation, before)
+            sliced = [p for p in free if _only_sliced(context, p)]
+            matched = [p for p in sliced if param and rows[p].param == param]
+            matched = matched or [p for p in sliced if whole and rows[p].shape == whole]
+        matched = matched[:1]
+        claimed.update(matched)
+        if matched:
+            traffic = rows_traffic(rows, matched)
+            source = source or rows[matched[0]].source
+            param = param or rows[matched[0]].param
+        else:
+            traffic = _estimated_remat(operation, before)
+        expressions = (
+            expression_of(before, context.n_devices) if before else match.group("before"),
+            expression_of(after, context.n_devices) if after else match.group("after"),
+        )
+        by_place.setdefault((expressions, source, param), []).append(
+            (expressions[0], expressions[1], source, param, matched, traffic)
+        )
+    out = []
+    for (expressions, source, param), items in by_place.items():
+        count = len(items)
+        positions = tuple(p for item in items for p in item[4])
+        times = f" ({count} times)" if count > 1 else ""
+        what = param or "an array"
+        cause = (
+            f"XLA could not move {what} from '{expressions[0]}' to '{expressions[1]}' efficiently{times}, "
+            "so it gathered the whole array on every device and sliced it (an involuntary full "
+            "rematerialization)."
+        )
+        fix = (
+            "Make the two layouts agree (the rule of the parameter, or the einshard(...) constraint "
+            "at this line), or change them one axis at a time, which XLA does with an all-to-all."
+        )
+        out.append(
+            Finding(
+                REMAT,
+                sum(item[5] for item in items),
+                0,
+                (param,) if param else (),
+                (source,) if source else (),
+                cause,
+                fix,
+                positions,
+            )
+        )
+    return out, claimed
+
+
+def _only_sliced(context: Context, position: int) -> bool:
+    value = context.values[position]
+    fraction = context.uses.slice_fraction(value) if value is not None else None
+    return fraction is not None and fraction < 1
+
+
+def _whole_shape(operation: str, before: list[int] | None) -> tuple[int, ...] | None:
+    """The array's whole shape: the operation's shape in the message (per device) times its splits."""
+    parsed = _OPERATION.search(operation)
+    shapes = _hlo.parse_shapes(parsed.group("type")) if parsed else ()
+    if not shapes or not before or len(before) != len(shapes[0].dims):
+        return None
+    return tuple(d * c for d, c in zip(shapes[0].dims, before, strict=True))
+
+
+def _quoted(text: str, key: str) -> str | None:
+    match = re.search(rf'{key}="((?:[^"\\]|\\.)*)"', text)
+    return match.group(1).replace("\\'", "'") if match else None
+
+
+def _source_of(context: Context, operation: str) -> str | None:
+    file, line = _quoted(operation, "source_file"), re.search(r"source_line=(\d+)", operation)
+    if file and line:
+        return f"{file}:{line.group(1)}"
+    frame = re.search(r"stack_frame_id=(\d+)", operation)
+    module = context.uses.module
+    if frame and int(frame.group(1)) in module.frames:
+        file, number = module.frame(int(frame.group(1)))
+        return f"{file}:{number}"
+    return None
+
+
+def _param_of(context: Context, operation: str, op_name: str | None) -> str | None:
+    parsed = _OPERATION.search(operation)
+    if parsed is None or parsed.group("opcode") != "parameter":
+        return None
+    number = parsed.group("operands").strip()
+    if number.isdigit() and int(number) < len(context.parameter_paths):
+        return context.parameter_paths[int(number)]
+    return None
+
+
+def _estimated_remat(operation: str, before: list[int] | None) -> int:
+    """The gather's traffic from the message alone: the array whole, less the part each device had."""
+    parsed = _OPERATION.search(operation)
+    shapes = _hlo.parse_shapes(parsed.group("type")) if parsed else ()
+    if not shapes or not before:
+        return 0
+    parts = math.prod(before)
+    return round(shapes[0].bytes * parts * (parts - 1) / parts)

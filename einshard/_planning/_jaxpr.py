@@ -1,0 +1,802 @@
+"""Each parameter's role in a step, read from the step's dataflow rather than from its name.
+
+``jax.make_jaxpr`` traces ``step(params, batch)`` on abstract inputs, and a small abstract
+interpreter walks the program (into ``jit``, ``scan``, ``while``, ``cond``, ``checkpoint``,
+``custom_jvp`` / ``custom_vjp`` calls, ``shard_map``) following every axis of every parameter:
+
+* where a weight meets the activations: the contraction, free and batch axes of a
+  ``dot_general``, the feature axes of a convolution, the gathered axis of a lookup;
+* where the axes of its output go: through reshapes, transposes, broadcasts, elementwise
+  operations and reductions, into the contraction of a later weight (a Megatron column / row
+  pair), into the batch axes of an attention product (heads), or into an operation that
+  cannot take a split axis without a large collective (a *break*: a contraction with another
+  activation, a slice, a sort, a callback).
+
+Axes that must be split together form a group (a union-find over ``(leaf, axis)``); each group
+has the bytes of parameters it would split and the bytes of the collectives it would cost per
+step. :func:`assign` picks, for one model-axis size, the groups that split the most parameter
+bytes per byte of communication, one axis per leaf, and says why for every leaf.
+
+The backward pass of a training step (JAX marks its operations ``transpose(jvp(...))``) and what
+is computed from the gradients (the optimizer) are not read: the forward pass decides.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from .._arrays._build import itemsize
+from .._language._errors import EinshardError
+from ._primitives import AXIS_PARAMS, CALLBACKS, CUMULATIVE, ELEMENTWISE, IDENTITY, MIXING, RANDOM, REDUCE
+
+__all__ = ["ACT", "CORE", "PARAM", "Reader", "Value", "plain"]
+
+CONST, PARAM, ACT, BACK = 0, 1, 2, 3
+"""What a value derives from, in increasing precedence: constants only, parameters (a weight
+and constants: a *view* of it), the batch (an activation), or the gradients (backward)."""
+
+EMPTY: frozenset = frozenset()
+
+# Roles of a (leaf, axis) node, as the reading finds them.
+CORE = frozenset({"contraction", "free", "gathered", "conv-in", "conv-out", "batch"})
+
+
+class Value:
+    """What the reader knows of one value: its kind, and per axis the tags it carries.
+
+    A tag ``(node, outer, size)`` says that this axis is a factor of a parameter axis ``node``:
+    ``outer`` is the product of the parameter axis's factors that are more major than this
+    one, ``size`` this factor's length. Splitting the parameter axis ``p`` ways contiguously
+    splits this axis too exactly when ``p`` does not divide ``outer``.
+    """
+
+    __slots__ = ("axes", "kind", "leaves")
+
+    def __init__(self, kind: int, axes: tuple[frozenset, ...], leaves: frozenset = EMPTY) -> None:
+        self.kind = kind
+        self.axes = axes
+        self.leaves = leaves
+
+
+def plain(kind: int, rank: int) -> Value:
+    return Value(kind, (EMPTY,) * rank)
+
+
+def _rank(var: Any) -> int:
+    return len(getattr(var.aval, "shape", ()))
+
+
+def _shape(var: Any) -> tuple[int, ...]:
+    return tuple(getattr(var.aval, "shape", ()))
+
+
+def _nbytes(var: Any) -> int:
+    aval = var.aval
+    try:
+        return math.prod(aval.shape) * itemsize(aval.dtype)
+    except Exception:  # extended dtypes (keys): no meaningful size
+        return 0
+
+
+def _inner(jaxpr: Any) -> Any:
+    """The open jaxpr of a ``ClosedJaxpr`` (older JAX) or of a ``Jaxpr`` (newer JAX: itself)."""
+    inner = getattr(jaxpr, "jaxpr", None)
+    return inner if inner is not None and hasattr(inner, "eqns") else jaxpr
+
+
+def _is_jaxpr(value: Any) -> bool:
+    return hasattr(_inner(value), "eqns")
+
+
+class Reader:
+    """The abstract interpreter; what it finds stays on it (see :class:`Reading`)."""
+
+    def __init__(self, shapes: Sequence[tuple[int, ...]]) -> None:
+        self.offsets: list[int] = []
+        self.node_leaf: list[int] = []
+        self.node_axis: list[int] = []
+        for leaf, shape in enumerate(shapes):
+            self.offsets.append(len(self.node_leaf))
+            for axis in range(len(shape)):
+                self.node_leaf.append(leaf)
+                self.node_axis.append(axis)
+        count = len(self.node_leaf)
+        self.parent = list(range(count))
+        self.limit = [shapes[leaf][axis] for leaf, axis in zip(self.node_leaf, self.node_axis, strict=True)]
+        self.roles: list[set[str]] = [set() for _ in range(count)]
+        self.why: dict[int, str] = {}
+        self.feeds: set[tuple[int, int]] = set()
+        self.costs: dict[tuple, float] = {}
+        self.uses: list[set[str]] = [set() for _ in shapes]
+        self.stops: dict[str, str] = {}
+        self.path: tuple[int, ...] = ()
+        self.scale = 1.0
+
+    # --- the groups ---------------------------------------------------------------------------
+
+    def find(self, node: int) -> int:
+        parent = self.parent
+        while parent[node] != node:
+            parent[node] = parent[parent[node]]
+            node = parent[node]
+        return node
+
+    def join(self, nodes: Iterable[int]) -> None:
+        first = None
+        for node in nodes:
+            root = self.find(node)
+            if first is None:
+                first = root
+            elif root != first:
+                self.parent[root] = first
+
+    def brk(self, tags: Iterable[tuple[int, int, int]], reason: str) -> None:
+        """The tagged axes cannot be split here: their parameter axes split only above them."""
+        for node, outer, _ in tags:
+            self.limit[node] = math.gcd(self.limit[node], outer)
+            self.why.setdefault(node, reason)
+
+    def cost(self, eqn: Any, nodes: Iterable[int], amount: float) -> None:
+        """A collective of ``amount`` bytes per run, if the nodes' axes were split, at this site."""
+        for node in nodes:
+            self.costs[(self.path, id(eqn), node)] = amount * self.scale
+
+    def role(self, tags: Iterable[tuple[int, int, int]], word: str) -> None:
+        for node, _, _ in tags:
+            self.roles[node].add(word)
+
+    # --- walking ------------------------------------------------------------------------------
+
+    def run(self, jaxpr: Any, inputs: Sequence[Value]) -> list[Value]:
+        jaxpr = _inner(jaxpr)
+        env: dict[Any, Value] = {}
+        for var, value in zip(jaxpr.invars, inputs, strict=False):
+            env[var] = value
+        for var in jaxpr.constvars:
+            env[var] = plain(CONST, _rank(var))
+
+        def get(var: Any) -> Value:
+            found = env.get(var) if not hasattr(var, "val") else None
+            return found if found is not None else plain(CONST if hasattr(var, "val") else ACT, _rank(var))
+
+        for eqn in jaxpr.eqns:
+            ins = [get(v) for v in eqn.invars]
+            if any(v.kind == BACK for v in ins) or _backward(eqn):
+                outs = [plain(BACK, _rank(v)) for v in eqn.outvars]
+            else:
+                outs = self.eqn(eqn, ins)
+            for var, value in zip(eqn.outvars, outs, strict=True):
+                env[var] = value
+        return [get(v) for v in jaxpr.outvars]
+
+    def eqn(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        name = eqn.primitive.name
+        kind = max((v.kind for v in ins), default=CONST)
+        handler = _HANDLERS.get(name)
+        if handler is not None:
+            return handler(self, eqn, ins)
+        if name in ELEMENTWISE:
+            return self.elementwise(eqn, ins)
+        if name in RANDOM:
+            return [plain(CONST, _rank(v)) for v in eqn.outvars]
+        if name in CALLBACKS:
+            return self.opaque(eqn, ins, f"{name}, which einshard cannot see into")
+        subs = [v for v in eqn.params.values() if _is_jaxpr(v)]
+        if len(subs) == 1 and len(_inner(subs[0]).invars) == len(ins):
+            return self.call(eqn, subs[0], ins)
+        if kind == CONST:
+            return [plain(CONST, _rank(v)) for v in eqn.outvars]
+        if not subs and name not in MIXING and _same_shape(eqn):
+            return self.elementwise(eqn, ins)
+        return self.opaque(eqn, ins, f"{name}, which the reading does not follow")
+
+    def call(self, eqn: Any, jaxpr: Any, ins: list[Value], scale: float = 1.0) -> list[Value]:
+        path, old_scale = self.path, self.scale
+        self.path, self.scale = (*path, id(eqn)), old_scale * scale
+        try:
+            return self.run(jaxpr, ins)
+        finally:
+            self.path, self.scale = path, old_scale
+
+    def opaque(self, eqn: Any, ins: list[Value], what: str) -> list[Value]:
+        kind = max((v.kind for v in ins), default=CONST)
+        for value in ins:
+            for tags in value.axes:
+                self.brk(tags, f"read by {what}")
+                if value.kind == PARAM:
+                    self.role(tags, "opaque")
+            for leaf in value.leaves:
+                self.uses[leaf].add("opaque")
+        if any(value.kind in (PARAM, ACT) for value in ins):
+            self.stops.setdefault(eqn.primitive.name, _where(eqn))
+        out = ACT if kind in (PARAM, ACT) else kind
+        return [plain(out, _rank(v)) for v in eqn.outvars]
+
+    # --- elementwise and shape operations -------------------------------------------------------
+
+    def elementwise(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        kind = max((v.kind for v in ins), default=CONST)
+        outs = eqn.outvars
+        rank = _rank(outs[0])
+        if kind == CONST:
+            return [plain(CONST, _rank(v)) for v in outs]
+        axes = []
+        shape = _shape(outs[0])
+        for axis in range(rank):
+            merged: frozenset = EMPTY
+            for var, value in zip(eqn.invars, ins, strict=True):
+                if len(value.axes) == rank and _shape(var)[axis] == shape[axis] and value.axes[axis]:
+                    merged = merged | value.axes[axis]
+            if len(merged) > 1:
+                self.join(node for node, _, _ in merged)
+            axes.append(merged)
+        leaves = frozenset().union(*(v.leaves for v in ins))
+        if kind == ACT:
+            for value in ins:
+                if value.kind == PARAM:
+                    for leaf in value.leaves:
+                        self.uses[leaf].add("elementwise")
+                    for tags in value.axes:
+                        self.role(tags, "elementwise")
+            leaves = EMPTY
+        value = Value(kind, tuple(axes), leaves)
+        return [value if _rank(v) == rank else plain(kind, _rank(v)) for v in outs]
+
+    def identity(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        return [ins[i] if i < len(ins) else plain(ACT, _rank(v)) for i, v in enumerate(eqn.outvars)]
+
+    def broadcast_in_dim(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        value = ins[0]
+        out_shape = _shape(eqn.outvars[0])
+        in_shape = _shape(eqn.invars[0])
+        axes = [EMPTY] * len(out_shape)
+        for i, d in enumerate(eqn.params["broadcast_dimensions"]):
+            if in_shape[i] == out_shape[d]:
+                axes[d] = value.axes[i]
+        return [Value(value.kind, tuple(axes), value.leaves)]
+
+    def transpose(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        value = ins[0]
+        return [Value(value.kind, tuple(value.axes[i] for i in eqn.params["permutation"]), value.leaves)]
+
+    def squeeze(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        value = ins[0]
+        rank = len(value.axes)
+        drop = {d % rank for d in eqn.params["dimensions"]}
+        return [Value(value.kind, tuple(t for i, t in enumerate(value.axes) if i not in drop), value.leaves)]
+
+    def expand_dims(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        return self.reshape(eqn, ins)
+
+    def reshape(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        value = ins[0]
+        in_shape = _shape(eqn.invars[0])
+        out_shape = _shape(eqn.outvars[0])
+        axes_in = value.axes
+        if eqn.params.get("dimensions"):
+            order = eqn.params["dimensions"]
+            axes_in = tuple(axes_in[i] for i in order)
+            in_shape = tuple(in_shape[i] for i in order)
+        axes = [EMPTY] * len(out_shape)
+        for ins_group, outs_group in _reshape_groups(in_shape, out_shape):
+            merged = self.merge(in_shape, axes_in, ins_group)
+            # Split the merged axis into the output axes, major first.
+            outer = 1
+            for o in outs_group:
+                size = out_shape[o]
+                if size != 1:  # a tag covers the major factors of the merged axis it came from
+                    axes[o] = frozenset(
+                        (node, base * outer, size) for node, base, extent in merged if outer < extent
+                    )
+                outer *= size
+        return [Value(value.kind, tuple(axes), value.leaves)]
+
+    def merge(self, shape: tuple[int, ...], axes: tuple[frozenset, ...], group: list[int]) -> frozenset:
+        """The tags of the axis that merging ``group`` (major first) makes.
+
+        Tags of the major axis stay; a minor axis's tag continues one of them when it is the
+        next factor of the same parameter axis; otherwise the merged axis would hold that
+        parameter axis strided, which no contiguous split gives: a break.
+        """
+        merged: dict[int, tuple[int, int, int]] = {}
+        first = True
+        for i in group:
+            if shape[i] == 1:
+                continue
+            for node, outer, size in axes[i]:
+                known = merged.get(node)
+                if first:
+                    merged[node] = (node, outer, size)
+                elif known is not None and known[1] * known[2] == outer:
+                    merged[node] = (node, known[1], known[2] * size)
+                else:
+                    self.brk([(node, outer, size)], "interleaved with another axis by a reshape")
+            first = False
+        return frozenset(merged.values())
+
+    def reduce(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        value = ins[0]
+        axes = set(eqn.params.get("axes", ()))
+        if value.kind == ACT:
+            amount = _nbytes(eqn.outvars[0])
+            for i in axes:
+                self.cost(eqn, (node for node, _, _ in value.axes[i]), amount)
+        elif value.kind == PARAM:
+            for i in axes:
+                self.brk(value.axes[i], "reduced over (a statistic of the weight)")
+        kept = tuple(t for i, t in enumerate(value.axes) if i not in axes)
+        out = [Value(value.kind, kept, value.leaves)]
+        return out + [Value(value.kind, kept, value.leaves) for _ in eqn.outvars[1:]]
+
+    def along(self, eqn: Any, ins: list[Value], axes: set[int], reason: str) -> list[Value]:
+        """An operation that mixes the elements along ``axes`` (a sort, a scan over an axis)."""
+        kind = max((v.kind for v in ins), default=CONST)
+        rank = _rank(eqn.outvars[0])
+        out = []
+        for axis in range(rank):
+            merged: frozenset = EMPTY
+            for value in ins:
+                if len(value.axes) == rank and value.axes[axis]:
+                    if axis in axes:
+                        self.brk(value.axes[axis], reason)
+                    else:
+                        merged = merged | value.axes[axis]
+            if len(merged) > 1:
+                self.join(node for node, _, _ in merged)
+            out.append(merged)
+        leaves = frozenset().union(*(v.leaves for v in ins)) if kind == PARAM else EMPTY
+        value = Value(kind, tuple(out), leaves)
+        return [value if _rank(v) == rank else plain(kind, _rank(v)) for v in eqn.outvars]
+
+    def cumulative(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        return self.along(eqn, ins, {eqn.params["axis"]}, f"run along by {eqn.primitive.name}")
+
+    def sort(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        return self.along(eqn, ins, {eqn.params["dimension"]}, "sorted along")
+
+    def top_k(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        rank = len(ins[0].axes)
+        axis = eqn.params.get("axis", -1) % rank if rank else 0
+        value = ins[0]
+        self.brk(value.axes[axis] if rank else (), "searched along by top_k")
+        axes = tuple(EMPTY if i == axis else t for i, t in enumerate(value.axes))
+        return [Value(value.kind, axes, value.leaves), plain(value.kind, _rank(eqn.outvars[1]))]
+
+    def slicing(self, eqn: Any, ins: list[Value], sizes: Sequence[int]) -> list[Value]:
+        """``slice`` / ``dynamic_slice``: axes taken whole keep their tags, the others do not."""
+        value = ins[0]
+        shape = _shape(eqn.invars[0])
+        axes = []
+        for i, (full, size) in enumerate(zip(shape, sizes, strict=True)):
+            if size == full:
+                axes.append(value.axes[i])
+                continue
+            if value.kind == PARAM:
+                self.role(value.axes[i], "layer" if size == 1 else "sliced")
+                reason = "indexed (a layer axis)" if size == 1 else "sliced into parts"
+            else:
+                reason = "sliced into parts"
+            self.brk(value.axes[i], reason)
+            axes.append(EMPTY)
+        return [Value(value.kind, tuple(axes), value.leaves)]
+
+    def slice(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        return self.slicing(eqn, ins, _shape(eqn.outvars[0]))
+
+    def dynamic_slice(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        return self.slicing(eqn, ins[:1], eqn.params["slice_sizes"])
+
+    def split(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        value = ins[0]
+        axis = eqn.params["axis"]
+        if value.kind == PARAM:
+            self.role(value.axes[axis], "sliced")
+        self.brk(
+            value.axes[axis],
+            "split into parts (as q, k and v one after another: a contiguous split cuts across them)",
+        )
+        axes = tuple(EMPTY if i == axis else t for i, t in enumerate(value.axes))
+        return [Value(value.kind, axes, value.leaves) for _ in eqn.outvars]
+
+    def unstack(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        """``k, v = kv``: each output is one index of ``axis`` (a slice of size 1, dropped)."""
+        value = ins[0]
+        axis = eqn.params["axis"] % max(len(value.axes), 1)
+        if value.kind == PARAM:
+            self.role(value.axes[axis], "sliced")
+        self.brk(value.axes[axis], "taken apart into its parts (as k and v)")
+        axes = tuple(t for i, t in enumerate(value.axes) if i != axis)
+        return [Value(value.kind, axes, value.leaves) for _ in eqn.outvars]
+
+    def dynamic_update_slice(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        operand, update = ins[0], ins[1]
+        shape, part = _shape(eqn.invars[0]), _shape(eqn.invars[1])
+        kind = max(operand.kind, update.kind)
+        axes = []
+        for i, (full, size) in enumerate(zip(shape, part, strict=True)):
+            if size == full:
+                merged = operand.axes[i] | update.axes[i]
+                if len(merged) > 1:
+                    self.join(node for node, _, _ in merged)
+                axes.append(merged)
+            else:
+                self.brk(operand.axes[i] | update.axes[i], "updated in parts")
+                axes.append(EMPTY)
+        return [Value(kind, tuple(axes), operand.leaves | update.leaves if kind == PARAM else EMPTY)]
+
+    def concatenate(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        return self.along(eqn, ins, {eqn.params["dimension"]}, "concatenated with other arrays")
+
+    def pad(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        padded = {i for i, (lo, hi, inner) in enumerate(eqn.params["padding_config"]) if lo or hi or inner}
+        return self.along(eqn, ins[:1], padded, "padded")
+
+    def windowed(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        window = eqn.params.get("window_dimensions", ())
+        strides = eqn.params.get("window_strides", ()) or (1,) * len(window)
+        mixed = {i for i, (w, s) in enumerate(zip(window, strides, strict=False)) if w != 1 or s != 1}
+        return self.along(eqn, ins, mixed, "pooled over (a window runs along it)")
+
+    # --- where weights meet activations ---------------------------------------------------------
+
+    def dot_general(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        lhs, rhs = ins
+        kind = max(lhs.kind, rhs.kind)
+        lfree = [i for i in range(len(lhs.axes)) if i not in lc and i not in lb]
+        rfree = [i for i in range(len(rhs.axes)) if i not in rc and i not in rb]
+        if kind == CONST:
+            return [plain(CONST, _rank(eqn.outvars[0]))]
+        if lhs.kind == PARAM and rhs.kind == ACT:
+            batch, _ = self.weight(eqn, lhs, rhs, lc, rc, lb, rb)
+            axes = batch + [lhs.axes[i] for i in lfree] + [rhs.axes[i] for i in rfree]
+            self.role((t for i in lfree for t in lhs.axes[i]), "free")
+            return [Value(ACT, tuple(axes))]
+        if rhs.kind == PARAM and lhs.kind == ACT:
+            batch, _ = self.weight(eqn, rhs, lhs, rc, lc, rb, lb)
+            self.role((t for i in rfree for t in rhs.axes[i]), "free")
+            axes = batch + [lhs.axes[i] for i in lfree] + [rhs.axes[i] for i in rfree]
+            return [Value(ACT, tuple(axes))]
+        if kind == PARAM:  # weights only: a weight computed from others (LoRA, a tied transpose)
+            for i, j in zip(lc, rc, strict=True):
+                self.join(node for node, _, _ in lhs.axes[i] | rhs.axes[j])
+            batch = []
+            for i, j in zip(lb, rb, strict=True):
+                merged = lhs.axes[i] | rhs.axes[j]
+                self.join(node for node, _, _ in merged)
+                batch.append(merged)
+            axes = batch + [lhs.axes[i] for i in lfree] + [rhs.axes[i] for i in rfree]
+            return [Value(PARAM, tuple(axes), lhs.leaves | rhs.leaves)]
+        # Two activations (attention's scores and values), or an activation and a constant.
+        for i, j in zip(lc, rc, strict=True):
+            self.brk(lhs.axes[i] | rhs.axes[j], "contracted with another activation (as q with k)")
+        batch = []
+        for i, j in zip(lb, rb, strict=True):
+            merged = lhs.axes[i] | rhs.axes[j]
+            self.join(node for node, _, _ in merged)
+            self.role(merged, "heads")
+            batch.append(merged)
+        axes = batch + [lhs.axes[i] for i in lfree] + [rhs.axes[i] for i in rfree]
+        return [Value(ACT, tuple(axes))]
+
+    def weight(
+        self,
+        eqn: Any,
+        param: Value,
+        act: Value,
+        pc: Sequence[int],
+        ac: Sequence[int],
+        pb: Sequence[int],
+        ab: Sequence[int],
+    ) -> tuple[list[frozenset], None]:
+        """A weight meets an activation in a ``dot_general``: contraction and batch axes."""
+        for leaf in param.leaves:
+            self.uses[leaf].add("dot_general")
+        amount = _nbytes(eqn.outvars[0])
+        for i, j in zip(pc, ac, strict=True):
+            mine, theirs = param.axes[i], act.axes[j]
+            self.role(mine, "contraction")
+            self.cost(eqn, (node for node, _, _ in mine), amount)
+            if not mine:
+                self.brk(theirs, "contracted with a weight on an axis einshard cannot trace")
+                continue
+            self.join(node for node, _, _ in mine | theirs)
+            for column, _, _ in theirs:
+                for row, _, _ in mine:
+                    if self.node_leaf[column] != self.node_leaf[row]:
+                        self.feeds.add((column, row))
+        batch = []
+        for i, j in zip(pb, ab, strict=True):
+            merged = param.axes[i] | act.axes[j]
+            self.role(param.axes[i], "batch")
+            self.join(node for node, _, _ in merged)
+            batch.append(merged)
+        return batch, None
+
+    def conv_general_dilated(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        lhs, rhs = ins
+        numbers = eqn.params["dimension_numbers"]
+        lhs_spec, rhs_spec, out_spec = numbers.lhs_spec, numbers.rhs_spec, numbers.out_spec
+        groups = eqn.params.get("feature_group_count", 1)
+        rank = _rank(eqn.outvars[0])
+        if lhs.kind == CONST and rhs.kind == CONST:
+            return [plain(CONST, rank)]
+        if lhs.kind != ACT or rhs.kind != PARAM or eqn.params.get("batch_group_count", 1) != 1:
+            return self.opaque(eqn, ins, "a convolution of two activations")
+        for leaf in rhs.leaves:
+            self.uses[leaf].add("conv")
+        axes = [EMPTY] * rank
+        axes[out_spec[0]] = lhs.axes[lhs_spec[0]]
+        out_features, in_features = rhs.axes[rhs_spec[0]], rhs.axes[rhs_spec[1]]
+        features = lhs.axes[lhs_spec[1]]
+        self.role(out_features, "conv-out")
+        for axis in rhs_spec[2:]:
+            self.role(rhs.axes[axis], "window")
+            self.brk(rhs.axes[axis], "a convolution window")
+        for axis in lhs_spec[2:]:
+            self.brk(lhs.axes[axis], "run along by a convolution's window")
+        if groups == 1:
+            self.role(in_features, "conv-in")
+            self.cost(eqn, (node for node, _, _ in in_features), _nbytes(eqn.outvars[0]))
+            self.join(node for node, _, _ in in_features | features)
+            for column, _, _ in features:
+                for row, _, _ in in_features:
+                    if self.node_leaf[column] != self.node_leaf[row]:
+                        self.feeds.add((column, row))
+            axes[out_spec[1]] = out_features
+        else:  # grouped (depthwise): each input feature goes to its own outputs
+            self.join(node for node, _, _ in out_features | features)
+            self.brk(in_features, "the input features of a grouped convolution")
+            axes[out_spec[1]] = out_features | features
+        return [Value(ACT, tuple(axes))]
+
+    def gather(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        operand, indices = ins[0], ins[1]
+        numbers = eqn.params["dimension_numbers"]
+        sizes = eqn.params["slice_sizes"]
+        shape = _shape(eqn.invars[0])
+        out_rank = _rank(eqn.outvars[0])
+        offset_dims = tuple(numbers.offset_dims)
+        collapsed = set(numbers.collapsed_slice_dims)
+        batching = tuple(getattr(numbers, "operand_batching_dims", ()))
+        index_batching = tuple(getattr(numbers, "start_indices_batching_dims", ()))
+        kind = max(operand.kind, indices.kind)
+        if kind == CONST:
+            return [plain(CONST, out_rank)]
+        lookup = operand.kind == PARAM and indices.kind == ACT
+        indexing = operand.kind == PARAM and indices.kind == CONST
+        axes = [EMPTY] * out_rank
+        rest = [i for i in range(out_rank) if i not in offset_dims]
+        index_axes = [i for i in range(len(indices.axes) - 1)]
+        for position, axis in zip(rest, index_axes, strict=False):
+            axes[position] = indices.axes[axis]
+        kept = [i for i in range(len(shape)) if i not in collapsed and i not in batching]
+        amount = _nbytes(eqn.outvars[0])
+        for position, axis in zip(offset_dims, kept, strict=False):
+            if sizes[axis] == shape[axis]:
+                axes[position] = operand.axes[axis]
+                if lookup:
+                    self.role(operand.axes[axis], "free")
+        for axis in range(len(shape)):
+            if sizes[axis] == shape[axis] or axis in batching:
+                continue
+            tags = operand.axes[axis]
+            if lookup:
+                self.role(tags, "gathered")
+                self.cost(eqn, (node for node, _, _ in tags), amount)
+            elif indexing and math.prod(_shape(eqn.invars[1])[:-1]) > 1:  # a table read by fixed indices
+                self.role(tags, "indexed")
+                self.brk(tags, "looked up by indices the step computes, not from the batch")
+            elif indexing:
+                self.role(tags, "layer" if sizes[axis] == 1 else "sliced")
+                self.brk(tags, "indexed (a layer axis)" if sizes[axis] == 1 else "sliced into parts")
+            elif sizes[axis] == 1:  # a pick along the axis (take_along_axis): partial picks add up
+                self.cost(eqn, (node for node, _, _ in tags), amount)
+            else:
+                self.brk(tags, "gathered along")
+        for op_axis, index_axis in zip(batching, index_batching, strict=False):
+            position = rest[index_axis] if index_axis < len(rest) else None
+            if position is not None:
+                merged = axes[position] | operand.axes[op_axis]
+                self.join(node for node, _, _ in merged)
+                axes[position] = merged
+        if lookup:
+            for leaf in operand.leaves:
+                self.uses[leaf].add("gather")
+        out_kind = PARAM if indexing else ACT
+        return [Value(out_kind, tuple(axes), operand.leaves if indexing else EMPTY)]
+
+    def scatter(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        operand = ins[0]
+        numbers = eqn.params["dimension_numbers"]
+        touched = set(numbers.scatter_dims_to_operand_dims) | set(numbers.inserted_window_dims)
+        for value in ins[2:]:
+            for tags in value.axes:
+                self.brk(tags, "scattered")
+        return self.along(eqn, [operand], touched, "scattered into")
+
+    # --- control flow ---------------------------------------------------------------------------
+
+    def scan(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        params = eqn.params
+        body = params["jaxpr"]
+        consts, carries = _scan_counts(params, len(ins))
+        length = int(params.get("length", 1))
+        head, carry, xs = ins[:consts], ins[consts : consts + carries], ins[consts + carries :]
+        slices = []
+        for value in xs:
+            if value.kind == PARAM:
+                self.role(value.axes[0], "layer")
+            self.brk(value.axes[0], "the axis a scan steps along (a layer axis)")
+            slices.append(Value(value.kind, value.axes[1:], value.leaves))
+        carry, outs = self.loop(eqn, body, head, carry, slices, length)
+        ys = [Value(v.kind, (EMPTY, *v.axes), v.leaves) for v in outs[carries:]]
+        return carry + ys
+
+    def loop(
+        self,
+        eqn: Any,
+        body: Any,
+        head: list[Value],
+        carry: list[Value],
+        tail: list[Value],
+        scale: float,
+    ) -> tuple[list[Value], list[Value]]:
+        """Runs a loop body until its carries' tags settle (a few rounds at most)."""
+        outs: list[Value] = []
+        for _ in range(4):
+            outs = self.call(eqn, body, head + carry + tail, scale)
+            merged = [_union(a, b, self) for a, b in zip(carry, outs[: len(carry)], strict=True)]
+            if all(_same(a, b) for a, b in zip(carry, merged, strict=True)):
+                break
+            carry = merged
+        return carry, outs
+
+    def while_loop(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        params = eqn.params
+        cond_consts, body_consts = params["cond_nconsts"], params["body_nconsts"]
+        head = ins[cond_consts : cond_consts + body_consts]
+        carry = ins[cond_consts + body_consts :]
+        carry, _ = self.loop(eqn, params["body_jaxpr"], head, carry, [], 1.0)
+        return carry
+
+    def cond(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        results = [self.call(eqn, branch, ins[1:]) for branch in eqn.params["branches"]]
+        out = results[0]
+        for other in results[1:]:
+            out = [_union(a, b, self) for a, b in zip(out, other, strict=True)]
+        return out
+
+
+def _union(a: Value, b: Value, reader: Reader) -> Value:
+    if len(a.axes) != len(b.axes):
+        return plain(max(a.kind, b.kind), len(a.axes))
+    axes = []
+    for x, y in zip(a.axes, b.axes, strict=True):
+        merged = x | y
+        if len(merged) > 1:
+            reader.join(node for node, _, _ in merged)
+        axes.append(merged)
+    return Value(max(a.kind, b.kind), tuple(axes), a.leaves | b.leaves)
+
+
+def _same(a: Value, b: Value) -> bool:
+    return a.kind == b.kind and a.axes == b.axes and a.leaves == b.leaves
+
+
+def _scan_counts(params: dict, n_inputs: int) -> tuple[int, int]:
+    """How many of a scan's inputs are constants and carries (the rest are scanned over)."""
+    if "num_consts" in params and "num_carry" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    tree = params.get("ft_in")  # newer JAX: the inputs' structure, (consts, carries, xs)
+    if tree is not None:
+        try:
+            consts, carries, _ = tree.unpack()
+            return len(consts), len(carries)
+        except Exception:
+            pass
+    raise EinshardError(
+        "cannot read a scan of this JAX version: its parameters name no constants or carries",
+        hint="Report this with your JAX version; meanwhile give the table by names: "
+        "einshard.strategies.tensor_parallel(column=..., row=...).",
+    )
+
+
+def _same_shape(eqn: Any) -> bool:
+    """Whether an unknown primitive looks elementwise: every array in and out has one shape."""
+    if AXIS_PARAMS & set(eqn.params):
+        return False
+    shapes = {_shape(v) for v in (*eqn.invars, *eqn.outvars) if _rank(v)}
+    return len(shapes) <= 1
+
+
+def _reshape_groups(
+    in_shape: tuple[int, ...], out_shape: tuple[int, ...]
+) -> list[tuple[list[int], list[int]]]:
+    """Runs of input and output axes with equal products: each run is merged, then split."""
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    n, m = len(in_shape), len(out_shape)
+    while i < n or j < m:
+        ins: list[int] = []
+        outs: list[int] = []
+        a = b = 1
+        while not (ins and outs and a == b):
+            if (a <= b or j >= m) and i < n:
+                a *= in_shape[i]
+                ins.append(i)
+                i += 1
+            elif j < m:
+                b *= out_shape[j]
+                outs.append(j)
+                j += 1
+            else:
+                break
+        while i < n and in_shape[i] == 1:  # trailing size-1 axes join the run
+            ins.append(i)
+            i += 1
+        while j < m and out_shape[j] == 1:
+            outs.append(j)
+            j += 1
+        groups.append((ins, outs))
+    return groups
+
+
+def _backward(eqn: Any) -> bool:
+    """Whether JAX's name stack marks the operation as part of a transposed (backward) pass."""
+    try:
+        return "transpose(" in str(eqn.source_info.name_stack)
+    except AttributeError:
+        return False
+
+
+def _where(eqn: Any) -> str:
+    """``file:line`` of the innermost user code behind an operation (not JAX's own), or ``''``."""
+    frames = getattr(getattr(eqn.source_info, "traceback", None), "frames", None) or ()
+    for frame in frames:
+        name = str(getattr(frame, "file_name", ""))
+        if not any(f"/{package}/" in name for package in ("jax", "jaxlib", "einshard")):
+            line = getattr(frame, "line_num", None) or getattr(frame, "start_line", "")
+            return f"{name.rsplit('/', 1)[-1]}:{line}"
+    return ""
+
+
+_HANDLERS: dict[str, Callable[[Reader, Any, list[Value]], list[Value]]] = {
+    "dot_general": Reader.dot_general,
+    "conv_general_dilated": Reader.conv_general_dilated,
+    "gather": Reader.gather,
+    "broadcast_in_dim": Reader.broadcast_in_dim,
+    "reshape": Reader.reshape,
+    "expand_dims": Reader.expand_dims,
+    "transpose": Reader.transpose,
+    "squeeze": Reader.squeeze,
+    "slice": Reader.slice,
+    "dynamic_slice": Reader.dynamic_slice,
+    "dynamic_update_slice": Reader.dynamic_update_slice,
+    "split": Reader.split,
+    "unstack": Reader.unstack,
+    "concatenate": Reader.concatenate,
+    "pad": Reader.pad,
+    "sort": Reader.sort,
+    "top_k": Reader.top_k,
+    "scan": Reader.scan,
+    "while": Reader.while_loop,
+    "cond": Reader.cond,
+    "reduce_window_sum": Reader.windowed,
+    "reduce_window_max": Reader.windowed,
+    "reduce_window_min": Reader.windowed,
+    "reduce_window": Reader.windowed,
+    "scatter": Reader.scatter,
+    "scatter-add": Reader.scatter,
+    "scatter_add": Reader.scatter,
+    "scatter-mul": Reader.scatter,
+    "scatter-min": Reader.scatter,
+    "scatter-max": Reader.scatter,
+    **{name: Reader.identity for name in IDENTITY},
+    **{name: Reader.reduce for name in REDUCE},
+    **{name: Reader.cumulative for name in CUMULATIVE},
+}
+
+

@@ -1,0 +1,184 @@
+"""The strategy table (:class:`Strategy`: rules with their batch's expression) and FSDP's per-leaf rule.
+
+Pure: no step is read here. The ready-made tables that use them are in ``_planning._strategies``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from .._arrays._build import itemsize
+from .._language._errors import EinshardError
+from .._language._expression import REPLICATE, parse
+from .._language._text import size_text
+from ._rules import ByShape, Indivisible, Rules, RulesLike, Unmatched
+
+__all__ = ["DEFAULT_MIN_BYTES", "SplitLargest", "Strategy"]
+
+_NAMES = "abcdefghijklmnopqrstuvwxyz"
+DEFAULT_MIN_BYTES = 1 << 20
+"""FSDP's default: leaves smaller than this are replicated."""
+
+
+class Strategy(Rules):
+    """A rule table for one parallelism strategy, with the expression for its batch.
+
+    An ordinary :class:`~einshard.Rules` in every other way: ``shard_pytree``, ``explain``,
+    ``init_sharded`` and the integrations take it as they take any table. Rules added in front
+    (``my_rules + strategy``) or behind keep the strategy's name and batch expression.
+
+    Attributes:
+        name: What the strategy is, e.g. ``'fsdp'`` or ``'hybrid model=4'``.
+        batch: The expression to shard each batch array with (its first axis is the batch
+            axis), so that the batch is laid out consistently with the parameters.
+        model: How many neighbouring devices share each split weight (the model axis): a
+            hybrid's ``model``, a derived tensor-parallel table's device count, ``0`` for the
+            name-based tensor-parallel table (all devices, whatever their count), ``None``
+            for strategies without a model axis (data parallel, FSDP).
+
+    >>> import einshard
+    >>> strategy = einshard.strategies.data_parallel()
+    >>> strategy.name, strategy.batch
+    ('data parallel', 'b ... -> b* ...')
+    >>> (einshard.Rules([('embed', 'v d -> v d*')]) + strategy).batch
+    'b ... -> b* ...'
+    """
+
+    __slots__ = ("batch", "model", "name")
+
+    def __init__(
+        self,
+        rules: RulesLike = (),
+        *,
+        batch: str,
+        name: str,
+        model: int | None = None,
+        unmatched: Unmatched | None = None,
+        indivisible: Indivisible | None = None,
+        strict: bool | None = None,
+    ) -> None:
+        super().__init__(rules, unmatched=unmatched, indivisible=indivisible, strict=strict)
+        parse(batch)
+        if model is not None and (isinstance(model, bool) or not isinstance(model, int) or model < 0):
+            raise EinshardError(
+                f"model must be a non-negative integer or None, not {model!r}",
+                hint="Give how many devices share each split weight, e.g. model=4 (0: all devices).",
+            )
+        self.batch = batch
+        self.name = name
+        self.model = model
+
+    def _like(self, rules: Rules) -> Strategy:
+        return Strategy(rules, batch=self.batch, name=self.name, model=self.model)
+
+    def __add__(self, other: RulesLike) -> Strategy:
+        return self._like(Rules.__add__(self, other))
+
+    def __radd__(self, other: RulesLike) -> Strategy:
+        return self._like(Rules.__radd__(self, other))
+
+    def replace(
+        self,
+        *,
+        unmatched: Unmatched | None = None,
+        indivisible: Indivisible | None = None,
+        strict: bool | None = None,
+    ) -> Strategy:
+        """The same strategy with other policies (those not given are kept)."""
+        return self._like(Rules.replace(self, unmatched=unmatched, indivisible=indivisible, strict=strict))
+
+    def __eq__(self, other: object) -> bool:
+        same_extra = not isinstance(other, Strategy) or (other.batch, other.name) == (self.batch, self.name)
+        return Rules.__eq__(self, other) and same_extra
+
+    def __hash__(self) -> int:
+        return Rules.__hash__(self)
+
+    def __repr__(self) -> str:
+        defaults = {"unmatched": "error", "indivisible": "error", "strict": False}
+        policies = "".join(f", {k}={v!r}" for k, v in self._policies().items() if v != defaults[k])
+        return f"Strategy({self.name!r}, batch={self.batch!r}, {Rules.__repr__(self)}{policies})"
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitLargest(ByShape):
+    """FSDP's per-leaf decision, as a rule's expression: split the largest axis that divides.
+
+    A leaf of at least ``min_bytes`` is split over ``parts`` devices (all of them when ``None``;
+    the other devices hold copies) on its largest axis whose length ``parts`` divides, the next
+    largest when it does not (ties: the first such axis). A smaller leaf, or one no axis of which
+    divides, is replicated; the reason is the leaf's note in :func:`~einshard.explain`.
+
+    Attributes:
+        min_bytes: Leaves smaller than this are replicated.
+        axis: ``'largest'``, or an axis (``0``, ``-1``) to try first, then the largest ones.
+        parts: How many devices each leaf is split over, or ``None`` for all.
+
+    >>> import einshard
+    >>> einshard.strategies.SplitLargest(min_bytes=1024).expression_for((16, 4096), 'float32', 8)
+    ('a b -> a b8', None)
+    >>> einshard.strategies.SplitLargest(min_bytes=1024).expression_for((16, 4100), 'float32', 8)
+    ('a b -> a8 b', 'axis 1 (4100) does not divide by 8: axis 0 split')
+    """
+
+    min_bytes: int = DEFAULT_MIN_BYTES
+    axis: str | int = "largest"
+    parts: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.min_bytes, bool) or not isinstance(self.min_bytes, int) or self.min_bytes < 0:
+            raise EinshardError(
+                f"min_bytes must be a non-negative integer, not {self.min_bytes!r}",
+                hint="Give a size in bytes, e.g. min_bytes=1 << 20 (leaves below it are replicated).",
+            )
+        if self.axis != "largest" and (isinstance(self.axis, bool) or not isinstance(self.axis, int)):
+            raise EinshardError(
+                f"axis must be 'largest' or an axis number, not {self.axis!r}",
+                hint="Use axis='largest' (the default), or e.g. axis=0 to try the first axis first.",
+            )
+        if self.parts is not None and (
+            isinstance(self.parts, bool) or not isinstance(self.parts, int) or self.parts < 1
+        ):
+            raise EinshardError(
+                f"parts must be a positive integer or None, not {self.parts!r}",
+                hint="Give how many devices each leaf is split over, or None for all of them.",
+            )
+
+    def expression_for(self, shape: tuple[int, ...], dtype: Any, n_devices: int) -> tuple[str, str | None]:
+        parts = n_devices if self.parts is None else self.parts
+        if n_devices % parts:
+            return REPLICATE, f"parts={parts} does not divide the {n_devices} devices: replicated"
+        size = math.prod(shape) * itemsize(dtype)
+        if parts == 1 or not shape:
+            return REPLICATE, None
+        if size < self.min_bytes:
+            return REPLICATE, f"{size_text(size)} < min_bytes {size_text(self.min_bytes)}: replicated"
+        if len(shape) > len(_NAMES):
+            return REPLICATE, f"rank {len(shape)} > {len(_NAMES)}: replicated"
+        order = sorted(range(len(shape)), key=lambda i: (-shape[i], i))
+        if self.axis != "largest":
+            first = int(self.axis) % len(shape) if -len(shape) <= int(self.axis) < len(shape) else None
+            if first is not None:
+                order.remove(first)
+                order.insert(0, first)
+        split = next((i for i in order if shape[i] % parts == 0), None)
+        if split is None:
+            return REPLICATE, f"no axis of {shape} divides by {parts}: replicated"
+        names = list(_NAMES[: len(shape)])
+        right = [f"{name}{parts}" if i == split else name for i, name in enumerate(names)]
+        copies = n_devices // parts
+        expression = f"{' '.join(names)} -> {' '.join(right)}" + (f" {copies}" if copies > 1 else "")
+        if split == order[0]:
+            return expression, None
+        largest = order[0]
+        return expression, f"axis {largest} ({shape[largest]}) does not divide by {parts}: axis {split} split"
+
+    def __repr__(self) -> str:
+        fields = [f"min_bytes={self.min_bytes}"]
+        if self.axis != "largest":
+            fields.append(f"axis={self.axis!r}")
+        if self.parts is not None:
+            fields.append(f"parts={self.parts}")
+        return f"SplitLargest({', '.join(fields)})"
