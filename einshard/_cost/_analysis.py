@@ -18,7 +18,7 @@ from ._findings import find_waste
 from ._report import StepReport, report_of
 from ._target import Target
 
-__all__ = ["Answer", "analyse", "answer"]
+__all__ = ["Answer", "analyse", "answer", "report_of_text"]
 
 
 def analyse(call: StepCall, rules: RulesLike | None, target: Target | None = None) -> StepReport:
@@ -81,6 +81,25 @@ def _read(call: StepCall, compiled: Compiled) -> StepReport:
     flops = compiled.flops()
     analysis_seconds = time.perf_counter() - start
     return report_of(rows, n, mesh, memory, flops, compiled.seconds, analysis_seconds, findings)
+
+
+def report_of_text(text: str, parameter_paths: list[str | None] | None = None) -> StepReport:
+    """The report of a compiled program's text alone (``compiled.as_text()``, saved anywhere).
+
+    The rows, bytes and findings that need only the program: its mesh is one axis of all its
+    partitions, and it has no memory, flops or table. ``parameter_paths`` names the program's
+    parameters by position, for the rows' parameters.
+    """
+    module = _hlo.parse_module(text)
+    n = module.num_partitions
+    mesh = (("devices", n),)
+    flow = Flow(module)
+    rows, origins = attributed_rows(module, flow, mesh, list(range(n)), parameter_paths)
+    findings = find_waste(rows, origins, flow, n, parameter_paths=parameter_paths or ())
+    memory: dict[str, int | None] = dict.fromkeys(
+        ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes")
+    )
+    return report_of(rows, n, mesh, memory, None, 0.0, 0.0, findings)
 
 
 def _parameter_paths(module: _hlo.Module, call: StepCall) -> list[str | None]:

@@ -12,13 +12,12 @@ from .._language._text import seconds_text, size_text, table_text
 from ._target import Hardware
 
 __all__ = [
-    "ACCELERATORS",
     "KINDS",
     "RING",
     "Finding",
     "StepReport",
     "StepRow",
-    "accelerated",
+    "check_no_accelerator",
     "estimated",
     "report_of",
 ]
@@ -33,8 +32,6 @@ RING = {
     "collective-permute": (lambda n: 1.0, lambda n: 1),
 }
 KINDS = tuple(RING)
-ACCELERATORS = ("cpu", "gpu")
-"""What ``accelerator=`` takes: ``'gpu'`` costs the program as XLA's GPU compiler rewrites it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,10 +99,6 @@ class Finding:
         cause: One sentence: what happens.
         fix: One sentence: what to change.
         rows: The positions in the report's rows of the collectives concerned.
-        removed_by: The accelerators whose XLA compiler removes this waste itself (``'gpu'``).
-        rewritten: What that compiler makes of the rows concerned: ``(row, 'reduce-scatter')``
-            for an all-reduce it turns into a reduce-scatter, ``(row, 'merged')`` for one it folds
-            into another.
     """
 
     kind: str
@@ -116,8 +109,6 @@ class Finding:
     cause: str
     fix: str
     rows: tuple[int, ...]
-    removed_by: tuple[str, ...] = ()
-    rewritten: tuple[tuple[int, str], ...] = ()
 
     @property
     def cost(self) -> int:
@@ -172,10 +163,6 @@ class StepReport:
         analysis_seconds: How long reading the program, attributing the rows and finding the
             waste took.
         findings: The waste in the step (:class:`Finding`), the costliest first.
-        accelerator: ``None`` (the program as compiled), or the accelerator whose compiler's
-            rewrites of it the rows and totals include (``'gpu'``).
-        compiled: The rows and findings as compiled, before an accelerator's rewrites (by default
-            the report's own).
         target: What the step was compiled for: ``'cpu'`` (simulated CPU devices), a GPU
             (``'h100'``) or a TPU generation (``'v5e'``); the rows, bytes, findings and memory
             are that compiler's.
@@ -209,20 +196,11 @@ class StepReport:
     compile_seconds: float
     analysis_seconds: float
     findings: tuple[Finding, ...] = ()
-    accelerator: str | None = None
-    compiled: tuple[tuple[StepRow, ...], tuple[Finding, ...]] | None = dataclasses.field(
-        default=None, repr=False
-    )
     target: str = "cpu"
     topology: str | None = None
     hardware: Hardware | None = dataclasses.field(default=None, repr=False)
     flops_source: str | None = None
     network_bandwidth: float | None = None
-
-    def __post_init__(self) -> None:
-        # A report made without the compiled rows (by hand, or as compiled) keeps its own.
-        if self.compiled is None:
-            object.__setattr__(self, "compiled", (tuple(self.rows), tuple(self.findings)))
 
     @property
     def waste_bytes(self) -> int:
@@ -249,18 +227,17 @@ class StepReport:
         bandwidth: float | None = None,
         latency: float | None = None,
         flops_per_second: float | None = None,
-        accelerator: str | None = None,
+        accelerator: Any = None,
     ) -> StepReport:
-        """The same report at other figures, or for another accelerator; no recompile.
+        """The same report at other figures; no recompile.
 
-        Estimated at another bandwidth, latency or FLOP/s, or costed as another accelerator's
-        compiler makes the program (``'gpu'``, ``'cpu'``); the figures not given are kept.
+        Estimated at another bandwidth, latency or FLOP/s; the figures not given are kept. A
+        bandwidth given is every collective's (the target's network figure is dropped). Another
+        target is another compile: ``explain_step(..., target=...)``.
         """
-        report = self
-        if accelerator is not None and accelerator != (self.accelerator or "cpu"):
-            report = accelerated(self, accelerator)
+        check_no_accelerator(accelerator)
         return estimated(
-            report,
+            self,
             bandwidth if bandwidth is not None else self.bandwidth,
             latency if latency is not None else self.latency,
             flops_per_second if flops_per_second is not None else self.flops_per_second,
@@ -306,7 +283,6 @@ def report_of(
         compile_seconds=compile_seconds,
         analysis_seconds=analysis_seconds,
         findings=tuple(findings),
-        compiled=(tuple(rows), tuple(findings)),
     )
 
 
@@ -322,67 +298,15 @@ def _totals(rows: Sequence[StepRow]) -> dict[str, Any]:
     }
 
 
-def check_accelerator(accelerator: Any) -> None:
-    """Raises an ``EinshardError`` for an accelerator the report cannot cost."""
-    if accelerator is not None and accelerator not in ACCELERATORS:
+def check_no_accelerator(accelerator: Any) -> None:
+    """Raises the error for ``accelerator=``, which ``target=`` replaced."""
+    if accelerator is not None:
         raise EinshardError(
-            f"accelerator must be one of 'cpu', 'gpu' or None, not {accelerator!r}",
-            hint="'gpu' costs the program as XLA's GPU compiler rewrites it (all-reduce then slice as "
-            "a reduce-scatter, partial sums added before one all-reduce); 'cpu' or None: as compiled. "
-            "TPU's compiler is not public: its rewrites are not assumed.",
+            f"accelerator={accelerator!r} is gone: give target= instead",
+            hint="target='h100' (or 'a100', 'h200', 'b200', 'v5e', 'v5p', 'v6e') with n_devices= compiles "
+            "the step with that hardware's own XLA compiler, on this machine: pip install "
+            "'einshard[gpu-target]' or 'einshard[tpu-target]'.",
         )
-
-
-def accelerated(report: StepReport, accelerator: str | None) -> StepReport:
-    """The report with its rows as ``accelerator``'s XLA compiler makes them (no estimate yet).
-
-    ``'gpu'``: an all-reduce whose result is only sliced is a reduce-scatter (XLA's
-    ``ReduceScatterCreator``), all-reduces added right after one another are one all-reduce of
-    their sum (``AllReduceReassociate``); the findings those rewrites remove are dropped.
-    ``'cpu'`` or ``None``: the rows as compiled.
-    """
-    check_accelerator(accelerator)
-    assert report.compiled is not None  # filled in by __post_init__
-    rows, findings = report.compiled
-    name = None if accelerator in (None, "cpu") else accelerator
-    if name is not None:
-        changes = {
-            row: change
-            for finding in findings
-            if name in finding.removed_by
-            for row, change in finding.rewritten
-        }
-        scatter, _ = RING["reduce-scatter"]
-        kept: list[StepRow] = []
-        moved: dict[int, int] = {}
-        for position, row in enumerate(rows):
-            change = changes.get(position)
-            if change == "merged":
-                continue
-            if change == "reduce-scatter":
-                traffic = round(scatter(row.group_size) * row.bytes) * row.times if row.group_size > 1 else 0
-                row = dataclasses.replace(row, kind="reduce-scatter", traffic=traffic)
-            moved[position] = len(kept)
-            kept.append(row)
-        findings = tuple(
-            dataclasses.replace(
-                finding,
-                rows=tuple(moved[p] for p in finding.rows if p in moved),
-                rewritten=tuple((moved[p], c) for p, c in finding.rewritten if p in moved),
-            )
-            for finding in findings
-            if name not in finding.removed_by
-        )
-        rows = tuple(kept)
-    return dataclasses.replace(
-        report,
-        rows=rows,
-        **_totals(rows),
-        findings=findings,
-        accelerator=name,
-        bandwidth=None,
-        communication_seconds=None,
-    )
 
 
 def estimated(
@@ -450,9 +374,6 @@ def _columns(report: StepReport) -> tuple[list[str], list[list[str]], list[str]]
         body.append(line)
     kinds = ", ".join(f"{kind} {size_text(b)}" for kind, b in report.bytes_by_kind.items())
     mesh = " × ".join(f"{name}={size}" for name, size in report.mesh)
-    rewritten = (
-        f", as XLA's {report.accelerator.upper()} compiler makes the program" if report.accelerator else ""
-    )
     devices = f"{report.n_devices} devices"
     if report.target != "cpu":
         devices = (
@@ -460,7 +381,7 @@ def _columns(report: StepReport) -> tuple[list[str], list[list[str]], list[str]]
             "as XLA's compiler for them makes it"
         )
     headline = (
-        f"{collectives_text(report.rows)} on {devices} (mesh {mesh}){rewritten}: "
+        f"{collectives_text(report.rows)} on {devices} (mesh {mesh}): "
         f"{size_text(report.bytes)} per device per step" + (f" ({kinds})" if kinds else "")
     )
     footer = textwrap.wrap(headline, _HEADLINE_WIDTH, subsequent_indent="  ", break_on_hyphens=False)

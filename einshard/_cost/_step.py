@@ -11,7 +11,8 @@ The cost folder, in the order its modules import each other:
 * ``_call``: the step and its arguments, flattened and named once (:class:`StepCall`);
 * ``_compile``: compiles the step; the compiled program's mesh, memory and flops;
 * ``_report``: :class:`StepRow`, :class:`Finding`, :class:`StepReport`, the ring formulas,
-  estimates, an accelerator's rewrites, the table;
+  estimates, the table;
+* ``_target``: what a report is compiled for (CPU devices, a GPU, a TPU) and its figures;
 * ``_attribution``: each collective as rows, with its mesh axes, phase and parameter;
 * ``_findings``: the waste in them (:class:`Finding`), from the data flow and the compiler's messages;
 * ``_analysis``: one report (compile, read, attribute, total), or an :class:`Answer` per table;
@@ -34,10 +35,11 @@ from ._child import child_error, in_child
 from ._report import Finding as Finding
 from ._report import StepReport as StepReport
 from ._report import StepRow as StepRow
-from ._report import estimated
-from ._target import Hardware, Target, hardware_of, parse_target
+from ._report import check_no_accelerator, estimated
+from ._target import Hardware as Hardware
+from ._target import Target, hardware_of, parse_target
 
-__all__ = ["Finding", "StepReport", "StepRow", "explain_step", "reports"]
+__all__ = ["Finding", "Hardware", "StepReport", "StepRow", "explain_step", "reports"]
 
 
 def explain_step(
@@ -147,17 +149,6 @@ def on_hardware(
         if flops_per_second is None:
             flops_per_second = hardware.flops_per_second
     return estimated(report, bandwidth, latency, flops_per_second, network)
-
-
-def check_no_accelerator(accelerator: Any) -> None:
-    """Raises the error for ``accelerator=``, which ``target=`` replaced."""
-    if accelerator is not None:
-        raise EinshardError(
-            f"accelerator={accelerator!r} is gone: give target= instead",
-            hint="target='h100' (or 'a100', 'h200', 'b200', 'v5e', 'v5p', 'v6e') with n_devices= compiles "
-            "the step with that hardware's own XLA compiler, on this machine: pip install "
-            "'einshard[gpu-target]' or 'einshard[tpu-target]'.",
-        )
 
 
 def _check_devices(n_devices: Any) -> None:

@@ -798,5 +798,3 @@ _HANDLERS: dict[str, Callable[[Reader, Any, list[Value]], list[Value]]] = {
     **{name: Reader.reduce for name in REDUCE},
     **{name: Reader.cumulative for name in CUMULATIVE},
 }
-
-

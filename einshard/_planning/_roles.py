@@ -585,5 +585,3 @@ def _count(n_devices: Any, default: int) -> int:
             hint="Give the model axis's size, e.g. n_devices=8.",
         )
     return n_devices
-
-

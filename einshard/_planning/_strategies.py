@@ -38,9 +38,6 @@ ROW = ("o", "out", "wo", "down")
 """Layer names the name-based :func:`tensor_parallel` table splits on the input axis by default."""
 
 
-
-
-
 def data_parallel() -> Strategy:
     """Every parameter replicated, the batch split over all devices.
 
@@ -310,9 +307,7 @@ def _derived_table(reading: _roles.Reading, n_devices: int, model: int, min_byte
             continue
         paths.append(row.path)
         if row.axis is not None:
-            choices.append(
-                (tp_expression(row, model, data, _fsdp_axis(row, data, min_bytes)), row.note)
-            )
+            choices.append((tp_expression(row, model, data, _fsdp_axis(row, data, min_bytes)), row.note))
         elif data > 1:  # over the data axis only, copied over the model axis (ZeRO within a data group)
             choices.append(
                 (SplitLargest(min_bytes=min_bytes, parts=data), f"fsdp over the data axis: {row.note}")
