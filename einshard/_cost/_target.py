@@ -416,6 +416,7 @@ def hardware_of(target: Target, given: Mapping[str, Any] | None = None) -> Hardw
                 "flops_per_second= for the estimate on CPU devices.",
             )
         return None
+    check_compiler(target)  # before the figures, which are cached: a compiler removed since says so
     hardware = _gpu_hardware(target.name) if target.platform == "gpu" else _tpu_hardware(target.name)
     return hardware.replace(given) if given else hardware
 
