@@ -149,22 +149,6 @@ class Hardware:
         sources = {**self.sources, **dict.fromkeys(checked, "given")}
         return dataclasses.replace(self, **checked, sources=sources)
 
-    def rows(self) -> list[tuple[str, str, str]]:
-        """``(figure, value, source)`` for each figure, for tables."""
-        from .._language._text import size_text
-
-        values = {
-            "memory_bytes": size_text(self.memory_bytes),
-            "memory_bandwidth": f"{self.memory_bandwidth / 1e9:g} GB/s",
-            "peak_flops_per_second": f"{self.peak_flops_per_second / 1e12:.4g} TFLOP/s",
-            "efficiency": f"{self.efficiency:g}",
-            "bandwidth": f"{self.bandwidth / 1e9:g} GB/s",
-            "network_bandwidth": "-"
-            if self.network_bandwidth is None
-            else f"{self.network_bandwidth / 1e9:g} GB/s",
-        }
-        return [(name, values[name], self.sources.get(name, "")) for name in _FIGURES]
-
 
 @dataclasses.dataclass(frozen=True)
 class Target:
@@ -494,7 +478,7 @@ def target_devices(target: Target) -> list[Any]:
                 "", "cuda", topology=target.topology, target_config=gpu_spec_text(target.name)
             )
         else:
-            description = topologies.get_topology_desc(target.topology, "tpu")
+            description = topologies.get_topology_desc(target.topology or "", "tpu")
     except EinshardError:
         raise
     except Exception as error:
