@@ -81,6 +81,9 @@ def in_child(
     }
     if target is not None and target.platform == "gpu":
         env["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"  # compile-only GPUs: no CUDA on this machine
+    if target is not None and target.platform == "tpu":
+        # libtpu takes a lock file per machine: this process (a TPU VM's) may hold it already.
+        env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
     answers: list[Answer] = []
     while len(answers) < len(tables):
         done, crash = _run_child(data, env, len(answers), n_devices, target)
