@@ -13,7 +13,8 @@ then builds the site in strict mode), ``docs_serve`` (serves it locally),
 ``docs_screenshots`` (every page in headless Chromium at 1400 px: fails on clipped content),
 ``equinox_dev`` (the Equinox tests against the vendored development snapshot),
 ``mutants`` (planted one-line bugs, each of which the tests must catch; not run by default),
-``examples`` (every ``examples/*.py``), ``real_models`` (strategies and the planner on real
+``examples`` (every ``examples/*.py``), ``targets`` (reports and plans compiled by XLA's GPU and
+TPU compilers, which it installs; CI runs it), ``real_models`` (strategies and the planner on real
 models from PyPI, at 8, 16 and 6 devices) and ``real_models_quick`` (the same at 8 only; CI runs
 it), ``benchmarks`` (every
 ``benchmarks/bench_*.py``) and ``benchmarks_quick`` (each once, bounded; CI runs it). Every
@@ -279,6 +280,33 @@ def docs(session: nox.Session) -> None:
         "pytest", "docs", "README.md", *session.posargs, env={"EINSHARD_TEST_DEVICES": "8", **CPU_ONLY}
     )
     session.run("mkdocs", "build", "--strict", env={**CPU_ONLY, **QUIET_MKDOCS})
+
+
+# The programs XLA's GPU compiler made for 8 real H200s, beside the clone (tests/test_targets.py).
+ACCELERATOR_PROGRAMS = ROOT.parent / "shared" / "accelerators" / "h200x8-jax0.11.2"
+
+
+@nox.session(python=NEWEST_PYTHON)
+def targets(session: nox.Session) -> None:
+    """Reports and plans for GPUs and TPUs with their own XLA compilers, on this machine (8 devices).
+
+    Installs both compilers (``.[gpu-target,tpu-target]``: jax-cuda13-plugin and -pjrt, and
+    libtpu, at the installed JAX's version; about 340 MB to download) and runs
+    ``tests/test_targets.py``: the seven real H200 programs of ``../shared/accelerators/``
+    read and recompiled here, 64 H100s, 8 TPU v5e chips, a plan for 64 H100s. Fails when a
+    compiler or ``../shared/accelerators`` is missing (``EINSHARD_TARGET_TESTS=1``: nothing skips).
+    Extra arguments go to pytest: ``nox -s targets -- -k v5e``.
+    """
+    if not ACCELERATOR_PROGRAMS.is_dir():
+        session.error(f"no real accelerator programs: expected {ACCELERATOR_PROGRAMS} beside the clone")
+    session.install("--upgrade", "-e", ".[all,gpu-target,tpu-target]", "jax", *_group("test"))
+    _show_versions(session, "jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "libtpu")
+    session.run(
+        "pytest",
+        "tests/test_targets.py",
+        *session.posargs,
+        env={"EINSHARD_TEST_DEVICES": "8", "EINSHARD_TARGET_TESTS": "1", **CPU_ONLY},
+    )
 
 
 # Equinox's development line, vendored beside the clone (EINSHARD_VENDOR names another directory).

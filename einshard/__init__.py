@@ -11,6 +11,7 @@ from ._arrays._arrays import einshard as einshard
 from ._arrays._arrays import make_sharding as make_sharding
 from ._arrays._multihost import from_process_local as from_process_local
 from ._cost._step import Finding as Finding
+from ._cost._step import Hardware as Hardware
 from ._cost._step import StepReport as StepReport
 from ._cost._step import StepRow as StepRow
 from ._cost._step import explain_step as explain_step

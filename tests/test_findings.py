@@ -1,16 +1,14 @@
 """The step report's findings: each kind of waste named on a program that has it, with its bytes
-worked out by hand, and silent on the same program without it; the accelerator's rewrites; the
+worked out by hand, and silent on the same program without it; ``accelerator=``'s error; the
 compiler's messages; the headline; the planner's findings column."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import einshard
@@ -82,11 +80,7 @@ def test_a_tied_embedding_under_data_parallel_is_reduced_twice_and_named():
     assert {report.rows[p].param for p in finding.rows} == {"params/embed"}
     assert "reduced 2 times" in finding.cause and "psum" in finding.fix
     assert report.waste_bytes == finding.bytes == report.traffic - ring_all_reduce(embed + DIM * DIM * F32)
-    # XLA's GPU compiler adds the two contributions before one all-reduce: costed so for 'gpu'.
-    gpu = report.at(accelerator="gpu")
-    assert [row.param for row in gpu.rows].count("params/embed") == 1
-    assert gpu.traffic == report.traffic - finding.bytes and "repeated" not in kinds(gpu)
-    assert report.at(accelerator="gpu").at(accelerator="cpu") == report
+    # What a GPU makes of it is its own compiler's to say (tests/test_targets.py: it keeps both).
 
 
 def test_untied_embeddings_under_data_parallel_have_no_findings():
@@ -169,33 +163,20 @@ def _fsdp_report(**kwargs) -> einshard.StepReport:
     return einshard.explain_step(sgd(mlp_loss), FSDP_PARAMS, FSDP_BATCH, rules=rules, **kwargs)
 
 
-def test_fsdp_gradients_all_reduced_then_sliced_are_named_and_costed_as_gpu_runs_them():
+def test_fsdp_gradients_all_reduced_then_sliced_are_named():
     report = _fsdp_report()
     sizes = {"params/up": HIDDEN * HIDDEN * F32, "params/down": HIDDEN * HIDDEN * F32}
     reduced = {row.param: row for row in report.rows if row.kind == "all-reduce"}
     assert {p: row.bytes for p, row in reduced.items()} == sizes  # each gradient whole
     finding = only(report, "sliced all-reduce")
-    assert set(finding.params) == set(sizes) and finding.removed_by == ("gpu",)
+    assert set(finding.params) == set(sizes)
     assert finding.bytes == sum(ring_all_reduce(s) - ring_once(s) for s in sizes.values())
-    assert "reduce-scatter" in finding.cause and "accelerator='gpu'" in finding.fix
-    # Gather plus all-reduce: 3(N-1)/N of the parameters on CPU; as a GPU runs it, 2(N-1)/N.
+    assert "reduce-scatter" in finding.cause and "target=" in finding.fix and "psum_scatter" in finding.fix
+    # Gather plus all-reduce: 3(N-1)/N of the parameters on CPU; with a reduce-scatter, 2(N-1)/N.
     gathered = sum(row.traffic for row in report.rows if row.param in sizes and row.kind == "all-gather")
     assert gathered == sum(ring_once(s) for s in sizes.values())
-    gpu = report.at(accelerator="gpu")
-    scattered = {row.param: row for row in gpu.rows if row.kind == "reduce-scatter"}
-    assert {p: (row.bytes, row.traffic) for p, row in scattered.items()} == {
-        p: (s, ring_once(s)) for p, s in sizes.items()
-    }
-    assert gpu.traffic == report.traffic - finding.bytes
-    assert gpu.bytes_by_kind["reduce-scatter"] == sum(sizes.values()) and "sliced all-reduce" not in kinds(
-        gpu
-    )
-    again = _fsdp_report(accelerator="gpu")
-    assert dataclasses.replace(gpu, compile_seconds=0, analysis_seconds=0) == dataclasses.replace(
-        again, compile_seconds=0, analysis_seconds=0
-    )
-    assert gpu.accelerator == "gpu" and "as XLA's GPU compiler makes the program" in " ".join(
-        str(gpu).split()
+    assert report.traffic - finding.bytes == sum(2 * ring_once(s) for s in sizes.values()) + sum(
+        row.traffic for row in report.rows if row.param not in sizes
     )
 
 
@@ -203,7 +184,7 @@ def test_data_parallel_gradients_are_used_whole_so_no_sliced_all_reduce():
     rules = [(r"^batch", "b d -> b* d"), (r".*", "... -> * ...")]
     params = {"up": f32(DIM, HIDDEN), "down": f32(HIDDEN, DIM)}
     report = einshard.explain_step(sgd(mlp_loss), params, f32(8 * N, DIM), rules=rules)
-    assert report.findings == () and report.at(accelerator="gpu").traffic == report.traffic
+    assert report.findings == ()
 
 
 def test_at_does_not_recompile(monkeypatch):
@@ -214,15 +195,17 @@ def test_at_does_not_recompile(monkeypatch):
         raise AssertionError("recompiled")
 
     monkeypatch.setattr(analysis, "compile_step", no_compile)
-    gpu = report.at(accelerator="gpu", bandwidth=1e10)
-    assert gpu.communication_seconds < report.communication_seconds
+    faster = report.at(bandwidth=1e10)
+    assert faster.communication_seconds < report.communication_seconds
 
 
-def test_an_unknown_accelerator_is_an_einshard_error():
-    with pytest.raises(einshard.EinshardError, match="accelerator must be one of 'cpu', 'gpu'"):
-        einshard.explain_step(lambda x: x * 2, jnp.ones(4), accelerator="tpu")
-    with pytest.raises(einshard.EinshardError, match="accelerator must be"):
-        _fsdp_report().at(accelerator="GPU")
+def test_accelerator_is_gone_and_its_error_names_target():
+    with pytest.raises(einshard.EinshardError, match=r"accelerator='gpu' is gone: give target= instead"):
+        einshard.explain_step(lambda x: x * 2, jnp.ones(4), accelerator="gpu")
+    with pytest.raises(einshard.EinshardError, match="target='h100'"):
+        _fsdp_report().at(accelerator="gpu")
+    with pytest.raises(einshard.EinshardError, match="give target= instead"):
+        einshard.plan(sgd(mlp_loss), FSDP_PARAMS, FSDP_BATCH, accelerator="gpu")
 
 
 # --- a large parameter copied on every device under a table meant to split it -------------------
@@ -365,11 +348,6 @@ def test_the_planner_shows_each_candidates_findings():
     text = str(plan)
     assert "findings" in text.splitlines()[0]
     assert f"fsdp: {len(fsdp.findings)} findings, the largest {fsdp.findings[0].headline()}" in text
-    # For GPUs, FSDP's gradients are reduce-scattered: not overcharged.
-    gpu = plan.at(accelerator="gpu")
-    fsdp_gpu = {row.name: row for row in gpu.rows}["fsdp"]
-    assert fsdp_gpu.traffic == fsdp.traffic - sum(f.bytes for f in fsdp.findings if "gpu" in f.removed_by)
-    assert gpu.accelerator == "gpu" and math.isclose(
-        fsdp_gpu.report.communication_seconds, fsdp_gpu.traffic / 1e9
-    )
-    np.testing.assert_equal(plan.at(accelerator="cpu").rows[0].traffic, plan.rows[0].traffic)
+    assert math.isclose(fsdp.communication_seconds, fsdp.traffic / 1e9)
+    with pytest.raises(einshard.EinshardError, match="give target= instead"):
+        plan.at(accelerator="gpu")

@@ -13,20 +13,34 @@ from .._trees._rules import RulesLike
 from . import _hlo
 from ._attribution import Flow, attributed_rows
 from ._call import StepCall
-from ._compile import Compiled, compile_step
+from ._compile import Compiled, compile_step, cpu_flops
 from ._findings import find_waste
 from ._report import StepReport, report_of
+from ._target import Target
 
-__all__ = ["Answer", "analyse", "answer"]
+__all__ = ["Answer", "analyse", "answer", "report_of_text"]
 
 
-def analyse(call: StepCall, rules: RulesLike | None) -> StepReport:
-    """Compiles the step (its arguments sharded by ``rules``, if given) and reports what it costs."""
-    if rules is not None:
-        call = call.with_rules(rules)
-    compiled = compile_step(call)
+def analyse(call: StepCall, rules: RulesLike | None, target: Target | None = None) -> StepReport:
+    """Compiles the step (its arguments sharded by ``rules``, if given) and reports what it costs.
+
+    With a GPU or TPU ``target``, the einshard device order is that target's compile-only devices
+    (the child process sets it); the flops, which such a program does not count, come from the
+    same step compiled for as many CPU devices.
+    """
+    placed = call.with_rules(rules) if rules is not None else call
+    compiled = compile_step(placed)
     with _without_gc():
-        return _read(call, compiled)
+        report = _read(placed, compiled)
+    if target is None or target.platform == "cpu":
+        return report
+    flops, source = report.flops, None
+    if flops is None:
+        flops = cpu_flops(call, rules, report.n_devices)
+        source = f"XLA's CPU compiler's count for the same step on {report.n_devices} CPU devices"
+    return dataclasses.replace(
+        report, flops=flops, flops_source=source, target=target.name, topology=target.topology
+    )
 
 
 @contextlib.contextmanager
@@ -50,7 +64,7 @@ def _read(call: StepCall, compiled: Compiled) -> StepReport:
     mesh, positions = compiled.mesh(n)
     flow = Flow(module)
     parameter_paths = _parameter_paths(module, call)
-    rows, origins = attributed_rows(module, flow, mesh, positions, parameter_paths)
+    rows, origins = attributed_rows(module, flow, mesh, positions, parameter_paths, compiled.hosts(n))
     findings = find_waste(
         rows,
         origins,
@@ -67,6 +81,25 @@ def _read(call: StepCall, compiled: Compiled) -> StepReport:
     flops = compiled.flops()
     analysis_seconds = time.perf_counter() - start
     return report_of(rows, n, mesh, memory, flops, compiled.seconds, analysis_seconds, findings)
+
+
+def report_of_text(text: str, parameter_paths: list[str | None] | None = None) -> StepReport:
+    """The report of a compiled program's text alone (``compiled.as_text()``, saved anywhere).
+
+    The rows, bytes and findings that need only the program: its mesh is one axis of all its
+    partitions, and it has no memory, flops or table. ``parameter_paths`` names the program's
+    parameters by position, for the rows' parameters.
+    """
+    module = _hlo.parse_module(text)
+    n = module.num_partitions
+    mesh = (("devices", n),)
+    flow = Flow(module)
+    rows, origins = attributed_rows(module, flow, mesh, list(range(n)), parameter_paths)
+    findings = find_waste(rows, origins, flow, n, parameter_paths=parameter_paths or ())
+    memory: dict[str, int | None] = dict.fromkeys(
+        ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes")
+    )
+    return report_of(rows, n, mesh, memory, None, 0.0, 0.0, findings)
 
 
 def _parameter_paths(module: _hlo.Module, call: StepCall) -> list[str | None]:
@@ -102,10 +135,10 @@ class Answer:
     error: EinshardError | str | None = None
 
 
-def answer(call: StepCall, rules: RulesLike | None) -> Answer:
+def answer(call: StepCall, rules: RulesLike | None, target: Target | None = None) -> Answer:
     """The step's report under one table; an error is kept, so one table that fails loses no other."""
     try:
-        return Answer(analyse(call, rules))
+        return Answer(analyse(call, rules, target))
     except EinshardError as error:
         return Answer(None, error)
     except Exception as error:

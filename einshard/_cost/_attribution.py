@@ -7,6 +7,7 @@ parameter an all-gather gathers, or the one a reduced gradient updates.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from . import _hlo
 from ._report import RING, StepRow
 
-__all__ = ["Flow", "attributed_rows", "mesh_axes"]
+__all__ = ["Flow", "Origin", "Piece", "attributed_rows", "mesh_axes"]
 
 
 def mesh_axes(
@@ -110,6 +111,31 @@ class _Instructions:
         return self._found[name]
 
 
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One array of a combined collective over a concatenated buffer (see :meth:`Flow.pieces`).
+
+    Attributes:
+        shape: The array's shape (before it was flattened into the buffer).
+        operand: The value put into the buffer.
+        value: The value slicing it out of the result, or ``None`` where none does.
+    """
+
+    shape: _hlo.Shape
+    operand: str
+    value: _hlo.Instruction | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """Where a row comes from: its collective, the array's index, its operand and reduced value."""
+
+    collective: _hlo.Collective
+    index: int
+    operand: str | None
+    value: _hlo.Instruction | None
+
+
 class Flow:
     """Data flow of the program: where values come from, where they go.
 
@@ -129,6 +155,7 @@ class Flow:
         }
         self._simple: dict[str, bool] = {}
         self._loops: dict[str, list[_hlo.Instruction]] = {}
+        self._callers: dict[str, list[_hlo.Instruction]] = {}
 
     def simple(self, computation: str) -> bool:
         """Whether a computation only moves and combines values elementwise (no matmul, no loop)."""
@@ -231,6 +258,141 @@ class Flow:
                 break
         preferred = [c for c in candidates if c[1] in forward_read] or candidates
         return min(preferred)[1] if preferred else None
+
+    def pieces(self, instruction: _hlo.Instruction) -> list[Piece] | None:
+        """The arrays a combined collective over one concatenated buffer carries, or ``None``.
+
+        XLA's GPU compiler combines reductions by concatenating them, flattened, into one buffer
+        (a ``wrapped_concatenate`` fusion), reducing that, and slicing the result apart (one
+        ``wrapped_slice`` fusion per array). Each piece is that array: its shape before it was
+        flattened, its operand, and the slice of the result that carries it on.
+        """
+        if len(instruction.operands) != 1 or instruction.opcode not in ("all-reduce", "all-reduce-start"):
+            return None
+        source = self.all.get(instruction.operands[0])
+        body = self._body(source)
+        if source is None or body is None:
+            return None
+        root = next((i for i in body if i.root), None)
+        if (
+            root is None
+            or root.opcode != "concatenate"
+            or len(root.shapes) != 1
+            or len(root.shapes[0].dims) != 1
+        ):
+            return None
+        inside = {i.name: i for i in body}
+        numbers = {
+            i.name: int(i.operands[0]) for i in body if i.opcode == "parameter" and i.operands[0].isdigit()
+        }
+        slices = self._slices(instruction)
+        out: list[Piece] = []
+        offset = 0
+        for operand in root.operands:
+            name = operand
+            while name in inside and inside[name].opcode in ("bitcast", "reshape", "copy"):
+                name = inside[name].operands[0]
+            number = numbers.get(name)
+            if number is None or number >= len(source.operands):
+                return None
+            outer = source.operands[number]
+            flat = _operand_shape(self, outer)
+            if flat is None:
+                return None
+            shape = self._unflattened(outer, flat)
+            out.append(Piece(shape, outer, slices.get((offset, offset + flat.size))))
+            offset += flat.size
+        return out if offset == root.shapes[0].size else None
+
+    def outside(
+        self, instruction: _hlo.Instruction, operand: str | None, value: _hlo.Instruction | None
+    ) -> tuple[str | None, _hlo.Instruction | None]:
+        """A collective's operand and reduced value as the entry sees them.
+
+        A collective inside a computation that one entry instruction calls as a unit (XLA's
+        async collective fusions: ``fusion-start``, ``async-start``, or a fusion) takes its operand
+        from that caller's operand of the parameter's number; its result, when it is the
+        computation's root, leaves through the caller (past its ``-done``). Elsewhere (a loop
+        body) both stay as they are.
+        """
+        caller = self._caller(instruction.computation)
+        if caller is None:
+            return operand, value
+        inside = self.module.computations[instruction.computation]
+        if operand is not None:
+            parameter = next((i for i in inside if i.name == operand and i.opcode == "parameter"), None)
+            number = parameter.operands[0] if parameter is not None else ""
+            operand = (
+                caller.operands[int(number)]
+                if number.isdigit() and int(number) < len(caller.operands)
+                else None
+            )
+        root = instruction.root and not instruction.type.startswith("(")
+        return operand, self.result(caller, 0) if root else None
+
+    def _caller(self, computation: str) -> _hlo.Instruction | None:
+        """The one entry instruction calling ``computation`` as a fusion or async op, or ``None``."""
+        if computation == self.module.entry:
+            return None
+        callers = self._callers.get(computation)
+        if callers is None:
+            pattern = re.compile(r"calls=%?" + re.escape(computation) + r"(?![\w.\-])")
+            callers = self._callers[computation] = [
+                i
+                for i in self.entry.values()
+                if ("calls", computation) in i.called and pattern.search(i.attributes)
+            ]
+        if len(callers) != 1 or callers[0].opcode not in ("fusion", "fusion-start", "async-start"):
+            return None
+        return callers[0]
+
+    def past_bitcasts(self, value: _hlo.Instruction | None) -> _hlo.Instruction | None:
+        """The value as its only user reshapes it (a bitcast back from a flattened buffer), if so."""
+        for _ in range(4):
+            if value is None:
+                return None
+            users = self.users_in(value.computation).get(value.name, ())
+            if len(users) != 1 or users[0].opcode not in ("bitcast", "reshape"):
+                return value
+            value = users[0]
+        return value
+
+    def _body(self, fusion: _hlo.Instruction | None) -> list[_hlo.Instruction] | None:
+        if fusion is None or fusion.opcode != "fusion":
+            return None
+        called = [name for role, name in fusion.called if role == "calls"]
+        return self.module.computations.get(called[0]) if len(called) == 1 else None
+
+    def _slices(self, instruction: _hlo.Instruction) -> dict[tuple[int, int], _hlo.Instruction]:
+        """The users slicing one range ``[start:end)`` out of a (1-D) collective's result, by range."""
+        value = self.result(instruction, 0)
+        if value is None:
+            return {}
+        out = {}
+        for user in self.users_in(value.computation).get(value.name, ()):
+            inside = self._body(user) if user.opcode == "fusion" else [user]
+            if not inside:
+                continue
+            root = next((i for i in inside if i.root), inside[-1])
+            if root.opcode != "slice":
+                continue
+            bounds = re.fullmatch(r"\{\[(\d+):(\d+)(?::1)?\]\}", (root.attribute("slice") or "").strip())
+            if bounds is not None:
+                out[(int(bounds.group(1)), int(bounds.group(2)))] = user
+        return out
+
+    def _unflattened(self, name: str, flat: _hlo.Shape) -> _hlo.Shape:
+        """A flattened array's shape before its bitcast (or reshape) to 1-D, where the text shows it."""
+        instruction = self.all.get(name)
+        while (
+            instruction is not None and instruction.opcode in ("bitcast", "reshape") and instruction.operands
+        ):
+            before = _operand_shape(self, instruction.operands[0])
+            if before is None or before.size != flat.size:
+                break
+            flat = before
+            instruction = self.all.get(instruction.operands[0])
+        return flat
 
     def loop_exits(self, start: list[_hlo.Instruction], depth: int = 4) -> list[_hlo.Instruction]:
         """Where values computed in a loop body come out of the loop, in the entry computation.
@@ -349,10 +511,16 @@ def attributed_rows(
     mesh: tuple[tuple[str, int], ...],
     positions: list[int],
     paths: list[str | None] | None,
-) -> tuple[list[StepRow], list[tuple[_hlo.Collective, int]]]:
-    """One row per array of every collective, and for each row its collective and array index."""
+    hosts: Sequence[int] | None = None,
+) -> tuple[list[StepRow], list[Origin]]:
+    """One row per array of every collective, and for each row where it comes from.
+
+    A combined collective over a concatenated buffer (XLA's GPU compiler's) gives one row per
+    array put into the buffer (:meth:`Flow.pieces`). ``hosts``: the host of each partition's
+    device, for the rows' :attr:`~StepRow.hosts`.
+    """
     found = _hlo.collectives(module)
-    origins: list[tuple[_hlo.Collective, int]] = []
+    origins: list[Origin] = []
     # A backward pass shows as op names 'transpose(jvp(...))'; the raw text is enough to tell.
     has_grad = module.mentions(_TRANSPOSED)
     forward_read = flow.forward_read(has_grad) if has_grad and paths is not None else set()
@@ -363,35 +531,45 @@ def attributed_rows(
         # The largest group: a permute's cycles can include devices that keep their own shard.
         group_size = max((len(group) for group in collective.groups), default=1)
         axes = mesh_axes(collective.groups, mesh, positions)
-        inputs = [s for s in (_operand_shape(flow, o) for o in instruction.operands) if s is not None]
-        outputs = list(instruction.shapes)
-        if instruction.opcode.endswith("-start") or len(outputs) != len(inputs):
-            outputs = [_output_of(collective.kind, s, instruction, group_size) for s in inputs]
-        for index, (source_shape, result_shape) in enumerate(zip(inputs, outputs, strict=False)):
-            shape = result_shape if collective.kind == "all-gather" else source_shape
+        spans = _hosts(collective.groups, hosts)
+        pieces = flow.pieces(instruction)
+        arrays: list[tuple[_hlo.Shape, str | None, _hlo.Instruction | None]] = []
+        if pieces is not None:
+            arrays = [(piece.shape, piece.operand, piece.value) for piece in pieces]
+        else:
+            inputs = [s for s in (_operand_shape(flow, o) for o in instruction.operands) if s is not None]
+            outputs = list(instruction.shapes)
+            if instruction.opcode.endswith("-start") or len(outputs) != len(inputs):
+                outputs = [_output_of(collective.kind, s, instruction, group_size) for s in inputs]
+            for index, (source_shape, result_shape) in enumerate(zip(inputs, outputs, strict=False)):
+                shape = result_shape if collective.kind == "all-gather" else source_shape
+                operand = instruction.operands[index] if index < len(instruction.operands) else None
+                value = flow.result(instruction, index)
+                if instruction.computation != module.entry:
+                    operand, value = flow.outside(instruction, operand, value)
+                arrays.append((shape, operand, value))
+        phase, source = _phase(op_name, has_grad), f"{file}:{line}" if file is not None else None
+        if not phase or source is None:  # a resharding of an argument: it serves its first user
+            user_phase, source = _user_phase(flow, instruction, has_grad, source)
+            phase = phase or user_phase
+        fraction, _ = RING[collective.kind]
+        for index, (shape, operand, value) in enumerate(arrays):
             param = None
             if paths is not None:
                 parameter = None
-                if module.entry == instruction.computation:
-                    operand = instruction.operands[index] if index < len(instruction.operands) else None
-                    parameter = flow.parameter(operand) if operand is not None else None
-                    if parameter is not None and flow.parameter_size(parameter) != flow._size(operand or ""):
+                if operand is not None and operand in flow.entry:
+                    parameter = flow.parameter(operand)
+                    if parameter is not None and flow.parameter_size(parameter) != flow._size(operand):
                         parameter = None  # a value computed from a parameter is not that parameter
                 backward = _phase(op_name, has_grad) == "backward"
                 if parameter is None and collective.kind in ("all-reduce", "reduce-scatter") and backward:
                     # A gradient: the parameter its reduced value updates. In a loop body (a
                     # scan-stacked layer's slice, one per trip), from where it leaves the loop.
-                    value = flow.result(instruction, index)
                     exits = flow.loop_exits([value]) if value is not None else []
                     parameter = flow.updated(exits, forward_read) if exits else None
                 if parameter is not None and parameter < len(paths):
                     param = paths[parameter]
-            phase, source = _phase(op_name, has_grad), f"{file}:{line}" if file is not None else None
-            if not phase or source is None:  # a resharding of an argument: it serves its first user
-                user_phase, source = _user_phase(flow, instruction, has_grad, source)
-                phase = phase or user_phase
-            fraction, _ = RING[collective.kind]
-            origins.append((collective, index))
+            origins.append(Origin(collective, index, operand, flow.past_bitcasts(value)))
             rows.append(
                 StepRow(
                     kind=collective.kind,
@@ -411,9 +589,20 @@ def attributed_rows(
                     source=source,
                     param=param,
                     instruction=instruction.name,
+                    hosts=spans,
                 )
             )
     return rows, origins
+
+
+def _hosts(groups: Sequence[Sequence[int]], hosts: Sequence[int] | None) -> int:
+    """How many hosts the largest group's devices are on (1 without hosts)."""
+    if not hosts:
+        return 1
+    return max(
+        (len({hosts[p] for p in group if p < len(hosts)}) for group in groups),
+        default=1,
+    )
 
 
 def _user_phase(

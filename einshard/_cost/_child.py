@@ -18,9 +18,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._language._errors import EinshardError
+from .._sharding._devices import use_devices
 from .._trees._rules import RulesLike
 from ._analysis import Answer, answer
 from ._call import StepCall, abstract
+from ._target import Target, target_devices
 
 __all__ = ["child_error", "in_child", "main"]
 
@@ -33,13 +35,24 @@ def in_child(
     kwargs: dict,
     n_devices: int,
     tables: Sequence[RulesLike | None],
+    target: Target | None = None,
 ) -> list[Answer]:
     """One answer per table, compiled in a child process with ``n_devices`` simulated CPU devices.
 
     The step crosses as it was given (resolved in the child); the arguments as plain
-    ``ShapeDtypeStruct``s: their shardings come from the tables.
+    ``ShapeDtypeStruct``s: their shardings come from the tables. With a GPU or TPU ``target``,
+    the tables lay the arguments out over that target's ``n_devices`` compile-only devices, and
+    its compiler compiles the step (the CPU devices count its flops).
     """
-    payload = {"fn": fn, "args": abstract(args), "kwargs": abstract(kwargs), "tables": list(tables)}
+    if target is not None and target.platform == "cpu":
+        target = None
+    payload = {
+        "fn": fn,
+        "args": abstract(args),
+        "kwargs": abstract(kwargs),
+        "tables": list(tables),
+        "target": target,
+    }
     # A step defined in the script being run lives in __main__: the child runs that file as
     # __mp_main__ first, as multiprocessing's spawn does, so that pickle finds it there.
     main_module = sys.modules.get("__main__")
@@ -66,9 +79,14 @@ def in_child(
         "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={n_devices}".strip(),
         "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path),
     }
+    if target is not None and target.platform == "gpu":
+        env["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"  # compile-only GPUs: no CUDA on this machine
+    if target is not None and target.platform == "tpu":
+        # libtpu takes a lock file per machine: this process (a TPU VM's) may hold it already.
+        env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
     answers: list[Answer] = []
     while len(answers) < len(tables):
-        done, crash = _run_child(data, env, len(answers), n_devices)
+        done, crash = _run_child(data, env, len(answers), n_devices, target)
         answers += done
         if crash is not None:
             # XLA aborts the whole process on some layouts (a failed CHECK in its partitioner):
@@ -78,7 +96,7 @@ def in_child(
 
 
 def _run_child(
-    data: bytes, env: dict[str, str], start: int, n_devices: int
+    data: bytes, env: dict[str, str], start: int, n_devices: int, target: Target | None = None
 ) -> tuple[list[Answer], str | None]:
     """One child, compiling the tables from ``start`` on: its answers, and why it died compiling the next.
 
@@ -97,7 +115,7 @@ def _run_child(
         except Exception:  # a record cut short by the child's death
             break
         if kind == "error":
-            raise child_error(value, n_devices)
+            raise child_error(value, n_devices, target)
         if kind == "compiling":
             compiling = value
         else:
@@ -119,9 +137,11 @@ def _run_child(
     return answers, f"XLA aborted the process compiling it ({last.strip()[:300]})"
 
 
-def child_error(error: EinshardError | str, n_devices: int) -> EinshardError:
+def child_error(error: EinshardError | str, n_devices: int, target: Target | None = None) -> EinshardError:
     """What the parent raises for an error in the child (an ``EinshardError`` keeps its message)."""
     if isinstance(error, EinshardError):
+        if target is not None:
+            return error.add_context(f"in a child process compiling for {target.label}")
         return error.add_context(f"in a child process with {n_devices} simulated CPU devices")
     return EinshardError(
         f"compiling the step in a child process with {n_devices} devices failed: {error}",
@@ -157,10 +177,20 @@ def main() -> None:
     except Exception as error:
         _write(out, ("error", f"{type(error).__name__}: {error}"))
         return
+    target = payload.get("target")
+    devices = None
+    if target is not None:
+        try:
+            devices = target_devices(target)
+        except EinshardError as error:
+            _write(out, ("error", error))
+            return
     start = int(sys.argv[1]) if len(sys.argv) > 1 else 0
     for index in range(start, len(payload["tables"])):
         _write(out, ("compiling", index))
-        _write(out, ("answer", answer(call, payload["tables"][index])))
+        with use_devices(devices) if devices is not None else contextlib.nullcontext():
+            result = answer(call, payload["tables"][index], target)
+        _write(out, ("answer", result))
 
 
 def _write(out: Any, record: tuple[str, Any]) -> None:

@@ -75,6 +75,21 @@ class Compiled:
                 return axes, list(range(n))
         return (("devices", n),), list(range(n))
 
+    def hosts(self, n: int) -> list[int] | None:
+        """The host (``process_index``) of each partition's device, or ``None`` when unknown."""
+        import jax
+
+        for attribute in ("input_shardings", "output_shardings"):
+            try:
+                shardings = jax.tree_util.tree_leaves(getattr(self.program, attribute))
+            except Exception:
+                continue
+            for sharding in shardings:
+                devices = getattr(sharding, "_device_assignment", None)
+                if devices is not None and len(devices) == n:
+                    return [int(getattr(device, "process_index", 0)) for device in devices]
+        return None
+
     def memory(self) -> dict[str, int | None]:
         """Per-device buffer sizes from ``memory_analysis()`` (``None`` where the backend has none)."""
         try:
@@ -179,6 +194,24 @@ def _remembered(text: str, messages: tuple[str, ...]) -> tuple[str, ...]:
             _SEEN.popitem(last=False)
         return messages
     return _SEEN.get(key, ())
+
+
+def cpu_flops(call: StepCall, rules: Any, n: int) -> float | None:
+    """The step's flops per device as XLA's CPU compiler partitions it for ``n`` CPU devices.
+
+    A compile-only device's program has no cost analysis; the same step, its arguments sharded
+    by the same table over as many CPU devices (the child process has them), has.
+    """
+    import jax
+
+    from .._sharding._devices import use_devices
+
+    devices = jax.devices("cpu")
+    if len(devices) < n:
+        return None
+    with use_devices(devices[:n]):
+        placed = call.with_rules(rules) if rules is not None else call
+        return compile_step(placed).flops()
 
 
 def compile_step(call: StepCall) -> Compiled:

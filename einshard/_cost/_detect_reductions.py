@@ -40,23 +40,25 @@ def find_repeated(context: Context, extra: set[int]) -> list[Finding]:
     for (param, family, _), candidates in by_param.items():
         if len(candidates) < 2:
             continue
-        removed: tuple[str, ...] = ()
-        rewritten: tuple[tuple[int, str], ...] = ()
+        fed: list[int] = []
         if family == "reduce":
             values = [context.values[p] for p in candidates]
             if any(v is None for v in values):
                 continue
             groups = context.uses.summed(values)  # type: ignore[arg-type]
-            if not groups:
-                continue
-            summed, pure = max(groups, key=lambda g: len(g[0]))
-            positions = [candidates[i] for i in summed]
-            keep = max(positions, key=lambda p: rows[p].traffic)
-            others = [p for p in positions if p != keep]
-            wasted = rows_traffic(rows, others)
-            if len(pure) == 1 and len(pure[0]) == len(summed):  # one sum of these alone: GPU adds first
-                removed = ("gpu",)
-                rewritten = tuple((p, "merged") for p in others)
+            if groups:
+                summed, _ = max(groups, key=lambda g: len(g[0]))
+                positions = [candidates[i] for i in summed]
+                keep = max(positions, key=lambda p: rows[p].traffic)
+                wasted = rows_traffic(rows, [p for p in positions if p != keep])
+            else:
+                # One reduced contribution goes into the operand of another reduction of the
+                # same gradient (XLA's GPU compiler adds it there, on one device): sent twice.
+                fed = _fed(context, candidates)
+                if not fed:
+                    continue
+                positions = sorted(set(candidates))
+                wasted = rows_traffic(rows, fed)
         else:
             positions = candidates
             moved = sum(rows[p].total_bytes for p in positions)
@@ -72,31 +74,19 @@ def find_repeated(context: Context, extra: set[int]) -> list[Finding]:
         extra.update(others)
         count, row = len(positions), rows[positions[0]]
         array, each = array_text(row), size_text(row.bytes)
+        how = "then added" if not fed else "one's result put into the other's input"
         cause = (
             f"The gradient of {param} is reduced {count} times per step ({count} {row.kind}s of "
-            f"{array}, {each} each, then added): the parameter is used in {count} places (as tied "
+            f"{array}, {each} each, {how}): the parameter is used in {count} places (as tied "
             "embeddings are) and each contribution is reduced on its own."
         )
         fix = (
-            "Add the contributions before reducing them (compute that gradient in jax.shard_map "
-            "and psum the total once); XLA's GPU compiler does it itself here (accelerator='gpu' "
-            "estimates that)."
-            if removed
-            else "Add the contributions before reducing them: compute that gradient in "
-            "jax.shard_map and psum the total once."
+            "Add the contributions before reducing them: compute that gradient in jax.shard_map and "
+            "psum the total once."
         )
         out.append(
             Finding(
-                REPEATED,
-                wasted,
-                0,
-                (param,),
-                rows_sources(rows, positions),
-                cause,
-                fix,
-                tuple(positions),
-                removed,
-                rewritten,
+                REPEATED, wasted, 0, (param,), rows_sources(rows, positions), cause, fix, tuple(positions)
             )
         )
     # Gathered again: one finding per place in the code (a norm scale in every layer: one line).
@@ -127,26 +117,23 @@ def find_unsummed(context: Context, extra: set[int]) -> list[Finding]:
         if row.kind != "all-reduce" or position in extra or value is None:
             continue
         keys.setdefault((row.dtype, row.shape, row.group_size, row.axes, row.times), []).append(position)
-    raw: list[tuple[list[int], list[int]]] = []  # (rows summed, rows the GPU compiler merges away)
+    raw: list[list[int]] = []  # rows summed right after
     for positions in keys.values():
         if len(positions) < 2:
             continue
         values = [context.values[p] for p in positions]
-        for group, pure in context.uses.summed(values):  # type: ignore[arg-type]
-            members = [positions[i] for i in group]
-            merged = [positions[i] for g in pure for i in g[1:]]
-            raw.append((members, merged))
+        for group, _ in context.uses.summed(values):  # type: ignore[arg-type]
+            raw.append([positions[i] for i in group])
     # One finding per place in the code (a layer written once and run many times: one finding).
-    by_place: dict[tuple[str, ...], list[tuple[list[int], list[int]]]] = {}
-    for members, merged in raw:
-        by_place.setdefault(rows_sources(rows, members), []).append((members, merged))
+    by_place: dict[tuple[str, ...], list[list[int]]] = {}
+    for members in raw:
+        by_place.setdefault(rows_sources(rows, members), []).append(members)
     out = []
     for sources, groups in by_place.items():
-        members = [p for group, _ in groups for p in group]
-        wasted = [p for group, _ in groups for p in sorted(group, key=lambda q: rows[q].traffic)[:-1]]
-        merged = {p for _, m in groups for p in m}
+        members = [p for group in groups for p in group]
+        wasted = [p for group in groups for p in sorted(group, key=lambda q: rows[q].traffic)[:-1]]
         extra.update(wasted)
-        k, n = len(groups[0][0]), len(groups)
+        k, n = len(groups[0]), len(groups)
         row = rows[members[0]]
         times = f"{n} times, " if n > 1 else ""
         weights = tuple(dict.fromkeys(w for p in members for w in context.producers(p)))
@@ -160,9 +147,6 @@ def find_unsummed(context: Context, extra: set[int]) -> list[Finding]:
             "Add them before reducing: fuse the layers that read the same input into one matmul "
             "(q, k and v into one QKV projection), so their input gradient is one partial sum."
         )
-        removed: tuple[str, ...] = ("gpu",) if len(merged) >= len(wasted) else ()
-        if removed:
-            fix += " XLA's GPU compiler adds them first itself here (accelerator='gpu' estimates that)."
         out.append(
             Finding(
                 UNSUMMED,
@@ -173,8 +157,6 @@ def find_unsummed(context: Context, extra: set[int]) -> list[Finding]:
                 cause,
                 fix,
                 tuple(members),
-                removed,
-                tuple((p, "merged") for p in sorted(merged)) if removed else (),
             )
         )
     return out
@@ -207,21 +189,23 @@ def find_sliced(context: Context, extra: set[int]) -> list[Finding]:
         f"only its 1/{n} slice: a reduce-scatter sends half the bytes."
     )
     fix = (
-        "XLA's GPU compiler makes this a reduce-scatter itself (ReduceScatterCreator), its CPU compiler "
-        "does not: estimate with accelerator='gpu' for GPUs; in your own code, jax.lax.psum_scatter does it."
+        "In your own code, jax.lax.psum_scatter does it. XLA's GPU compiler makes this a reduce-scatter "
+        "itself, its CPU compiler does not: a report with target= (target='h100') shows the program the "
+        "hardware you run on gets."
     )
-    rewritten = tuple((p, "reduce-scatter") for p in positions)
-    return [
-        Finding(
-            SLICED,
-            saved,
-            0,
-            params,
-            rows_sources(rows, positions),
-            cause,
-            fix,
-            tuple(positions),
-            ("gpu",),
-            rewritten,
-        )
-    ]
+    return [Finding(SLICED, saved, 0, params, rows_sources(rows, positions), cause, fix, tuple(positions))]
+
+
+def _fed(context: Context, candidates: list[int]) -> list[int]:
+    """The rows (of one parameter's reductions) whose reduced value goes into another's input."""
+    out = []
+    for a in candidates:
+        value = context.values[a]
+        if value is None:
+            continue
+        for b in candidates:
+            operand = context.operands[b]
+            if b != a and operand is not None and context.uses.reaches(value, operand):
+                out.append(a)
+                break
+    return out

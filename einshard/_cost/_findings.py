@@ -21,8 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import _hlo
-from ._attribution import Flow
+from ._attribution import Flow, Origin
 from ._detect import (
     FINDING_KINDS,
     Context,
@@ -38,7 +37,7 @@ from ._uses import (
 
 def find_waste(
     rows: list[StepRow],
-    origins: list[tuple[_hlo.Collective, int]],
+    origins: list[Origin],
     flow: Flow,
     n_devices: int,
     messages: Sequence[str] = (),
@@ -49,10 +48,8 @@ def find_waste(
     table: Any = None,
 ) -> list[Finding]:
     """Every finding of a compiled step, the costliest first."""
-    values = [flow.result(collective.instruction, index) for collective, index in origins]
-    operands = [
-        c.instruction.operands[index] if index < len(c.instruction.operands) else None for c, index in origins
-    ]
+    values = [origin.value for origin in origins]
+    operands = [origin.operand for origin in origins]
     uses = Uses(flow)
     context = Context(
         rows,

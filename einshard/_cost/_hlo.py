@@ -43,6 +43,8 @@ COLLECTIVES = {
     "all-gather": "all-gather",
     "all-gather-start": "all-gather",
     "reduce-scatter": "reduce-scatter",
+    "reduce-scatter-start": "reduce-scatter",
+    "all-to-all-start": "all-to-all",
     "all-to-all": "all-to-all",
     "ragged-all-to-all": "all-to-all",
     "collective-permute": "collective-permute",
@@ -650,10 +652,19 @@ class Collective:
     times_known: bool
 
 
+_CHAIN = re.compile(r'chain_id="?(\d+)')
+
+
 def collectives(module: Module) -> list[Collective]:
-    """Every collective of the program that runs, with its groups and how often it runs."""
+    """Every collective of the program that runs, with its groups and how often it runs.
+
+    TPU's compiler splits one collective over several async collective fusions (each fusion
+    carries a copy of the instruction, with the same ``channel_id`` and a ``chain_id``): such a
+    run is counted once, at its first copy in the text.
+    """
     runs = module.times()
     out = []
+    chained: set[tuple[str, str, str]] = set()
     for computation in module.containing(_COLLECTIVE_LINE):
         times, known = runs.get(computation, (0, True))
         if times == 0:
@@ -662,6 +673,13 @@ def collectives(module: Module) -> list[Collective]:
             kind = COLLECTIVES.get(instruction.opcode)
             if kind is None:
                 continue
+            channel = instruction.attribute("channel_id")
+            chain = _CHAIN.search(instruction.attribute("frontend_attributes") or "")
+            if channel is not None and chain is not None:
+                key = (kind, channel, chain.group(1))
+                if key in chained:
+                    continue
+                chained.add(key)
             groups = device_groups(instruction, module.num_partitions)
             out.append(Collective(instruction, kind, groups, times, known))
     return out

@@ -9,15 +9,15 @@ from typing import Any
 
 from .._language._errors import EinshardError
 from .._language._text import seconds_text, size_text, table_text
+from ._target import Hardware
 
 __all__ = [
-    "ACCELERATORS",
     "KINDS",
     "RING",
     "Finding",
     "StepReport",
     "StepRow",
-    "accelerated",
+    "check_no_accelerator",
     "estimated",
     "report_of",
 ]
@@ -32,8 +32,6 @@ RING = {
     "collective-permute": (lambda n: 1.0, lambda n: 1),
 }
 KINDS = tuple(RING)
-ACCELERATORS = ("cpu", "gpu")
-"""What ``accelerator=`` takes: ``'gpu'`` costs the program as XLA's GPU compiler rewrites it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +58,8 @@ class StepRow:
         source: ``file:line`` of the user code, or ``None``.
         param: The path of the parameter it gathers or whose gradient it reduces, or ``None``.
         instruction: The HLO instruction (rows of one combined collective share it).
+        hosts: How many hosts the devices of its largest group are on (1 on CPU devices and
+            TPU slices); a collective across hosts runs at the network's bandwidth.
     """
 
     kind: str
@@ -77,6 +77,7 @@ class StepRow:
     source: str | None
     param: str | None
     instruction: str
+    hosts: int = 1
 
     @property
     def total_bytes(self) -> int:
@@ -98,10 +99,6 @@ class Finding:
         cause: One sentence: what happens.
         fix: One sentence: what to change.
         rows: The positions in the report's rows of the collectives concerned.
-        removed_by: The accelerators whose XLA compiler removes this waste itself (``'gpu'``).
-        rewritten: What that compiler makes of the rows concerned: ``(row, 'reduce-scatter')``
-            for an all-reduce it turns into a reduce-scatter, ``(row, 'merged')`` for one it folds
-            into another.
     """
 
     kind: str
@@ -112,8 +109,6 @@ class Finding:
     cause: str
     fix: str
     rows: tuple[int, ...]
-    removed_by: tuple[str, ...] = ()
-    rewritten: tuple[tuple[int, str], ...] = ()
 
     @property
     def cost(self) -> int:
@@ -168,10 +163,16 @@ class StepReport:
         analysis_seconds: How long reading the program, attributing the rows and finding the
             waste took.
         findings: The waste in the step (:class:`Finding`), the costliest first.
-        accelerator: ``None`` (the program as compiled), or the accelerator whose compiler's
-            rewrites of it the rows and totals include (``'gpu'``).
-        compiled: The rows and findings as compiled, before an accelerator's rewrites (by default
-            the report's own).
+        target: What the step was compiled for: ``'cpu'`` (simulated CPU devices), a GPU
+            (``'h100'``) or a TPU generation (``'v5e'``); the rows, bytes, findings and memory
+            are that compiler's.
+        topology: The target's topology (``'1x8x8'``, ``'v5e:2x4'``), or ``None`` on CPU devices.
+        hardware: The target's figures (:class:`~einshard.Hardware`), with their sources, or
+            ``None`` on CPU devices.
+        flops_source: Where :attr:`flops` comes from when the compiled program has no cost
+            analysis (a compile-only device's), or ``None``: from the program itself.
+        network_bandwidth: Bytes per second each device sends to other hosts, for the rows whose
+            groups span hosts, or ``None``: every row at :attr:`bandwidth`.
     """
 
     rows: tuple[StepRow, ...]
@@ -195,15 +196,11 @@ class StepReport:
     compile_seconds: float
     analysis_seconds: float
     findings: tuple[Finding, ...] = ()
-    accelerator: str | None = None
-    compiled: tuple[tuple[StepRow, ...], tuple[Finding, ...]] | None = dataclasses.field(
-        default=None, repr=False
-    )
-
-    def __post_init__(self) -> None:
-        # A report made without the compiled rows (by hand, or as compiled) keeps its own.
-        if self.compiled is None:
-            object.__setattr__(self, "compiled", (tuple(self.rows), tuple(self.findings)))
+    target: str = "cpu"
+    topology: str | None = None
+    hardware: Hardware | None = dataclasses.field(default=None, repr=False)
+    flops_source: str | None = None
+    network_bandwidth: float | None = None
 
     @property
     def waste_bytes(self) -> int:
@@ -230,21 +227,22 @@ class StepReport:
         bandwidth: float | None = None,
         latency: float | None = None,
         flops_per_second: float | None = None,
-        accelerator: str | None = None,
+        accelerator: Any = None,
     ) -> StepReport:
-        """The same report at other figures, or for another accelerator; no recompile.
+        """The same report at other figures; no recompile.
 
-        Estimated at another bandwidth, latency or FLOP/s, or costed as another accelerator's
-        compiler makes the program (``'gpu'``, ``'cpu'``); the figures not given are kept.
+        Estimated at another bandwidth, latency or FLOP/s; the figures not given are kept. A
+        bandwidth given is every collective's (the target's network figure is dropped). Another
+        target is another compile: ``explain_step(..., target=...)``.
         """
-        report = self
-        if accelerator is not None and accelerator != (self.accelerator or "cpu"):
-            report = accelerated(self, accelerator)
+        check_no_accelerator(accelerator)
         return estimated(
-            report,
+            self,
             bandwidth if bandwidth is not None else self.bandwidth,
             latency if latency is not None else self.latency,
             flops_per_second if flops_per_second is not None else self.flops_per_second,
+            # A bandwidth given is every link's; the target's network figure is kept otherwise.
+            self.network_bandwidth if bandwidth is None else None,
         )
 
     def __str__(self) -> str:
@@ -285,7 +283,6 @@ def report_of(
         compile_seconds=compile_seconds,
         analysis_seconds=analysis_seconds,
         findings=tuple(findings),
-        compiled=(tuple(rows), tuple(findings)),
     )
 
 
@@ -301,73 +298,29 @@ def _totals(rows: Sequence[StepRow]) -> dict[str, Any]:
     }
 
 
-def check_accelerator(accelerator: Any) -> None:
-    """Raises an ``EinshardError`` for an accelerator the report cannot cost."""
-    if accelerator is not None and accelerator not in ACCELERATORS:
+def check_no_accelerator(accelerator: Any) -> None:
+    """Raises the error for ``accelerator=``, which ``target=`` replaced."""
+    if accelerator is not None:
         raise EinshardError(
-            f"accelerator must be one of 'cpu', 'gpu' or None, not {accelerator!r}",
-            hint="'gpu' costs the program as XLA's GPU compiler rewrites it (all-reduce then slice as "
-            "a reduce-scatter, partial sums added before one all-reduce); 'cpu' or None: as compiled. "
-            "TPU's compiler is not public: its rewrites are not assumed.",
+            f"accelerator={accelerator!r} is gone: give target= instead",
+            hint="target='h100' (or 'a100', 'h200', 'b200', 'v5e', 'v5p', 'v6e') with n_devices= compiles "
+            "the step with that hardware's own XLA compiler, on this machine: pip install "
+            "'einshard[gpu-target]' or 'einshard[tpu-target]'.",
         )
-
-
-def accelerated(report: StepReport, accelerator: str | None) -> StepReport:
-    """The report with its rows as ``accelerator``'s XLA compiler makes them (no estimate yet).
-
-    ``'gpu'``: an all-reduce whose result is only sliced is a reduce-scatter (XLA's
-    ``ReduceScatterCreator``), all-reduces added right after one another are one all-reduce of
-    their sum (``AllReduceReassociate``); the findings those rewrites remove are dropped.
-    ``'cpu'`` or ``None``: the rows as compiled.
-    """
-    check_accelerator(accelerator)
-    assert report.compiled is not None  # filled in by __post_init__
-    rows, findings = report.compiled
-    name = None if accelerator in (None, "cpu") else accelerator
-    if name is not None:
-        changes = {
-            row: change
-            for finding in findings
-            if name in finding.removed_by
-            for row, change in finding.rewritten
-        }
-        scatter, _ = RING["reduce-scatter"]
-        kept: list[StepRow] = []
-        moved: dict[int, int] = {}
-        for position, row in enumerate(rows):
-            change = changes.get(position)
-            if change == "merged":
-                continue
-            if change == "reduce-scatter":
-                traffic = round(scatter(row.group_size) * row.bytes) * row.times if row.group_size > 1 else 0
-                row = dataclasses.replace(row, kind="reduce-scatter", traffic=traffic)
-            moved[position] = len(kept)
-            kept.append(row)
-        findings = tuple(
-            dataclasses.replace(
-                finding,
-                rows=tuple(moved[p] for p in finding.rows if p in moved),
-                rewritten=tuple((moved[p], c) for p, c in finding.rewritten if p in moved),
-            )
-            for finding in findings
-            if name not in finding.removed_by
-        )
-        rows = tuple(kept)
-    return dataclasses.replace(
-        report,
-        rows=rows,
-        **_totals(rows),
-        findings=findings,
-        accelerator=name,
-        bandwidth=None,
-        communication_seconds=None,
-    )
 
 
 def estimated(
-    report: StepReport, bandwidth: float | None, latency: float, flops_per_second: float | None
+    report: StepReport,
+    bandwidth: float | None,
+    latency: float,
+    flops_per_second: float | None,
+    network_bandwidth: float | None = None,
 ) -> StepReport:
-    """The report with its rows' times and the totals estimated at these figures."""
+    """The report with its rows' times and the totals estimated at these figures.
+
+    A row whose groups span hosts runs at ``network_bandwidth`` where one is given (a ring is
+    as fast as its slowest link), the others at ``bandwidth``.
+    """
     rows = []
     started: set[str] = set()
     for row in report.rows:
@@ -377,7 +330,8 @@ def estimated(
             # The arrays of a combined collective travel together: its latency is paid once.
             hops = steps(row.group_size) if row.group_size > 1 and row.instruction not in started else 0
             started.add(row.instruction)
-            seconds = row.traffic / bandwidth + row.times * hops * latency
+            link = network_bandwidth if row.hosts > 1 and network_bandwidth is not None else bandwidth
+            seconds = row.traffic / link + row.times * hops * latency
         rows.append(dataclasses.replace(row, seconds=seconds))
     communication = sum(r.seconds for r in rows if r.seconds is not None) if bandwidth is not None else None
     compute = report.flops / flops_per_second if flops_per_second and report.flops is not None else None
@@ -389,6 +343,7 @@ def estimated(
         flops_per_second=flops_per_second,
         communication_seconds=communication,
         compute_seconds=compute,
+        network_bandwidth=network_bandwidth if bandwidth is not None else None,
     )
 
 
@@ -419,11 +374,14 @@ def _columns(report: StepReport) -> tuple[list[str], list[list[str]], list[str]]
         body.append(line)
     kinds = ", ".join(f"{kind} {size_text(b)}" for kind, b in report.bytes_by_kind.items())
     mesh = " × ".join(f"{name}={size}" for name, size in report.mesh)
-    rewritten = (
-        f", as XLA's {report.accelerator.upper()} compiler makes the program" if report.accelerator else ""
-    )
+    devices = f"{report.n_devices} devices"
+    if report.target != "cpu":
+        devices = (
+            f"{report.n_devices} {report.target.upper()} ({report.topology}), "
+            "as XLA's compiler for them makes it"
+        )
     headline = (
-        f"{collectives_text(report.rows)} on {report.n_devices} devices (mesh {mesh}){rewritten}: "
+        f"{collectives_text(report.rows)} on {devices} (mesh {mesh}): "
         f"{size_text(report.bytes)} per device per step" + (f" ({kinds})" if kinds else "")
     )
     footer = textwrap.wrap(headline, _HEADLINE_WIDTH, subsequent_indent="  ", break_on_hyphens=False)
@@ -435,11 +393,19 @@ def _columns(report: StepReport) -> tuple[list[str], list[list[str]], list[str]]
             f"aliased {size_text(report.alias_bytes or 0)}, "
             f"temporaries {size_text(report.temp_bytes or 0)})"
         )
+        if report.hardware is not None:
+            footer += _wrapped(f"  {memory_note(report)}", "  ")
     if report.flops is not None:
-        footer.append(f"flops per device: {report.flops:.3g}")
+        footer.append(
+            f"flops per device: {report.flops:.3g}"
+            + (f" ({report.flops_source})" if report.flops_source else "")
+        )
     if report.communication_seconds is not None and report.bandwidth is not None:
+        links = f"{report.bandwidth / 1e9:g} GB/s"
+        if report.network_bandwidth is not None and any(row.hosts > 1 for row in report.rows):
+            links += f" within a host, {report.network_bandwidth / 1e9:g} GB/s across hosts"
         text = (
-            f"estimate at {report.bandwidth / 1e9:g} GB/s, latency {seconds_text(report.latency)}: "
+            f"estimate at {links}, latency {seconds_text(report.latency)}: "
             f"communication {seconds_text(report.communication_seconds)}"
         )
         if report.compute_seconds is not None:
@@ -448,9 +414,29 @@ def _columns(report: StepReport) -> tuple[list[str], list[list[str]], list[str]]
                 f", compute {seconds_text(report.compute_seconds)} at {report.flops_per_second:.3g} FLOP/s: "
                 f"{bound}-bound"
             )
-        footer.append(text)
+        footer += _wrapped(text, "  ")
+        hardware = report.hardware
+        if hardware is not None and report.flops_per_second == hardware.flops_per_second:
+            footer += _wrapped(
+                f"  compute at {hardware.efficiency:g} of the {hardware.device}'s peak "
+                f"{hardware.peak_flops_per_second / 1e12:.4g} TFLOP/s ({hardware.sources['efficiency']})",
+                "  ",
+            )
     footer += _findings_lines(report)
     return header, body, footer
+
+
+def memory_note(report: StepReport) -> str:
+    """What the memory of a target's report is, against the device's own memory."""
+    hardware = report.hardware
+    assert hardware is not None and report.peak_bytes is not None
+    share = report.peak_bytes / hardware.memory_bytes
+    fits = "fits in" if share <= 1 else "does NOT fit in"
+    return (
+        f"{fits} the {hardware.device}'s {size_text(hardware.memory_bytes)} ({share:.1%}); the "
+        f"buffers as XLA's compiler for it assigns them (on an H200 that peak equalled the device's "
+        f"measured peak to 0.1 %)"
+    )
 
 
 def collectives_text(rows: Sequence[StepRow]) -> str:

@@ -11,7 +11,8 @@ The cost folder, in the order its modules import each other:
 * ``_call``: the step and its arguments, flattened and named once (:class:`StepCall`);
 * ``_compile``: compiles the step; the compiled program's mesh, memory and flops;
 * ``_report``: :class:`StepRow`, :class:`Finding`, :class:`StepReport`, the ring formulas,
-  estimates, an accelerator's rewrites, the table;
+  estimates, the table;
+* ``_target``: what a report is compiled for (CPU devices, a GPU, a TPU) and its figures;
 * ``_attribution``: each collective as rows, with its mesh axes, phase and parameter;
 * ``_findings``: the waste in them (:class:`Finding`), from the data flow and the compiler's messages;
 * ``_analysis``: one report (compile, read, attribute, total), or an :class:`Answer` per table;
@@ -22,7 +23,8 @@ The cost folder, in the order its modules import each other:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._language._numbers import checked_count
@@ -33,9 +35,11 @@ from ._child import child_error, in_child
 from ._report import Finding as Finding
 from ._report import StepReport as StepReport
 from ._report import StepRow as StepRow
-from ._report import accelerated, check_accelerator, estimated
+from ._report import check_no_accelerator, estimated
+from ._target import Hardware as Hardware
+from ._target import Target, hardware_of, parse_target
 
-__all__ = ["Finding", "StepReport", "StepRow", "explain_step", "reports"]
+__all__ = ["Finding", "Hardware", "StepReport", "StepRow", "explain_step", "reports"]
 
 
 def explain_step(
@@ -43,10 +47,12 @@ def explain_step(
     *args: Any,
     n_devices: int | None = None,
     rules: RulesLike | None = None,
+    target: str = "cpu",
+    hardware: Mapping[str, float] | None = None,
     bandwidth: float | None = None,
     latency: float = 0.0,
     flops_per_second: float | None = None,
-    accelerator: str | None = None,
+    accelerator: Any = None,
     **kwargs: Any,
 ) -> StepReport:
     """Compiles ``fn(*args, **kwargs)`` for its arguments' shardings and reports what it costs.
@@ -60,6 +66,11 @@ def explain_step(
     rematerialization) is named in ``report.findings`` with its bytes, cause and fix (see the
     "What does my table cost?" page).
 
+    With ``target='h100'`` (or another GPU, or a TPU generation) the step is compiled by that
+    hardware's own XLA compiler for ``n_devices`` compile-only devices, on this machine, with no
+    accelerator present: the rows, bytes, findings and memory are that compiler's, and the
+    estimate takes the hardware's figures (:class:`~einshard.Hardware`).
+
     Args:
         fn: The step. A plain function is compiled with ``jax.jit`` (leaves that are not arrays
             are held static, as ``equinox.filter_jit`` does); a function with a ``lower``
@@ -68,16 +79,24 @@ def explain_step(
         *args: The arguments: arrays, or ``jax.ShapeDtypeStruct`` leaves carrying shardings
             (nothing is allocated for those), in any pytree.
         n_devices: Compile in a child process with this many simulated CPU devices instead
-            (``fn`` and the arguments must pickle; shardings come from ``rules``, see the page).
+            (``fn`` and the arguments must pickle; shardings come from ``rules``, see the page),
+            or this many devices of the ``target``.
         rules: A rule table giving the arguments their shardings, by the paths
             ``name/key/...`` of ``fn``'s parameter names (``params/layers/0/kernel``).
-        bandwidth: Bytes per second each device sends, for the communication estimate.
+        target: What to compile for: ``'cpu'`` (simulated CPU devices, the default), a GPU
+            (``'a100'``, ``'h100'``, ``'h200'``, ``'b200'``: needs ``einshard[gpu-target]``)
+            or a TPU generation (``'v5e'``, ``'v5p'``, ``'v6e'``, or a slice ``'v5e:2x4'``:
+            needs ``einshard[tpu-target]``). A target other than ``'cpu'`` is always compiled
+            in a child process.
+        hardware: Figures of the target to use instead of its own, by name
+            (``{'efficiency': 0.3, 'network_bandwidth': 25e9}``; see :class:`~einshard.Hardware`).
+        bandwidth: Bytes per second each device sends, for the communication estimate (every
+            collective's; default with a target: its NVLink or ICI figure, and its network's for
+            collectives across hosts).
         latency: Seconds per step of a ring algorithm.
-        flops_per_second: Peak FLOP/s per device, for the compute estimate.
-        accelerator: ``'gpu'`` costs the program as XLA's GPU compiler rewrites it (an
-            all-reduce whose result is only sliced as a reduce-scatter, all-reduces added right
-            after as one), for a step compiled on CPU devices and run on GPUs; ``None`` or
-            ``'cpu'``: as compiled.
+        flops_per_second: FLOP/s per device the compute estimate assumes (default with a
+            target: its peak times its efficiency).
+        accelerator: Removed: give ``target=`` instead (an ``EinshardError`` says so).
         **kwargs: Keyword arguments of ``fn``.
 
     Returns:
@@ -85,8 +104,8 @@ def explain_step(
 
     Raises:
         EinshardError: When ``fn`` or the arguments cannot cross into the child process, or
-            ``n_devices`` is not a positive integer, or ``accelerator`` is not one of
-            ``'cpu'``, ``'gpu'``, ``None``, or as ``rules`` would.
+            ``n_devices`` is not a positive integer, or the target is unknown, or its compiler
+            is not installed (the error names the extra to install), or as ``rules`` would.
 
     >>> import jax, jax.numpy as jnp, einshard
     >>> w = einshard.einshard(jnp.ones((64, 32)), 'x y -> x* y')
@@ -94,25 +113,51 @@ def explain_step(
     >>> [(row.kind, row.bytes, row.group_size) for row in report.rows]
     [('all-reduce', 128, 8)]
     """
-    check_accelerator(accelerator)
+    check_no_accelerator(accelerator)
     if n_devices is not None:
         _check_devices(n_devices)
+    chosen = parse_target(target, n_devices)
+    figures = hardware_of(chosen, hardware)
+    if chosen.platform != "cpu":
+        (result,) = in_child(fn, args, kwargs, chosen.n_devices, [rules], chosen)
+        if result.report is None:
+            raise child_error(result.error or "no report", chosen.n_devices, chosen)
+        report = result.report
+    elif n_devices is not None:
         (result,) = in_child(fn, args, kwargs, n_devices, [rules])
         if result.report is None:
             raise child_error(result.error or "no report", n_devices)
         report = result.report
     else:
         report = analyse(StepCall.of(fn, args, kwargs), rules)
-    if accelerator not in (None, "cpu"):
-        report = accelerated(report, accelerator)
-    return estimated(report, bandwidth, latency, flops_per_second)
+    return on_hardware(report, figures, bandwidth, latency, flops_per_second)
+
+
+def on_hardware(
+    report: StepReport,
+    hardware: Hardware | None,
+    bandwidth: float | None,
+    latency: float,
+    flops_per_second: float | None,
+) -> StepReport:
+    """The report estimated at the figures given, else at the target's (``hardware``)."""
+    network = None
+    if hardware is not None:
+        report = dataclasses.replace(report, hardware=hardware)
+        if bandwidth is None:
+            bandwidth, network = hardware.bandwidth, hardware.network_bandwidth
+        if flops_per_second is None:
+            flops_per_second = hardware.flops_per_second
+    return estimated(report, bandwidth, latency, flops_per_second, network)
 
 
 def _check_devices(n_devices: Any) -> None:
     checked_count(n_devices, "n_devices", hint="Give the device count to compile for, e.g. n_devices=64.")
 
 
-def reports(call: StepCall, tables: Sequence[RulesLike], n_devices: int | None = None) -> list[Answer]:
+def reports(
+    call: StepCall, tables: Sequence[RulesLike], n_devices: int | None = None, target: Target | None = None
+) -> list[Answer]:
     """The step's report under each table: in this process, or (``n_devices``) in one child process.
 
     The planner's entry. A table that does not fit the shapes or the devices, or under which
@@ -124,4 +169,4 @@ def reports(call: StepCall, tables: Sequence[RulesLike], n_devices: int | None =
     """
     if n_devices is None:
         return [answer(call, table) for table in tables]
-    return in_child(call.given, call.args, call.kwargs, n_devices, list(tables))
+    return in_child(call.given, call.args, call.kwargs, n_devices, list(tables), target)

@@ -63,6 +63,24 @@ class Uses:
             largest = max(largest, part)
         return largest
 
+    def reaches(self, value: _hlo.Instruction, target: str, depth: int = 12) -> bool:
+        """Whether ``target`` (a value of the same computation) is computed from ``value``."""
+        users = self.flow.users_in(value.computation)
+        seen, frontier = {value.name}, [value.name]
+        for _ in range(depth):
+            following = []
+            for name in frontier:
+                for user in users.get(name, ()):
+                    if user.name == target:
+                        return True
+                    if user.name not in seen:
+                        seen.add(user.name)
+                        following.append(user.name)
+            frontier = following
+            if not frontier:
+                break
+        return False
+
     def summed(self, values: Sequence[_hlo.Instruction]) -> list[tuple[list[int], list[list[int]]]]:
         """Groups of ``values`` (positions) added together right after, with their pure sums.
 

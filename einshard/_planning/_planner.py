@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._arrays._leaves import nbytes
 from .._cost._call import StepCall
-from .._cost._report import KINDS, StepReport, accelerated, check_accelerator, estimated
+from .._cost._report import KINDS, StepReport, check_no_accelerator, estimated
 from .._cost._step import reports
+from .._cost._target import Hardware, hardware_of, parse_target
 from .._language._errors import EinshardError
 from .._language._text import seconds_text, size_text, table_text
 from .._trees._rules import Rules
@@ -106,7 +107,7 @@ class Plan:
     The figures are estimates: communication from the compiled program's collectives by the
     ring formulas at the given bandwidth and latency, compute from XLA's flop count at the
     given FLOP/s, added without overlap; memory from XLA's memory analysis of the program
-    compiled for (simulated) CPU devices.
+    compiled for (simulated) CPU devices, or for the target's devices by its own compiler.
 
     Attributes:
         rows: One :class:`PlanRow` per candidate: the usable ones by estimated step time (by
@@ -117,9 +118,10 @@ class Plan:
         memory_per_device: The memory limit, or ``None``.
         bandwidth: Bytes per second per device, or ``None``.
         latency: Seconds per ring step.
-        flops_per_second: Peak FLOP/s per device, or ``None``.
-        accelerator: Whose compiler's rewrites the reports include (``'gpu'``), or ``None``: as
-            compiled (see :func:`~einshard.explain_step`).
+        flops_per_second: FLOP/s per device the compute estimate assumes, or ``None``.
+        target: What the candidates were compiled for (``'cpu'``, ``'h100'``, ``'v5e'`` ...).
+        hardware: The target's figures (:class:`~einshard.Hardware`), or ``None`` on CPU devices.
+        network_bandwidth: Bytes per second per device across hosts, or ``None``.
     """
 
     rows: tuple[PlanRow, ...]
@@ -128,7 +130,9 @@ class Plan:
     bandwidth: float | None
     latency: float
     flops_per_second: float | None
-    accelerator: str | None = None
+    target: str = "cpu"
+    hardware: Hardware | None = dataclasses.field(default=None, repr=False)
+    network_bandwidth: float | None = None
 
     @property
     def usable(self) -> tuple[PlanRow, ...]:
@@ -160,13 +164,14 @@ class Plan:
         bandwidth: float | None = None,
         latency: float | None = None,
         flops_per_second: float | None = None,
-        accelerator: str | None = None,
+        accelerator: Any = None,
     ) -> Plan:
-        """The same candidates ranked at other figures or for another accelerator; no recompile.
+        """The same candidates ranked at other figures; no recompile.
 
-        The figures not given are kept.
+        The figures not given are kept; a bandwidth given is every collective's (the target's
+        network figure is dropped). Another target is another compile: ``plan(..., target=...)``.
         """
-        check_accelerator(accelerator)
+        check_no_accelerator(accelerator)
         return _ranked(
             [dataclasses.replace(row, rejected=_unfit(row.rejected)) for row in self.rows],
             self.n_devices,
@@ -174,7 +179,9 @@ class Plan:
             bandwidth if bandwidth is not None else self.bandwidth,
             latency if latency is not None else self.latency,
             flops_per_second if flops_per_second is not None else self.flops_per_second,
-            accelerator if accelerator is not None else self.accelerator,
+            self.network_bandwidth if bandwidth is None else None,
+            self.target,
+            self.hardware,
         )
 
     def __str__(self) -> str:
@@ -193,7 +200,9 @@ def plan(
     flops_per_second: float | None = None,
     candidates: Sequence[Strategy] | None = None,
     min_bytes: int = DEFAULT_MIN_BYTES,
-    accelerator: str | None = None,
+    target: str = "cpu",
+    hardware: Mapping[str, float] | None = None,
+    accelerator: Any = None,
     isolate: bool = False,
 ) -> Plan:
     """Compiles ``step(params, batch)`` under each candidate strategy and ranks them.
@@ -214,18 +223,25 @@ def plan(
         params: The parameters (and optimizer state, if the step takes them together).
         batch: The batch: an array or a pytree of arrays, the batch axis first.
         n_devices: The device count to plan for (default: this machine's). Another count is
-            compiled in one child process with that many simulated CPU devices.
-        memory_per_device: Bytes each device has; candidates that need more are rejected.
-        bandwidth: Bytes per second each device sends, for the communication estimate.
+            compiled in one child process with that many simulated CPU devices (or devices of
+            the ``target``).
+        memory_per_device: Bytes each device has; candidates that need more are rejected
+            (default with a target: its device's memory).
+        bandwidth: Bytes per second each device sends, for the communication estimate (default
+            with a target: its NVLink or ICI figure, its network's across hosts).
         latency: Seconds per step of a ring algorithm.
-        flops_per_second: Peak FLOP/s per device, for the compute estimate.
+        flops_per_second: FLOP/s per device the compute estimate assumes (default with a
+            target: its peak times its efficiency).
         candidates: The strategies to try; default data parallel, FSDP, tensor parallel and
             a hybrid for every factorization of the device count (:func:`strategies.defaults
             <einshard.strategies.defaults>`).
         min_bytes: FSDP's and the hybrids' ``min_bytes`` in the default candidates.
-        accelerator: ``'gpu'``: cost each candidate as XLA's GPU compiler rewrites its program
-            (an FSDP gradient's all-reduce then slice as a reduce-scatter), for a plan made on
-            CPU devices for GPUs; ``None``: as compiled.
+        target: What to compile each candidate for: ``'cpu'`` (the default), a GPU (``'h100'``
+            ...) or a TPU (``'v5e'`` ...), as for :func:`~einshard.explain_step`; with a target
+            the candidates rank by estimated time at its figures.
+        hardware: Figures of the target to use instead of its own, by name (see
+            :class:`~einshard.Hardware`).
+        accelerator: Removed: give ``target=`` instead (an ``EinshardError`` says so).
         isolate: Compile the candidates in a child process for this machine's device count
             too. XLA aborts the process on some layouts (a failed check in its partitioner, not
             an exception); in a child, such a candidate is rejected ("XLA aborted the process
@@ -237,7 +253,7 @@ def plan(
 
     Raises:
         EinshardError: If a candidate is not a Strategy, or the step or its arguments cannot
-            cross into the child process, or ``accelerator`` is not ``'cpu'``, ``'gpu'`` or ``None``.
+            cross into the child process, or the target is unknown or its compiler not installed.
 
     >>> import jax, jax.numpy as jnp, einshard
     >>> def step(params, batch):
@@ -262,16 +278,27 @@ def plan(
                     hint="Use einshard.strategies.fsdp() and friends, or wrap a table: "
                     "einshard.strategies.Strategy(rules, batch='b ... -> b* ...', name='mine').",
                 )
-    check_accelerator(accelerator)
+    check_no_accelerator(accelerator)
+    given = count_to_plan(n_devices, hint="Give the device count to plan for, e.g. n_devices=64.")
+    chosen = parse_target(target, n_devices)
+    figures = hardware_of(chosen, hardware)
     local = device_target(None).count
-    count = count_to_plan(n_devices, hint="Give the device count to plan for, e.g. n_devices=64.")
+    count = chosen.n_devices if figures is not None else given
     # The step is resolved and its arguments named and flattened once, here, for the roles
     # reader, every candidate's table and compile, and the split shares.
     call = StepCall.of(step, (params, batch), {})
     if strategies is None:
         strategies = derived_defaults(read_call(call), count, min_bytes)
     tables = [_with_batch(strategy, call.names[1]) for strategy in strategies]
-    answers = reports(call, tables, count if isolate or count != local else None)
+    network = None
+    if figures is not None:
+        answers = reports(call, tables, count, chosen)
+        memory_per_device = figures.memory_bytes if memory_per_device is None else memory_per_device
+        if bandwidth is None:
+            bandwidth, network = figures.bandwidth, figures.network_bandwidth
+        flops_per_second = figures.flops_per_second if flops_per_second is None else flops_per_second
+    else:
+        answers = reports(call, tables, count if isolate or count != local else None)
     params_leaves = call.argument_leaves(0)
     param_paths = [call.paths[i] for i in params_leaves]
     param_leaves = [call.leaves[i] for i in params_leaves]
@@ -280,7 +307,9 @@ def plan(
         share, unused = _split_share(strategy, param_paths, param_leaves, count)
         rejected = None if answer.report is not None else _reason(answer.error)
         rows.append(PlanRow(strategy, answer.report, rejected, index, share, unused))
-    return _ranked(rows, count, memory_per_device, bandwidth, latency, flops_per_second, accelerator)
+    return _ranked(
+        rows, count, memory_per_device, bandwidth, latency, flops_per_second, network, chosen.name, figures
+    )
 
 
 def _with_batch(strategy: Strategy, batch_name: str) -> Rules:
@@ -358,13 +387,16 @@ def _ranked(
     bandwidth: float | None,
     latency: float,
     flops_per_second: float | None,
-    accelerator: str | None,
+    network_bandwidth: float | None = None,
+    target: str = "cpu",
+    hardware: Hardware | None = None,
 ) -> Plan:
     priced = []
     for row in rows:
         report = row.report
         if report is not None:
-            report = estimated(accelerated(report, accelerator), bandwidth, latency, flops_per_second)
+            report = dataclasses.replace(report, hardware=hardware)
+            report = estimated(report, bandwidth, latency, flops_per_second, network_bandwidth)
         rejected = row.rejected
         if (
             rejected is None
@@ -397,7 +429,15 @@ def _ranked(
         ranked.append(pick)
     ranked += rejected
     return Plan(
-        tuple(ranked), n_devices, memory_per_device, bandwidth, latency, flops_per_second, accelerator
+        tuple(ranked),
+        n_devices,
+        memory_per_device,
+        bandwidth,
+        latency,
+        flops_per_second,
+        target,
+        hardware,
+        network_bandwidth if bandwidth is not None else None,
     )
 
 
@@ -510,26 +550,32 @@ def _footer(plan: Plan) -> list[str]:
             )
     figures = []
     if plan.bandwidth is not None:
-        figures.append(f"{plan.bandwidth / 1e9:g} GB/s per device, latency {seconds_text(plan.latency)}")
+        links = f"{plan.bandwidth / 1e9:g} GB/s per device"
+        if plan.network_bandwidth is not None:
+            links += f" ({plan.network_bandwidth / 1e9:g} GB/s across hosts)"
+        figures.append(f"{links}, latency {seconds_text(plan.latency)}")
     if plan.flops_per_second is not None:
         figures.append(f"{plan.flops_per_second:.3g} FLOP/s per device")
     if plan.memory_per_device is not None:
         figures.append(f"{size_text(plan.memory_per_device)} per device")
     if plan.bandwidth is None:
         figures.append("no bandwidth given: ranked by bytes sent")
-    if plan.accelerator is not None:
-        figures.append(f"programs as XLA's {plan.accelerator.upper()} compiler rewrites them")
     given = "; ".join(figures)
+    devices = f"{plan.n_devices} devices"
+    compiled_for = "the program compiled for CPU devices"
+    if plan.hardware is not None:
+        devices = f"{plan.n_devices} {plan.target.upper()}"
+        compiled_for = f"the program XLA's compiler makes for the {plan.hardware.device}"
     return [
         *rejected,
         *_findings_lines(plan),
-        f"{len(plan.rows)} candidates on {plan.n_devices} devices ({given}); "
+        f"{len(plan.rows)} candidates on {devices} ({given}); "
         f"times within {TIE:.0%} count as equal (the simpler strategy first); split: the share of the "
         "parameter bytes split over the model axis (over all devices for data parallel and FSDP); "
         "time: communication plus compute; peak, sent and each kind's bytes: per device per step.",
         "Estimates, not measurements: collectives of the compiled program by ring formulas at the "
         "given bandwidth, plus XLA's flop count at the given FLOP/s, without overlap; peak memory "
-        "from XLA's memory analysis of the program compiled for CPU devices. Findings: the waste each "
+        f"from XLA's memory analysis of {compiled_for}. Findings: the waste each "
         "candidate's step report names (print row.report for all of them).",
     ]
 

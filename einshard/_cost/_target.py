@@ -1,0 +1,495 @@
+"""Targets: the hardware a step report is made for, its compiler, its devices and its figures.
+
+``target='cpu'`` (the default) compiles for simulated CPU devices, as before. A GPU name
+(``'a100'``, ``'h100'``, ``'h200'``, ``'b200'``) compiles with XLA's GPU compiler for ``N``
+compile-only devices described by XLA's own spec of that GPU (a ``GpuTargetConfigProto`` text
+bundled in the ``jax-cuda13-plugin`` package, read from there); a TPU generation (``'v5e'``,
+``'v5p'``, ``'v6e'``, or a slice such as ``'v5e:2x4'``) with TPU's compiler (``libtpu``). No
+accelerator needs to be present: ``jax.experimental.topologies`` gives devices to compile for.
+
+The figures the estimate uses (memory, memory bandwidth, peak FLOP/s, the link each device
+sends on) come from the GPU's spec or, for TPUs, from Google's published table below; each
+says where it comes from, and each can be given instead (``hardware={...}``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata
+import importlib.util
+import math
+import mmap
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .._language._errors import EinshardError
+
+__all__ = [
+    "GPUS",
+    "TPUS",
+    "Hardware",
+    "Target",
+    "gpu_spec_text",
+    "hardware_of",
+    "parse_target",
+    "spec_figures",
+    "target_devices",
+]
+
+GPUS = {
+    "a100": "NVIDIA A100-SXM4-80GB",
+    "h100": "NVIDIA H100 80GB HBM3",
+    "h200": "NVIDIA H200 141GB HBM3e",
+    "b200": "NVIDIA B200",
+}
+"""GPU target names and the ``device_description_str`` of XLA's spec each one compiles for."""
+
+TPUS = {"v5e": 2, "v5p": 3, "v6e": 2}
+"""TPU generations and the dimensions of their slices' torus."""
+
+GPU_EXTRA = "einshard[gpu-target]"
+TPU_EXTRA = "einshard[tpu-target]"
+GPUS_PER_HOST = 8  # an HGX / DGX board: NVLink joins the 8 GPUs of a host
+
+# The efficiency a compute estimate assumes: the achieved fraction of the peak FLOP/s. On one
+# H200 (2026-11-26, ../shared/accelerators/gpu_time_mem.py), bf16 GPT steps of 4 x 1024,
+# 8 x 2048 and 8 x 4096 (layers x hidden) ran at 0.085, 0.062 and 0.12 of 989 TFLOP/s; the
+# middle of the three is the default.
+DEFAULT_EFFICIENCY = 0.085
+EFFICIENCY_SOURCE = (
+    "measured: bf16 GPT steps on one H200 ran at 0.062-0.12 of peak (median 0.085); give yours as "
+    "hardware={'efficiency': ...}"
+)
+
+# NVLink, per link and direction, by compute capability's major version (NVIDIA's datasheets:
+# NVLink 3 (A100) and 4 (H100, H200) 25 GB/s, NVLink 5 (B200) 50 GB/s).
+_NVLINK_PER_LINK = {8: 25e9, 9: 25e9, 10: 50e9}
+_A100_LINKS = 12  # the A100 spec has no interconnect entry; the A100 SXM has 12 NVLink 3 links
+# Between hosts: one 400 Gb/s NIC per GPU (ConnectX-7 in DGX H100, H200 and B200; 200 Gb/s HDR
+# in DGX A100).
+_NETWORK = {8: 25e9, 9: 50e9, 10: 50e9}
+
+# Google's published figures per chip (cloud.google.com/tpu/docs/v5e, /v5p, /v6e): HBM, HBM
+# bandwidth, peak bf16 FLOP/s, bidirectional ICI bandwidth. A chip sends half its
+# bidirectional ICI bandwidth.
+_TPU_FIGURES = {
+    "v5e": (16 * 2**30, 819e9, 197e12, 400e9),
+    "v5p": (95 * 2**30, 2765e9, 459e12, 1200e9),
+    "v6e": (32 * 2**30, 1640e9, 918e12, 800e9),
+}
+_TPU_SOURCE = "Google's TPU {name} page (cloud.google.com/tpu/docs/{name})"
+
+_FIGURES = (
+    "memory_bytes",
+    "memory_bandwidth",
+    "peak_flops_per_second",
+    "efficiency",
+    "bandwidth",
+    "network_bandwidth",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """The figures of a target's device, each with where it comes from.
+
+    Attributes:
+        device: The device's name (``'NVIDIA H100 80GB HBM3'``, ``'TPU v5 lite'``).
+        memory_bytes: Memory per device (a GPU spec's ``device_memory_size``; a TPU's HBM).
+        memory_bandwidth: Bytes per second between a device and its memory (shown, not used
+            by the estimate: the efficiency covers it).
+        peak_flops_per_second: Dense bf16 FLOP/s per device at the peak.
+        efficiency: The fraction of the peak a step achieves: compute time is
+            ``flops / (peak_flops_per_second * efficiency)``.
+        bandwidth: Bytes per second each device sends to the devices of its host (NVLink) or
+            its slice (ICI).
+        network_bandwidth: Bytes per second each device sends to other hosts (GPUs), or ``None``
+            (a TPU slice: ICI joins its hosts).
+        devices_per_host: How many devices share a host's NVLink, or ``None``.
+        sources: Where each figure comes from, by its name.
+    """
+
+    device: str
+    memory_bytes: int
+    memory_bandwidth: float
+    peak_flops_per_second: float
+    efficiency: float
+    bandwidth: float
+    network_bandwidth: float | None
+    devices_per_host: int | None
+    sources: Mapping[str, str]
+
+    @property
+    def flops_per_second(self) -> float:
+        """The FLOP/s a compute estimate assumes: ``peak_flops_per_second * efficiency``."""
+        return self.peak_flops_per_second * self.efficiency
+
+    def replace(self, figures: Mapping[str, Any]) -> Hardware:
+        """These figures with some given instead (their source: ``'given'``).
+
+        Raises:
+            EinshardError: For a name that is not a figure, or a value that is not a positive number.
+        """
+        checked = {}
+        for name, value in figures.items():
+            if name not in _FIGURES:
+                raise EinshardError(
+                    f"hardware={{{name!r}: ...}} is not a figure of a target",
+                    hint=f"Give any of {', '.join(_FIGURES)}.",
+                )
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise EinshardError(
+                    f"hardware={{{name!r}: {value!r}}} must be a positive number",
+                    hint="Bytes, bytes per second, FLOP/s, or (efficiency) a fraction such as 0.3.",
+                )
+            checked[name] = int(value) if name == "memory_bytes" else float(value)
+        sources = {**self.sources, **dict.fromkeys(checked, "given")}
+        return dataclasses.replace(self, **checked, sources=sources)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What a step is compiled for: a kind of hardware and a device count.
+
+    Attributes:
+        name: ``'cpu'``, a GPU name (``'h100'``) or a TPU generation (``'v5e'``).
+        platform: ``'cpu'``, ``'gpu'`` or ``'tpu'``.
+        n_devices: How many devices.
+        topology: The topology ``jax.experimental.topologies`` is asked for (``'1x8x8'``:
+            8 hosts of 8 GPUs; ``'v5e:2x4'``), or ``None`` for CPU devices.
+    """
+
+    name: str
+    platform: str
+    n_devices: int
+    topology: str | None
+
+    @property
+    def label(self) -> str:
+        """``'64 H100 (1x8x8)'``, for headlines."""
+        if self.platform == "cpu":
+            return f"{self.n_devices} CPU devices"
+        return f"{self.n_devices} {self.name.upper()} ({self.topology})"
+
+
+def parse_target(target: Any, n_devices: int | None) -> Target:
+    """The target a user named, with its topology for ``n_devices`` (checked, no JAX needed).
+
+    Raises:
+        EinshardError: For an unknown name, a device count the topology cannot have, or a
+            ``'v5e:AxB'`` slice whose chip count is not ``n_devices``.
+    """
+    if not isinstance(target, str):
+        raise EinshardError(
+            f"target must be a name such as 'h100' or 'v5e', not {type(target).__name__}",
+            hint=_names_hint(),
+        )
+    name, _, shape = target.strip().lower().partition(":")
+    if name == "cpu" and not shape:
+        return Target("cpu", "cpu", n_devices or 0, None)
+    if name in GPUS and not shape:
+        count = _needs_count(target, n_devices)
+        if count <= GPUS_PER_HOST:
+            topology = f"1x1x{count}"
+        elif count % GPUS_PER_HOST == 0:
+            topology = f"1x{count // GPUS_PER_HOST}x{GPUS_PER_HOST}"
+        else:
+            raise EinshardError(
+                f"{count} GPUs do not fill hosts of {GPUS_PER_HOST}",
+                hint=f"Give n_devices up to {GPUS_PER_HOST}, or a multiple of {GPUS_PER_HOST} "
+                f"(hosts of {GPUS_PER_HOST} GPUs joined by NVLink).",
+            )
+        return Target(name, "gpu", count, topology)
+    if name in TPUS:
+        dims = TPUS[name]
+        if shape:
+            sizes = _slice_shape(target, shape, dims)
+            count = math.prod(sizes)
+            if n_devices is not None and n_devices != count:
+                raise EinshardError(
+                    f"target={target!r} has {count} chips, not n_devices={n_devices}",
+                    hint=f"Leave n_devices out, or give n_devices={count}.",
+                )
+        else:
+            count = _needs_count(target, n_devices)
+            sizes = _squarest(count, dims)
+        return Target(name, "tpu", count, f"{name}:{'x'.join(map(str, sizes))}")
+    raise EinshardError(f"unknown target {target!r}", hint=_names_hint())
+
+
+def _names_hint() -> str:
+    return (
+        f"Name one of 'cpu' (the default), the GPUs {', '.join(map(repr, GPUS))}, or the TPUs "
+        f"{', '.join(map(repr, TPUS))} (a slice as 'v5e:2x4', 'v5p:2x2x2')."
+    )
+
+
+def _needs_count(target: str, n_devices: int | None) -> int:
+    if n_devices is None:
+        raise EinshardError(
+            f"target={target!r} needs n_devices=",
+            hint="Give the device count to compile for, e.g. n_devices=8 (a TPU slice may be named "
+            "instead: target='v5e:2x4').",
+        )
+    return n_devices
+
+
+def _slice_shape(target: str, shape: str, dims: int) -> tuple[int, ...]:
+    parts = shape.split("x")
+    if len(parts) != dims or not all(part.isdigit() and int(part) > 0 for part in parts):
+        example = "x".join(["2"] * dims)
+        raise EinshardError(
+            f"target={target!r}: a {target.partition(':')[0]} slice is {dims} sizes joined by 'x'",
+            hint=f"Write it as '{target.partition(':')[0]}:{example}'.",
+        )
+    return tuple(int(part) for part in parts)
+
+
+def _squarest(count: int, dims: int) -> tuple[int, ...]:
+    """The most nearly cubic (square) slice of ``count`` chips, smallest side first."""
+    sizes = []
+    rest = count
+    for left in range(dims, 0, -1):
+        side = max(d for d in range(1, rest + 1) if rest % d == 0 and d**left <= rest)
+        sizes.append(side)
+        rest //= side
+    return tuple(sorted(sizes))
+
+
+# --- the compilers ----------------------------------------------------------------------------------
+
+
+def _gpu_plugin() -> Path:
+    """The directory of XLA's CUDA plugin, or an ``EinshardError`` naming the extra."""
+    for module in ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12"):
+        try:
+            found = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            found = None
+        if found is not None and found.origin is not None:
+            return Path(found.origin).parent
+    raise missing_compiler("gpu")
+
+
+def missing_compiler(platform: str) -> EinshardError:
+    """The error for a target whose compiler is not installed."""
+    if platform == "gpu":
+        return EinshardError(
+            "a GPU target needs XLA's GPU compiler, which is not installed",
+            hint=f"pip install '{GPU_EXTRA}' (jax-cuda13-plugin and jax-cuda13-pjrt at the installed "
+            "JAX's version, about 140 MB; no GPU or NVIDIA library is needed).",
+        )
+    return EinshardError(
+        "a TPU target needs TPU's compiler (libtpu), which is not installed",
+        hint=f"pip install '{TPU_EXTRA}' (libtpu at the version the installed JAX names, about 200 MB).",
+    )
+
+
+def check_compiler(target: Target) -> None:
+    """Raises the error naming the extra when the target's compiler is not installed.
+
+    Raises:
+        EinshardError: The compiler is missing, or its version is not the installed JAX's.
+    """
+    if target.platform == "gpu":
+        _gpu_plugin()
+        try:
+            plugin = importlib.metadata.version("jax-cuda13-plugin")
+            jaxlib = importlib.metadata.version("jaxlib")
+        except importlib.metadata.PackageNotFoundError:
+            return
+        if plugin != jaxlib:
+            raise EinshardError(
+                f"XLA's GPU compiler is at version {plugin}, the installed JAX at {jaxlib}",
+                hint=f"pip install 'jax-cuda13-plugin=={jaxlib}' 'jax-cuda13-pjrt=={jaxlib}' "
+                f"(or reinstall '{GPU_EXTRA}'): JAX loads only its own version's plugin.",
+            )
+    elif target.platform == "tpu":
+        try:
+            found = importlib.util.find_spec("libtpu")
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            raise missing_compiler("tpu")
+
+
+@functools.cache
+def _bundled_specs(plugin: Path) -> dict[str, str]:
+    """Every ``GpuTargetConfigProto`` text in the plugin's library, by its device description."""
+    specs: dict[str, str] = {}
+    for library in sorted(plugin.glob("*.so")):
+        with open(library, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            for match in re.finditer(rb"gpu_device_info \{", data):
+                end = data.find(b"\x00", match.start())
+                text = data[match.start() : end].decode(errors="replace")
+                name = re.search(r'device_description_str: "([^"]*)"', text)
+                if name is not None:
+                    specs.setdefault(name.group(1), text)
+    return specs
+
+
+def gpu_spec_text(name: str) -> str:
+    """XLA's spec (a ``GpuTargetConfigProto`` text) of a GPU target, read from the installed plugin.
+
+    Raises:
+        EinshardError: The plugin is not installed, or does not carry that GPU's spec.
+    """
+    plugin = _gpu_plugin()
+    description = GPUS[name]
+    specs = _bundled_specs(plugin)
+    if description not in specs:
+        raise EinshardError(
+            f"XLA's GPU compiler at {plugin} carries no spec of {description!r} (target={name!r})",
+            hint=f"Reinstall '{GPU_EXTRA}'; its specs: {', '.join(sorted(specs)) or 'none'}.",
+        )
+    return specs[description]
+
+
+def _number(text: str, key: str) -> float | None:
+    match = re.search(rf"^\s*{key}:\s*([\d.e+-]+)\s*$", text, re.MULTILINE)
+    return float(match.group(1)) if match else None
+
+
+_BF16 = 16  # XLA's PrimitiveType number of bf16, the key of a spec's rate_infos
+
+
+def spec_figures(text: str) -> dict[str, float]:
+    """The figures a GPU spec gives: memory, memory bandwidth, bf16 peak FLOP/s, NVLink links.
+
+    The peak is ``2 x clock x units per core x ops per clock x cores`` of the matrix units'
+    bf16 rate (a multiply-add is two FLOPs): 989 TFLOP/s for an H100 or H200.
+    """
+    figures: dict[str, float] = {}
+    for key in ("device_memory_size", "memory_bandwidth", "core_count"):
+        value = _number(text, key)
+        if value is not None:
+            figures[key] = value
+    matrix = text[text.find("matrix_unit_description") :] if "matrix_unit_description" in text else ""
+    rate = re.search(
+        rf"key:\s*{_BF16}\s*value\s*\{{\s*clock_rate_ghz:\s*([\d.]+)\s*units_per_core:\s*(\d+)\s*"
+        r"ops_per_clock:\s*(\d+)",
+        matrix,
+    )
+    if rate is not None and "core_count" in figures:
+        clock, units, ops = float(rate.group(1)), int(rate.group(2)), int(rate.group(3))
+        figures["peak_flops_per_second"] = 2 * clock * 1e9 * units * ops * figures["core_count"]
+    links = re.search(r"device_interconnect_info\s*\{\s*active_links:\s*(\d+)", text)
+    if links is not None:
+        figures["active_links"] = int(links.group(1))
+    major = re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)", text)
+    if major is not None:
+        figures["compute_capability"] = int(major.group(1))
+    return figures
+
+
+def hardware_of(target: Target, given: Mapping[str, Any] | None = None) -> Hardware | None:
+    """The target's figures, with the ``given`` ones instead; ``None`` for CPU devices.
+
+    Raises:
+        EinshardError: The GPU's compiler is not installed (its spec is read from there), or a
+            given figure is unknown or not a positive number.
+    """
+    if target.platform == "cpu":
+        if given:
+            raise EinshardError(
+                "hardware= needs a target: simulated CPU devices have no figures to replace",
+                hint="Give target='h100' (or another target) with n_devices=, or bandwidth= and "
+                "flops_per_second= for the estimate on CPU devices.",
+            )
+        return None
+    check_compiler(target)  # before the figures, which are cached: a compiler removed since says so
+    hardware = _gpu_hardware(target.name) if target.platform == "gpu" else _tpu_hardware(target.name)
+    return hardware.replace(given) if given else hardware
+
+
+@functools.cache
+def _gpu_hardware(name: str) -> Hardware:
+    spec = gpu_spec_text(name)
+    figures = spec_figures(spec)
+    source = f"XLA's spec of the {GPUS[name]} (in jax-cuda13-plugin)"
+    major = int(figures.get("compute_capability", 9))
+    per_link = _NVLINK_PER_LINK.get(major, 25e9)
+    if "active_links" in figures:
+        links, links_source = int(figures["active_links"]), f"{source}: device_interconnect_info"
+    else:
+        links, links_source = _A100_LINKS, "NVIDIA's A100 datasheet (the spec has no interconnect entry)"
+    return Hardware(
+        device=GPUS[name],
+        memory_bytes=int(figures["device_memory_size"]),
+        memory_bandwidth=figures["memory_bandwidth"],
+        peak_flops_per_second=figures["peak_flops_per_second"],
+        efficiency=DEFAULT_EFFICIENCY,
+        bandwidth=links * per_link,
+        network_bandwidth=_NETWORK.get(major, 50e9),
+        devices_per_host=GPUS_PER_HOST,
+        sources={
+            "memory_bytes": f"{source}: device_memory_size",
+            "memory_bandwidth": f"{source}: memory_bandwidth",
+            "peak_flops_per_second": f"{source}: matrix units' bf16 rate x cores",
+            "efficiency": EFFICIENCY_SOURCE,
+            "bandwidth": f"{links} NVLink links x {per_link / 1e9:g} GB/s per direction ({links_source})",
+            "network_bandwidth": "one 400 Gb/s NIC per GPU (DGX)"
+            if major >= 9
+            else "one 200 Gb/s NIC per GPU (DGX A100)",
+        },
+    )
+
+
+def _tpu_hardware(name: str) -> Hardware:
+    memory, memory_bandwidth, peak, ici = _TPU_FIGURES[name]
+    source = _TPU_SOURCE.format(name=name)
+    return Hardware(
+        device=f"TPU {name}",
+        memory_bytes=memory,
+        memory_bandwidth=memory_bandwidth,
+        peak_flops_per_second=peak,
+        efficiency=DEFAULT_EFFICIENCY,
+        bandwidth=ici / 2,
+        network_bandwidth=None,
+        devices_per_host=None,
+        sources={
+            "memory_bytes": f"{source}: HBM per chip",
+            "memory_bandwidth": f"{source}: HBM bandwidth per chip",
+            "peak_flops_per_second": f"{source}: peak bf16 compute per chip",
+            "efficiency": EFFICIENCY_SOURCE + " (an H200's figure: none was measured on a TPU)",
+            "bandwidth": f"{source}: half the bidirectional ICI bandwidth per chip",
+        },
+    )
+
+
+def target_devices(target: Target) -> list[Any]:
+    """The compile-only devices of the target (``jax.experimental.topologies``), in id order.
+
+    GPU targets need ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` in the environment before JAX starts
+    (the child process sets it).
+
+    Raises:
+        EinshardError: The compiler is missing, or refuses the topology.
+    """
+    from jax.experimental import topologies
+
+    check_compiler(target)
+    try:
+        if target.platform == "gpu":
+            description = topologies.get_topology_desc(
+                "", "cuda", topology=target.topology, target_config=gpu_spec_text(target.name)
+            )
+        else:
+            description = topologies.get_topology_desc(target.topology or "", "tpu")
+    except EinshardError:
+        raise
+    except Exception as error:
+        raise EinshardError(
+            f"XLA cannot make {target.label} to compile for: {str(error).strip()[:300]}",
+            hint="Give another device count, or name the TPU slice yourself ('v5e:2x4').",
+        ) from None
+    devices = sorted(description.devices, key=lambda device: device.id)
+    if len(devices) != target.n_devices:
+        raise EinshardError(
+            f"XLA made {len(devices)} devices for {target.label}, not {target.n_devices}",
+            hint="Name the TPU slice yourself ('v5e:2x4'), with as many chips as n_devices.",
+        )
+    return devices
