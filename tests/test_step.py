@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import warnings
 from pathlib import Path
 
 import jax
@@ -428,3 +429,52 @@ def test_new_style_text_stack_frames_and_combined_all_reduce():
     assert [str(s) for s in found.instruction.shapes] == ["f32[128,256]", "f32[64,256]"]
     assert found.instruction.operands == ("param", "param.1")
     assert module.source(module.instructions()["param"])[0] == "p['w1']"
+
+
+def test_rules_that_match_no_path_of_the_step_are_listed_and_a_table_that_misses_entirely_warns():
+    """shard_pytree's '^up/kernel$' matches no path of a step ('params/up/kernel'): the report lists
+    it, and a table whose rules all miss but its catch-all warns; (^|/) matches in both."""
+
+    def step(params, x):
+        return jnp.sum(jax.nn.relu(x @ params["up"]["kernel"]) @ params["down"]["kernel"])
+
+    n = jax.device_count()
+    params = {
+        "up": {"kernel": jax.ShapeDtypeStruct((16, 8 * n), jnp.float32)},
+        "down": {"kernel": jax.ShapeDtypeStruct((8 * n, 16), jnp.float32)},
+    }
+    x = jax.ShapeDtypeStruct((4, 16), jnp.float32)
+    anchored = [(r"^up/kernel$", "i o -> i o*"), (r"^down/kernel$", "i o -> i* o"), (r".*", "... -> * ...")]
+    with pytest.warns(einshard.EinshardWarning, match=r"no rule of the table given to explain_step matched"):
+        report = einshard.explain_step(step, params, x, rules=anchored)
+    assert report.unmatched_rules == ("^up/kernel$", "^down/kernel$")
+    assert "2 rules match no path of the step's arguments" in str(report)
+    assert "'^up/kernel$'" in str(report) and not report.rows  # everything replicated: no collective
+    fixed = [
+        (r"(^|/)up/kernel$", "i o -> i o*"),
+        (r"(^|/)down/kernel$", "i o -> i* o"),
+        (r".*", "... -> * ..."),
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        good = einshard.explain_step(step, params, x, rules=fixed)
+    assert good.unmatched_rules == () and "match no path" not in str(good)
+    assert [row.kind for row in good.rows] == ["all-reduce"]  # the Megatron pair's one reduction
+    partly = [(r"(^|/)up/kernel$", "i o -> i o*"), (r"^down/kernel$", "i o -> i* o"), (r".*", "... -> * ...")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one rule matched: listed, no warning
+        assert einshard.explain_step(step, params, x, rules=partly).unmatched_rules == ("^down/kernel$",)
+    assert report.relative_rules == report.unmatched_rules  # they match 'up/kernel', below 'params'
+    other = [(r"(^|/)q_proj/kernel$", "i o -> i o*"), (r".*", "... -> * ...")]
+    with pytest.warns(einshard.EinshardWarning, match="name layers the step's arguments do not have"):
+        missing = einshard.explain_step(step, params, x, rules=other)
+    assert missing.unmatched_rules == ("(^|/)q_proj/kernel$",) and missing.relative_rules == ()
+    assert "a layer name the step's arguments do not have?" in str(missing)
+    candidate = einshard.strategies.Strategy(anchored, batch="b ... -> b* ...", name="mine")
+    batch = jax.ShapeDtypeStruct((4 * n, 16), jnp.float32)
+    with pytest.warns(einshard.EinshardWarning, match=r"plan \(candidate 'mine'\) matched"):
+        einshard.plan(step, params, batch, candidates=[candidate])
+    by_names = einshard.strategies.tensor_parallel(column=["q"], row=["o"])  # names this model lacks
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the plan's row says how little it splits; no warning
+        assert einshard.plan(step, params, batch, candidates=[by_names]).rows[0].split_share == 0.0

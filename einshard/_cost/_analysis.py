@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import re
 import time
 from collections.abc import Iterator
 
@@ -80,7 +81,15 @@ def _read(call: StepCall, compiled: Compiled) -> StepReport:
     memory = compiled.memory()
     flops = compiled.flops()
     analysis_seconds = time.perf_counter() - start
-    return report_of(rows, n, mesh, memory, flops, compiled.seconds, analysis_seconds, findings)
+    report = report_of(rows, n, mesh, memory, flops, compiled.seconds, analysis_seconds, findings)
+    if call.unused:
+        below = {path.partition("/")[2] for path in call.paths}  # as shard_pytree sees an argument
+        relative = tuple(
+            rule.pattern for rule in call.unused if any(re.search(rule.pattern, p) for p in below)
+        )
+        unmatched = tuple(rule.pattern for rule in call.unused)
+        report = dataclasses.replace(report, unmatched_rules=unmatched, relative_rules=relative)
+    return report
 
 
 def report_of_text(text: str, parameter_paths: list[str | None] | None = None) -> StepReport:

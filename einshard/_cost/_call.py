@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -83,6 +84,7 @@ class StepCall:
         layouts: Each leaf's ``Assignment`` under the rules that gave the arguments their shardings
             (``None`` for a leaf that is not an array), or ``None`` without rules.
         table: Those rules, or ``None``.
+        unused: The rules that matched no path (a catch-all that decided no leaf is not one).
     """
 
     given: Callable[..., Any] | str
@@ -96,6 +98,7 @@ class StepCall:
     _treedef: Any
     layouts: tuple[Any, ...] | None = None
     table: Any = None
+    unused: tuple[Any, ...] = ()
 
     @classmethod
     def of(cls, fn: Callable[..., Any] | str, args: tuple, kwargs: dict) -> StepCall:
@@ -184,4 +187,8 @@ class StepCall:
             for leaf, sharding in zip(leaves, shardings, strict=True)
         ]
         layouts = tuple(assignment for _, assignment in assigned)
-        return dataclasses.replace(self.with_leaves(placed), layouts=layouts, table=as_rules(rules))
+        table = as_rules(rules)
+        unused = tuple(
+            rule for rule in table if not any(re.search(rule.pattern, path) for path in self.paths)
+        )
+        return dataclasses.replace(self.with_leaves(placed), layouts=layouts, table=table, unused=unused)

@@ -173,6 +173,12 @@ class StepReport:
             analysis (a compile-only device's), or ``None``: from the program itself.
         network_bandwidth: Bytes per second each device sends to other hosts, for the rows whose
             groups span hosts, or ``None``: every row at :attr:`bandwidth`.
+        unmatched_rules: The patterns of the ``rules=`` that matched no path of the step's
+            arguments (``params/layers/0/kernel``, ``batch``), as :func:`~einshard.explain` lists
+            them: a rule written for ``shard_pytree``'s paths and anchored with ``^`` is one.
+        relative_rules: Those of them that match a path below an argument's name
+            (``layers/0/kernel``, as ``shard_pytree(params, rules)`` sees it): anchored with
+            ``^``, they miss the step's paths; ``(^|/)`` matches both.
     """
 
     rows: tuple[StepRow, ...]
@@ -201,6 +207,8 @@ class StepReport:
     hardware: Hardware | None = dataclasses.field(default=None, repr=False)
     flops_source: str | None = None
     network_bandwidth: float | None = None
+    unmatched_rules: tuple[str, ...] = ()
+    relative_rules: tuple[str, ...] = ()
 
     @property
     def waste_bytes(self) -> int:
@@ -422,6 +430,18 @@ def _columns(report: StepReport) -> tuple[list[str], list[list[str]], list[str]]
                 f"{hardware.peak_flops_per_second / 1e12:.4g} TFLOP/s ({hardware.sources['efficiency']})",
                 "  ",
             )
+    if report.unmatched_rules:
+        count = len(report.unmatched_rules)
+        why = (
+            "(a step's paths begin with its argument's name, 'params/...': anchor with (^|/), not ^)"
+            if report.relative_rules
+            else "(a layer name the step's arguments do not have?)"
+        )
+        footer += _wrapped(
+            f"{count} rule{' matches' if count == 1 else 's match'} no path of the step's arguments {why}: "
+            + ", ".join(repr(pattern) for pattern in report.unmatched_rules),
+            "  ",
+        )
     footer += _findings_lines(report)
     return header, body, footer
 

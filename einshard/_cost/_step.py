@@ -24,11 +24,14 @@ The cost folder, in the order its modules import each other:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from .._language._errors import EinshardWarning
 from .._language._numbers import checked_count
-from .._trees._rules import RulesLike
+from .._trees._assign import as_rules
+from .._trees._rules import Rules, RulesLike
 from ._analysis import Answer, analyse, answer
 from ._call import StepCall
 from ._child import child_error, in_child
@@ -39,7 +42,15 @@ from ._report import check_no_accelerator, estimated
 from ._target import Hardware as Hardware
 from ._target import Target, hardware_of, parse_target
 
-__all__ = ["Finding", "Hardware", "StepReport", "StepRow", "explain_step", "reports"]
+__all__ = [
+    "Finding",
+    "Hardware",
+    "StepReport",
+    "StepRow",
+    "explain_step",
+    "reports",
+    "warn_if_only_catch_all",
+]
 
 
 def explain_step(
@@ -130,7 +141,40 @@ def explain_step(
         report = result.report
     else:
         report = analyse(StepCall.of(fn, args, kwargs), rules)
+    if rules is not None:
+        warn_if_only_catch_all(as_rules(rules), report, "explain_step")
     return on_hardware(report, figures, bandwidth, latency, flops_per_second)
+
+
+def warn_if_only_catch_all(
+    table: Rules, report: StepReport, caller: str, *, relative_only: bool = False
+) -> None:
+    """An ``EinshardWarning`` when no rule of the table matched a path of the step but its catch-all.
+
+    Then every argument got the catch-all's layout: nothing the table says of its layers
+    applies, and a report of it would look like success. With ``relative_only`` (the planner,
+    whose table already says how little a candidate splits), only when the rules would have
+    matched the paths below the arguments' names (anchored with ``^`` for ``shard_pytree``).
+    """
+    missed, relative = set(report.unmatched_rules), set(report.relative_rules)
+    specific = [rule for rule in table if not rule.catches_all]
+    if not specific or not all(rule.pattern in missed for rule in specific):
+        return
+    if relative_only and not relative:
+        return
+    listed = ", ".join(repr(rule.pattern) for rule in specific[:3]) + (" ..." if len(specific) > 3 else "")
+    fix = (
+        "a step's paths begin with its argument's name ('params/layers/0/kernel'): anchor the rules "
+        "with (^|/), not ^"
+        if relative
+        else "they name layers the step's arguments do not have (explain(params, rules) shows the paths)"
+    )
+    warnings.warn(
+        f"no rule of the table given to {caller} matched a path of the step's arguments but its "
+        f"catch-all: {listed} matched nothing; {fix}",
+        EinshardWarning,
+        stacklevel=3,
+    )
 
 
 def on_hardware(
@@ -152,7 +196,7 @@ def on_hardware(
 
 
 def _check_devices(n_devices: Any) -> None:
-    checked_count(n_devices, "n_devices", hint="Give the device count to compile for, e.g. n_devices=64.")
+    checked_count(n_devices, "n_devices", hint="Give the device count to plan for, e.g. n_devices=64.")
 
 
 def reports(

@@ -133,21 +133,31 @@ class Hardware:
         Raises:
             EinshardError: For a name that is not a figure, or a value that is not a positive number.
         """
-        checked = {}
-        for name, value in figures.items():
-            if name not in _FIGURES:
-                raise EinshardError(
-                    f"hardware={{{name!r}: ...}} is not a figure of a target",
-                    hint=f"Give any of {', '.join(_FIGURES)}.",
-                )
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise EinshardError(
-                    f"hardware={{{name!r}: {value!r}}} must be a positive number",
-                    hint="Bytes, bytes per second, FLOP/s, or (efficiency) a fraction such as 0.3.",
-                )
-            checked[name] = int(value) if name == "memory_bytes" else float(value)
+        checked = checked_figures(figures)
         sources = {**self.sources, **dict.fromkeys(checked, "given")}
         return dataclasses.replace(self, **checked, sources=sources)
+
+
+def checked_figures(figures: Mapping[str, Any]) -> dict[str, float]:
+    """Figures a user gives (``hardware=``), checked: known names, positive numbers.
+
+    Raises:
+        EinshardError: For a name that is not a figure, or a value that is not a positive number.
+    """
+    checked: dict[str, float] = {}
+    for name, value in figures.items():
+        if name not in _FIGURES:
+            raise EinshardError(
+                f"hardware={{{name!r}: ...}} is not a figure of a target",
+                hint=f"Give any of {', '.join(_FIGURES)}.",
+            )
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise EinshardError(
+                f"hardware={{{name!r}: {value!r}}} must be a positive number",
+                hint="Bytes, bytes per second, FLOP/s, or (efficiency) a fraction such as 0.3.",
+            )
+        checked[name] = int(value) if name == "memory_bytes" else float(value)
+    return checked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -400,6 +410,8 @@ def hardware_of(target: Target, given: Mapping[str, Any] | None = None) -> Hardw
                 "flops_per_second= for the estimate on CPU devices.",
             )
         return None
+    if given:
+        checked_figures(given)  # the user's mistake first: it needs no compiler to be seen
     check_compiler(target)  # before the figures, which are cached: a compiler removed since says so
     hardware = _gpu_hardware(target.name) if target.platform == "gpu" else _tpu_hardware(target.name)
     return hardware.replace(given) if given else hardware

@@ -17,9 +17,10 @@ from typing import Any
 from .._arrays._leaves import nbytes
 from .._cost._call import StepCall
 from .._cost._report import KINDS, StepReport, check_no_accelerator, estimated
-from .._cost._step import reports
+from .._cost._step import reports, warn_if_only_catch_all
 from .._cost._target import Hardware, hardware_of, parse_target
 from .._language._errors import EinshardError
+from .._language._expression import parse
 from .._language._text import seconds_text, size_text, table_text
 from .._trees._rules import Rules
 from .._trees._strategy import DEFAULT_MIN_BYTES, Strategy
@@ -60,8 +61,16 @@ class PlanRow:
 
     @property
     def splits_little(self) -> bool:
-        """A model-parallel candidate that splits less than half of the parameter bytes."""
-        return self.model_parallel and self.split_share is not None and self.split_share < SPLIT_ENOUGH
+        """A candidate meant to split the parameters (tensor parallel, hybrids, FSDP) that splits little.
+
+        Less than half of their bytes: its verdict says ``'splits only N%'``, so that it does not
+        pass for data parallel.
+        """
+        return (
+            (self.model_parallel or _meant_to_split(self.strategy))
+            and self.split_share is not None
+            and self.split_share < SPLIT_ENOUGH
+        )
 
     strategy: Strategy
     report: StepReport | None
@@ -307,6 +316,9 @@ def plan(
         share, unused = _split_share(strategy, param_paths, param_leaves, count)
         rejected = None if answer.report is not None else _reason(answer.error)
         rows.append(PlanRow(strategy, answer.report, rejected, index, share, unused))
+        if candidates is not None and answer.report is not None:  # a table the user wrote
+            caller = f"plan (candidate {strategy.name!r})"
+            warn_if_only_catch_all(strategy, answer.report, caller, relative_only=True)
     return _ranked(
         rows, count, memory_per_device, bandwidth, latency, flops_per_second, network, chosen.name, figures
     )
@@ -357,11 +369,7 @@ def _split_share(
             )
             seen[id(layout)] = known
         split += size if known else 0
-    catch_all = [
-        rule
-        for rule in unused
-        if not (rule.pattern in (".*", "^.*$", "") and rule.index == len(strategy) - 1)
-    ]
+    catch_all = [rule for rule in unused if not (rule.catches_all and rule.index == len(strategy) - 1)]
     return (split / total if total else 0.0), tuple(catch_all)
 
 
@@ -533,10 +541,25 @@ def _short_reason(reason: str) -> str:
 _SHORT_KIND = {"collective-permute": "permute", "reduce-scatter": "reduce-scatter"}
 
 
+def _meant_to_split(strategy: Strategy) -> bool:
+    """Whether a table has a rule that splits (a per-leaf rule such as FSDP's, or a split axis)."""
+    return any(
+        not isinstance(rule.expression, str)
+        or any(e.name is not None and (e.star or e.number > 1) for e in parse(rule.expression).right)
+        for rule in strategy
+    )
+
+
 def _footer(plan: Plan) -> list[str]:
     rejected = [f"rejected {row.name}: {row.rejected}" for row in plan.rows if row.rejected is not None]
     for row in plan.rows:
-        if row.splits_little:
+        if row.splits_little and not row.model_parallel:
+            rejected.append(
+                f"{row.name} splits only {row.split_share:.0%} of the parameter bytes over all "
+                f"{plan.n_devices} devices: the leaves under its min_bytes are replicated "
+                "(fsdp(min_bytes=...) splits more)"
+            )
+        elif row.splits_little:
             rejected.append(
                 f"{row.name} splits only {row.split_share:.0%} of the parameter bytes over its model axis "
                 f"of {row.strategy.model or plan.n_devices}: the rest is replicated or split as FSDP"
@@ -572,7 +595,9 @@ def _footer(plan: Plan) -> list[str]:
         f"{len(plan.rows)} candidates on {devices} ({given}); "
         f"times within {TIE:.0%} count as equal (the simpler strategy first); split: the share of the "
         "parameter bytes split over the model axis (over all devices for data parallel and FSDP); "
-        "time: communication plus compute; peak, sent and each kind's bytes: per device per step.",
+        "time: communication plus compute; sent: what each device sends by the ring formulas (an "
+        "all-reduce of b bytes sends 2(n-1)/n b); each kind's column: the bytes its collectives move; "
+        "peak, sent and bytes: per device per step.",
         "Estimates, not measurements: collectives of the compiled program by ring formulas at the "
         "given bandwidth, plus XLA's flop count at the given FLOP/s, without overlap; peak memory "
         f"from XLA's memory analysis of {compiled_for}. Findings: the waste each "

@@ -64,8 +64,16 @@ class Rule:
             return self.expression, None
         return self.expression.expression_for(shape, dtype, n_devices)
 
+    @property
+    def catches_all(self) -> bool:
+        """Whether the rule matches every path (``'.*'``): a table's catch-all for the rest."""
+        return self.pattern in _CATCH_ALL
+
     def __str__(self) -> str:
         return f"({self.pattern!r}, {self.expression!r})"
+
+
+_CATCH_ALL = frozenset({"", ".*", "^.*", "^.*$", ".*$", "(.*)"})
 
 
 RulesLike = Union[
