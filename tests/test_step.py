@@ -478,3 +478,26 @@ def test_rules_that_match_no_path_of_the_step_are_listed_and_a_table_that_misses
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the plan's row says how little it splits; no warning
         assert einshard.plan(step, params, batch, candidates=[by_names]).rows[0].split_share == 0.0
+
+
+def squared_matmul_step(params, x):
+    return jnp.sum((x @ params["w"]) ** 2)
+
+
+def test_float64_arguments_warn_once_and_are_reported_as_jax_computes_them():
+    """NumPy float64 params without jax_enable_x64: one EinshardWarning naming them, not JAX's warning
+    once per struct and compile; the report is of the float32 step, here and in a child process."""
+
+    params = {"w": np.ones((16, 8 * jax.device_count()))}
+    rules = [(r"(^|/)w$", "i o -> i o*"), (r".*", "... -> * ...")]
+    step = "tests.test_step:squared_matmul_step"  # crosses into the child by name
+    for n_devices in (None, 2 * jax.device_count()):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            report = einshard.explain_step(step, params, np.ones((4, 16)), rules=rules, n_devices=n_devices)
+        messages = [str(w.message) for w in caught]
+        assert len(messages) == 1, messages
+        assert messages[0].startswith("2 of the step's arguments are float64 (the first: 'params/w')")
+        assert issubclass(caught[0].category, einshard.EinshardWarning)
+        w_bytes = 16 * 8 * jax.device_count() * 4 // report.n_devices  # float32, split n ways
+        assert report.argument_bytes == w_bytes + 4 * 16 * 4  # and x, float32, replicated

@@ -48,8 +48,42 @@ def abstract(tree: Any) -> Any:
     import jax
 
     return jax.tree_util.tree_map(
-        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) if is_traced(leaf) else leaf, tree
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, traced_dtype(leaf.dtype)) if is_traced(leaf) else leaf,
+        tree,
     )
+
+
+def traced_dtype(dtype: Any) -> Any:
+    """The dtype JAX computes a leaf in: float64 NumPy data is float32 unless ``jax_enable_x64`` is on.
+
+    Asked once per leaf here, so JAX does not warn of it once per struct and compile.
+    """
+    import jax
+
+    return jax.dtypes.canonicalize_dtype(dtype)
+
+
+def _warn_if_wide(paths: list[str], leaves: list[Any]) -> None:
+    """One ``EinshardWarning`` naming the leaves JAX computes in a narrower dtype than they hold."""
+    import warnings
+
+    import numpy as np
+
+    from .._language._errors import EinshardWarning
+
+    wide = [
+        (path, leaf.dtype)
+        for path, leaf in zip(paths, leaves, strict=True)
+        if is_traced(leaf) and np.dtype(traced_dtype(leaf.dtype)) != np.dtype(leaf.dtype)
+    ]
+    if wide:
+        path, dtype = wide[0]
+        warnings.warn(
+            f"{len(wide)} of the step's arguments are {dtype} (the first: {path!r}), which JAX computes "
+            f"as {np.dtype(traced_dtype(dtype))} without jax_enable_x64: the report is of that step",
+            EinshardWarning,
+            stacklevel=4,
+        )
 
 
 def _names(fn: Callable[..., Any], n_args: int, kwargs: dict) -> tuple[str, ...]:
@@ -120,6 +154,7 @@ class StepCall:
             rest = rule_path.split("/", 2)[2:]
             paths.append(f"{top}/{rest[0]}" if rest else top)
             leaves.append(leaf)
+        _warn_if_wide(paths, leaves)
         return cls(
             fn, step, tuple(args), dict(kwargs), names, tuple(leaves), tuple(paths), tuple(keys), treedef
         )
@@ -181,7 +216,7 @@ class StepCall:
         leaves = [abstract(leaf) for leaf in self.leaves]
         assigned, shardings = path_shardings(self.paths, leaves, rules, None)
         placed = [
-            jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+            jax.ShapeDtypeStruct(leaf.shape, traced_dtype(leaf.dtype), sharding=sharding)
             if sharding is not None and is_traced(leaf)
             else leaf
             for leaf, sharding in zip(leaves, shardings, strict=True)

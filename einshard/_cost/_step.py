@@ -129,6 +129,8 @@ def explain_step(
         _check_devices(n_devices)
     chosen = parse_target(target, n_devices)
     figures = hardware_of(chosen, hardware)
+    if chosen.platform != "cpu" or n_devices is not None:
+        StepCall.of(fn, args, kwargs)  # named here too: its checks (a float64 argument) speak in this process
     if chosen.platform != "cpu":
         (result,) = in_child(fn, args, kwargs, chosen.n_devices, [rules], chosen)
         if result.report is None:

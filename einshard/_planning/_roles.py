@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .._arrays._leaves import is_jax_array, is_traced, nbytes
-from .._cost._call import StepCall
+from .._cost._call import StepCall, traced_dtype
 from .._language._errors import EinshardError
 from .._language._text import table_text
 from ._jaxpr import ACT, CORE, PARAM, Reader, Value, plain
@@ -75,7 +75,7 @@ def read_call(call: StepCall) -> Reading:
         out = fn(*args, **kwargs)
         return [leaf for leaf in jax.tree_util.tree_leaves(out) if is_jax_array(leaf)]
 
-    abstract = [jax.ShapeDtypeStruct(np.shape(leaves[i]), leaves[i].dtype) for i in dynamic]
+    abstract = [jax.ShapeDtypeStruct(np.shape(leaves[i]), traced_dtype(leaves[i].dtype)) for i in dynamic]
     try:
         traced = jax.make_jaxpr(flat)(*abstract)
     except EinshardError:
