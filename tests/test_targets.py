@@ -311,6 +311,7 @@ def test_a_wrong_target_is_an_einshard_error(target, n, message):
         einshard.explain_step(lambda x: x * 2, jnp.zeros(8), target=target, n_devices=n)
 
 
+@needs_tpu
 def test_figures_can_be_given_and_say_so():
     hardware = _target.hardware_of(_target.parse_target("v5e", 8), {"efficiency": 0.5, "bandwidth": 1e11})
     assert hardware.efficiency == 0.5 and hardware.flops_per_second == 197e12 * 0.5

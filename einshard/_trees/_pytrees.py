@@ -107,8 +107,8 @@ def leaf_shardings(
     gets its sharding once. Warns about unused rules when the table is strict.
     """
     table = as_rules(rules)
-    if is_array(tree) and table.unmatched == "error" and table.match("") is None:
-        shape = tuple(getattr(tree, "shape", ()))
+    shape = tuple(getattr(tree, "shape", ())) if is_array(tree) else ()
+    if shape and table.unmatched == "error" and table.match("") is None:  # a scalar needs no rule
         raise EinshardError(
             f"one array (shape {shape}) where a tree goes: its path is '' and no rule matches it",
             hint="Place one array with einshard.einshard(x, expression), e.g. einshard.einshard(x, "
