@@ -379,8 +379,8 @@ DATAFLOW_ROLES = [
     Mutant(
         "split-share-threshold-inverted",
         PLANNER,
-        "self.split_share is not None and self.split_share < SPLIT_ENOUGH",
-        "self.split_share is not None and self.split_share >= SPLIT_ENOUGH",
+        "            and self.split_share < SPLIT_ENOUGH",
+        "            and self.split_share >= SPLIT_ENOUGH",
         PLANNING,
         "the planner says 'splits only N%' of the candidates that split enough, not of those that do not",
     ),

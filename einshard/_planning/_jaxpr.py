@@ -27,10 +27,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .._arrays._leaves import nbytes
-from .._language._errors import EinshardError
 from ._primitives import (
-    AXIS_PARAMS,
     CALLS,
     CONSTANT,
     CUMULATIVE,
@@ -40,64 +37,28 @@ from ._primitives import (
     REDUCE,
     STOPS,
 )
+from ._values import (
+    ACT,
+    BACK,
+    CONST,
+    EMPTY,
+    PARAM,
+    Value,
+    inner_jaxpr,
+    is_backward,
+    is_jaxpr,
+    keeps_shape,
+    plain,
+    reshape_groups,
+    same_value,
+    scan_counts,
+    user_line,
+    var_nbytes,
+    var_rank,
+    var_shape,
+)
 
-__all__ = ["ACT", "CORE", "HANDLED", "PARAM", "READ", "Reader", "Value", "plain"]
-
-CONST, PARAM, ACT, BACK = 0, 1, 2, 3
-"""What a value derives from, in increasing precedence: constants only, parameters (a weight
-and constants: a *view* of it), the batch (an activation), or the gradients (backward)."""
-
-EMPTY: frozenset = frozenset()
-
-# Roles of a (leaf, axis) node, as the reading finds them.
-CORE = frozenset({"contraction", "free", "gathered", "conv-in", "conv-out", "batch"})
-
-
-class Value:
-    """What the reader knows of one value: its kind, and per axis the tags it carries.
-
-    A tag ``(node, outer, size)`` says that this axis is a factor of a parameter axis ``node``:
-    ``outer`` is the product of the parameter axis's factors that are more major than this
-    one, ``size`` this factor's length. Splitting the parameter axis ``p`` ways contiguously
-    splits this axis too exactly when ``p`` does not divide ``outer``.
-    """
-
-    __slots__ = ("axes", "kind", "leaves")
-
-    def __init__(self, kind: int, axes: tuple[frozenset, ...], leaves: frozenset = EMPTY) -> None:
-        self.kind = kind
-        self.axes = axes
-        self.leaves = leaves
-
-
-def plain(kind: int, rank: int) -> Value:
-    return Value(kind, (EMPTY,) * rank)
-
-
-def _rank(var: Any) -> int:
-    return len(getattr(var.aval, "shape", ()))
-
-
-def _shape(var: Any) -> tuple[int, ...]:
-    return tuple(getattr(var.aval, "shape", ()))
-
-
-def _nbytes(var: Any) -> int:
-    aval = var.aval
-    try:
-        return nbytes(aval.shape, aval.dtype)
-    except Exception:  # extended dtypes (keys): no meaningful size
-        return 0
-
-
-def _inner(jaxpr: Any) -> Any:
-    """The open jaxpr of a ``ClosedJaxpr`` (older JAX) or of a ``Jaxpr`` (newer JAX: itself)."""
-    inner = getattr(jaxpr, "jaxpr", None)
-    return inner if inner is not None and hasattr(inner, "eqns") else jaxpr
-
-
-def _is_jaxpr(value: Any) -> bool:
-    return hasattr(_inner(value), "eqns")
+__all__ = ["HANDLED", "READ", "Reader"]
 
 
 class Reader:
@@ -181,21 +142,21 @@ class Reader:
     # --- walking ------------------------------------------------------------------------------
 
     def run(self, jaxpr: Any, inputs: Sequence[Value]) -> list[Value]:
-        jaxpr = _inner(jaxpr)
+        jaxpr = inner_jaxpr(jaxpr)
         env: dict[Any, Value] = {}
         for var, value in zip(jaxpr.invars, inputs, strict=False):
             env[var] = value
         for var in jaxpr.constvars:
-            env[var] = plain(CONST, _rank(var))
+            env[var] = plain(CONST, var_rank(var))
 
         def get(var: Any) -> Value:
             found = env.get(var) if not hasattr(var, "val") else None
-            return found if found is not None else plain(CONST if hasattr(var, "val") else ACT, _rank(var))
+            return found if found is not None else plain(CONST if hasattr(var, "val") else ACT, var_rank(var))
 
         for eqn in jaxpr.eqns:
             ins = [get(v) for v in eqn.invars]
-            if any(v.kind == BACK for v in ins) or _backward(eqn):
-                outs = [plain(BACK, _rank(v)) for v in eqn.outvars]
+            if any(v.kind == BACK for v in ins) or is_backward(eqn):
+                outs = [plain(BACK, var_rank(v)) for v in eqn.outvars]
             else:
                 outs = self.eqn(eqn, ins)
             for var, value in zip(eqn.outvars, outs, strict=True):
@@ -211,20 +172,20 @@ class Reader:
         if name in ELEMENTWISE:
             return self.elementwise(eqn, ins)
         if name in RANDOM or name in CONSTANT:
-            return [plain(CONST, _rank(v)) for v in eqn.outvars]
+            return [plain(CONST, var_rank(v)) for v in eqn.outvars]
         if name in STOPS:
             return self.opaque(eqn, ins, f"{name}, {STOPS[name]}")
-        subs = [v for v in eqn.params.values() if _is_jaxpr(v)]
+        subs = [v for v in eqn.params.values() if is_jaxpr(v)]
         if (
             len(subs) == 1
-            and len(_inner(subs[0]).invars) == len(ins)
-            and len(_inner(subs[0]).outvars) == len(eqn.outvars)
+            and len(inner_jaxpr(subs[0]).invars) == len(ins)
+            and len(inner_jaxpr(subs[0]).outvars) == len(eqn.outvars)
         ):
             return self.call(eqn, subs[0], ins)
         if kind == CONST:
-            return [plain(CONST, _rank(v)) for v in eqn.outvars]
+            return [plain(CONST, var_rank(v)) for v in eqn.outvars]
         # A primitive JAX does not define (tests/test_primitives.py holds JAX's own to the lists).
-        if not subs and name not in READ and _same_shape(eqn):
+        if not subs and name not in READ and keeps_shape(eqn):
             return self.elementwise(eqn, ins)
         return self.opaque(eqn, ins, f"{name}, which the reading does not follow")
 
@@ -246,24 +207,24 @@ class Reader:
             for leaf in value.leaves:
                 self.uses[leaf].add("opaque")
         if any(value.kind in (PARAM, ACT) for value in ins):
-            self.stops.setdefault(eqn.primitive.name, _where(eqn))
+            self.stops.setdefault(eqn.primitive.name, user_line(eqn))
         out = ACT if kind in (PARAM, ACT) else kind
-        return [plain(out, _rank(v)) for v in eqn.outvars]
+        return [plain(out, var_rank(v)) for v in eqn.outvars]
 
     # --- elementwise and shape operations -------------------------------------------------------
 
     def elementwise(self, eqn: Any, ins: list[Value]) -> list[Value]:
         kind = max((v.kind for v in ins), default=CONST)
         outs = eqn.outvars
-        rank = _rank(outs[0])
+        rank = var_rank(outs[0])
         if kind == CONST:
-            return [plain(CONST, _rank(v)) for v in outs]
+            return [plain(CONST, var_rank(v)) for v in outs]
         axes = []
-        shape = _shape(outs[0])
+        shape = var_shape(outs[0])
         for axis in range(rank):
             merged: frozenset = EMPTY
             for var, value in zip(eqn.invars, ins, strict=True):
-                if len(value.axes) == rank and _shape(var)[axis] == shape[axis] and value.axes[axis]:
+                if len(value.axes) == rank and var_shape(var)[axis] == shape[axis] and value.axes[axis]:
                     merged = merged | value.axes[axis]
             if len(merged) > 1:
                 self.join(node for node, _, _ in merged)
@@ -278,15 +239,15 @@ class Reader:
                         self.role(tags, "elementwise")
             leaves = EMPTY
         value = Value(kind, tuple(axes), leaves)
-        return [value if _rank(v) == rank else plain(kind, _rank(v)) for v in outs]
+        return [value if var_rank(v) == rank else plain(kind, var_rank(v)) for v in outs]
 
     def identity(self, eqn: Any, ins: list[Value]) -> list[Value]:
-        return [ins[i] if i < len(ins) else plain(ACT, _rank(v)) for i, v in enumerate(eqn.outvars)]
+        return [ins[i] if i < len(ins) else plain(ACT, var_rank(v)) for i, v in enumerate(eqn.outvars)]
 
     def broadcast_in_dim(self, eqn: Any, ins: list[Value]) -> list[Value]:
         value = ins[0]
-        out_shape = _shape(eqn.outvars[0])
-        in_shape = _shape(eqn.invars[0])
+        out_shape = var_shape(eqn.outvars[0])
+        in_shape = var_shape(eqn.invars[0])
         axes = [EMPTY] * len(out_shape)
         for i, d in enumerate(eqn.params["broadcast_dimensions"]):
             if in_shape[i] == out_shape[d]:
@@ -308,15 +269,15 @@ class Reader:
 
     def reshape(self, eqn: Any, ins: list[Value]) -> list[Value]:
         value = ins[0]
-        in_shape = _shape(eqn.invars[0])
-        out_shape = _shape(eqn.outvars[0])
+        in_shape = var_shape(eqn.invars[0])
+        out_shape = var_shape(eqn.outvars[0])
         axes_in = value.axes
         if eqn.params.get("dimensions"):
             order = eqn.params["dimensions"]
             axes_in = tuple(axes_in[i] for i in order)
             in_shape = tuple(in_shape[i] for i in order)
         axes = [EMPTY] * len(out_shape)
-        for ins_group, outs_group in _reshape_groups(in_shape, out_shape):
+        for ins_group, outs_group in reshape_groups(in_shape, out_shape):
             merged = self.merge(in_shape, axes_in, ins_group)
             # Split the merged axis into the output axes, major first.
             outer = 1
@@ -356,7 +317,7 @@ class Reader:
         value = ins[0]
         axes = set(eqn.params.get("axes", eqn.params.get("dimensions", ())))
         if value.kind == ACT:
-            amount = _nbytes(eqn.outvars[0])
+            amount = var_nbytes(eqn.outvars[0])
             for i in axes:
                 self.cost(eqn, (node for node, _, _ in value.axes[i]), amount)
         elif value.kind == PARAM:
@@ -373,7 +334,7 @@ class Reader:
         the activations this way (a class token concatenated in front of them) is read.
         """
         kind = max((v.kind for v in ins), default=CONST)
-        rank = _rank(eqn.outvars[0])
+        rank = var_rank(eqn.outvars[0])
         out = []
         for axis in range(rank):
             merged: frozenset = EMPTY
@@ -395,7 +356,7 @@ class Reader:
                         self.uses[leaf].add(eqn.primitive.name)
         leaves = frozenset().union(*(v.leaves for v in ins)) if kind == PARAM else EMPTY
         value = Value(kind, tuple(out), leaves)
-        return [value if _rank(v) == rank else plain(kind, _rank(v)) for v in eqn.outvars]
+        return [value if var_rank(v) == rank else plain(kind, var_rank(v)) for v in eqn.outvars]
 
     def cumulative(self, eqn: Any, ins: list[Value]) -> list[Value]:
         return self.along(eqn, ins, {eqn.params["axis"]}, f"run along by {eqn.primitive.name}")
@@ -411,12 +372,12 @@ class Reader:
         value = ins[0]
         self.brk(value.axes[axis] if rank else (), f"searched along by {eqn.primitive.name}")
         axes = tuple(EMPTY if i == axis else t for i, t in enumerate(value.axes))
-        return [Value(value.kind, axes, value.leaves), plain(value.kind, _rank(eqn.outvars[1]))]
+        return [Value(value.kind, axes, value.leaves), plain(value.kind, var_rank(eqn.outvars[1]))]
 
     def slicing(self, eqn: Any, ins: list[Value], sizes: Sequence[int]) -> list[Value]:
         """``slice`` / ``dynamic_slice``: axes taken whole keep their tags, the others do not."""
         value = ins[0]
-        shape = _shape(eqn.invars[0])
+        shape = var_shape(eqn.invars[0])
         axes = []
         for i, (full, size) in enumerate(zip(shape, sizes, strict=True)):
             if size == full:
@@ -432,7 +393,7 @@ class Reader:
         return [Value(value.kind, tuple(axes), value.leaves)]
 
     def slice(self, eqn: Any, ins: list[Value]) -> list[Value]:
-        return self.slicing(eqn, ins, _shape(eqn.outvars[0]))
+        return self.slicing(eqn, ins, var_shape(eqn.outvars[0]))
 
     def dynamic_slice(self, eqn: Any, ins: list[Value]) -> list[Value]:
         return self.slicing(eqn, ins[:1], eqn.params["slice_sizes"])
@@ -461,7 +422,7 @@ class Reader:
 
     def dynamic_update_slice(self, eqn: Any, ins: list[Value]) -> list[Value]:
         operand, update = ins[0], ins[1]
-        shape, part = _shape(eqn.invars[0]), _shape(eqn.invars[1])
+        shape, part = var_shape(eqn.invars[0]), var_shape(eqn.invars[1])
         kind = max(operand.kind, update.kind)
         axes = []
         for i, (full, size) in enumerate(zip(shape, part, strict=True)):
@@ -480,7 +441,7 @@ class Reader:
 
     def stack(self, eqn: Any, ins: list[Value]) -> list[Value]:
         """``jnp.stack``: a concatenate along a new axis (each operand's axes keep their places)."""
-        rank = _rank(eqn.outvars[0])
+        rank = var_rank(eqn.outvars[0])
         axis = eqn.params["axis"] % max(rank, 1)
         grown = [Value(v.kind, (*v.axes[:axis], EMPTY, *v.axes[axis:]), v.leaves) for v in ins]
         return self.along(eqn, grown, {axis}, "stacked with other arrays")
@@ -494,7 +455,7 @@ class Reader:
         return self.along(eqn, ins, set(eqn.params["dimensions"]), "reversed")
 
     def fft(self, eqn: Any, ins: list[Value]) -> list[Value]:
-        rank = _rank(eqn.outvars[0])
+        rank = var_rank(eqn.outvars[0])
         count = len(eqn.params["fft_lengths"])
         return self.along(eqn, ins, set(range(rank - count, rank)), "transformed along by an FFT")
 
@@ -504,7 +465,7 @@ class Reader:
 
     def bitcast_convert_type(self, eqn: Any, ins: list[Value]) -> list[Value]:
         """Elementwise between types of one width; otherwise a new minor axis: a stop."""
-        if _shape(eqn.invars[0]) == _shape(eqn.outvars[0]):
+        if var_shape(eqn.invars[0]) == var_shape(eqn.outvars[0]):
             return self.elementwise(eqn, ins)
         return self.opaque(eqn, ins, "bitcast_convert_type, which changes the width of its elements")
 
@@ -527,7 +488,7 @@ class Reader:
         lfree = [i for i in range(len(lhs.axes)) if i not in lc and i not in lb]
         rfree = [i for i in range(len(rhs.axes)) if i not in rc and i not in rb]
         if kind == CONST:
-            return [plain(CONST, _rank(eqn.outvars[0]))]
+            return [plain(CONST, var_rank(eqn.outvars[0]))]
         if lhs.kind == PARAM and rhs.kind == ACT:
             batch, _ = self.weight(eqn, lhs, rhs, lc, rc, lb, rb)
             axes = batch + [lhs.axes[i] for i in lfree] + [rhs.axes[i] for i in rfree]
@@ -573,7 +534,7 @@ class Reader:
         """A weight meets an activation in a ``dot_general``: contraction and batch axes."""
         for leaf in param.leaves:
             self.uses[leaf].add("dot_general")
-        amount = _nbytes(eqn.outvars[0])
+        amount = var_nbytes(eqn.outvars[0])
         for i, j in zip(pc, ac, strict=True):
             mine, theirs = param.axes[i], act.axes[j]
             self.role(mine, "contraction")
@@ -595,7 +556,7 @@ class Reader:
         numbers = eqn.params["dimension_numbers"]
         lhs_spec, rhs_spec, out_spec = numbers.lhs_spec, numbers.rhs_spec, numbers.out_spec
         groups = eqn.params.get("feature_group_count", 1)
-        rank = _rank(eqn.outvars[0])
+        rank = var_rank(eqn.outvars[0])
         if lhs.kind == CONST and rhs.kind == CONST:
             return [plain(CONST, rank)]
         if lhs.kind != ACT or rhs.kind != PARAM or eqn.params.get("batch_group_count", 1) != 1:
@@ -614,7 +575,7 @@ class Reader:
             self.brk(lhs.axes[axis], "run along by a convolution's window")
         if groups == 1:
             self.role(in_features, "conv-in")
-            self.cost(eqn, (node for node, _, _ in in_features), _nbytes(eqn.outvars[0]))
+            self.cost(eqn, (node for node, _, _ in in_features), var_nbytes(eqn.outvars[0]))
             self.pair(features, in_features)
             axes[out_spec[1]] = out_features
         else:  # grouped (depthwise): each input feature goes to its own outputs
@@ -627,8 +588,8 @@ class Reader:
         operand, indices = ins[0], ins[1]
         numbers = eqn.params["dimension_numbers"]
         sizes = eqn.params["slice_sizes"]
-        shape = _shape(eqn.invars[0])
-        out_rank = _rank(eqn.outvars[0])
+        shape = var_shape(eqn.invars[0])
+        out_rank = var_rank(eqn.outvars[0])
         offset_dims = tuple(numbers.offset_dims)
         collapsed = set(numbers.collapsed_slice_dims)
         batching = tuple(getattr(numbers, "operand_batching_dims", ()))
@@ -644,7 +605,7 @@ class Reader:
         for position, axis in zip(rest, index_axes, strict=False):
             axes[position] = indices.axes[axis]
         kept = [i for i in range(len(shape)) if i not in collapsed and i not in batching]
-        amount = _nbytes(eqn.outvars[0])
+        amount = var_nbytes(eqn.outvars[0])
         for position, axis in zip(offset_dims, kept, strict=False):
             if sizes[axis] == shape[axis]:
                 axes[position] = operand.axes[axis]
@@ -657,7 +618,7 @@ class Reader:
             if lookup:
                 self.role(tags, "gathered")
                 self.cost(eqn, (node for node, _, _ in tags), amount)
-            elif indexing and math.prod(_shape(eqn.invars[1])[:-1]) > 1:  # a table read by fixed indices
+            elif indexing and math.prod(var_shape(eqn.invars[1])[:-1]) > 1:  # a table read by fixed indices
                 self.role(tags, "indexed")
                 self.brk(tags, "looked up by indices the step computes, not from the batch")
             elif indexing:
@@ -693,7 +654,7 @@ class Reader:
     def scan(self, eqn: Any, ins: list[Value]) -> list[Value]:
         params = eqn.params
         body = params["jaxpr"]
-        consts, carries = _scan_counts(params, len(ins))
+        consts, carries = scan_counts(params, len(ins))
         length = int(params.get("length", 1))
         head, carry, xs = ins[:consts], ins[consts : consts + carries], ins[consts + carries :]
         slices = []
@@ -720,7 +681,7 @@ class Reader:
         for _ in range(4):
             outs = self.call(eqn, body, head + carry + tail, scale)
             merged = [_union(a, b, self) for a, b in zip(carry, outs[: len(carry)], strict=True)]
-            if all(_same(a, b) for a, b in zip(carry, merged, strict=True)):
+            if all(same_value(a, b) for a, b in zip(carry, merged, strict=True)):
                 break
             carry = merged
         return carry, outs
@@ -751,87 +712,6 @@ def _union(a: Value, b: Value, reader: Reader) -> Value:
             reader.join(node for node, _, _ in merged)
         axes.append(merged)
     return Value(max(a.kind, b.kind), tuple(axes), a.leaves | b.leaves)
-
-
-def _same(a: Value, b: Value) -> bool:
-    return a.kind == b.kind and a.axes == b.axes and a.leaves == b.leaves
-
-
-def _scan_counts(params: dict, n_inputs: int) -> tuple[int, int]:
-    """How many of a scan's inputs are constants and carries (the rest are scanned over)."""
-    if "num_consts" in params and "num_carry" in params:
-        return int(params["num_consts"]), int(params["num_carry"])
-    tree = params.get("ft_in")  # newer JAX: the inputs' structure, (consts, carries, xs)
-    if tree is not None:
-        try:
-            consts, carries, _ = tree.unpack()
-            return len(consts), len(carries)
-        except Exception:
-            pass
-    raise EinshardError(
-        "cannot read a scan of this JAX version: its parameters name no constants or carries",
-        hint="Report this with your JAX version; meanwhile give the table by names: "
-        "einshard.strategies.tensor_parallel(column=..., row=...).",
-    )
-
-
-def _same_shape(eqn: Any) -> bool:
-    """Whether an unknown primitive looks elementwise: every array in and out has one shape."""
-    if AXIS_PARAMS & set(eqn.params):
-        return False
-    shapes = {_shape(v) for v in (*eqn.invars, *eqn.outvars) if _rank(v)}
-    return len(shapes) <= 1
-
-
-def _reshape_groups(
-    in_shape: tuple[int, ...], out_shape: tuple[int, ...]
-) -> list[tuple[list[int], list[int]]]:
-    """Runs of input and output axes with equal products: each run is merged, then split."""
-    groups: list[tuple[list[int], list[int]]] = []
-    i = j = 0
-    n, m = len(in_shape), len(out_shape)
-    while i < n or j < m:
-        ins: list[int] = []
-        outs: list[int] = []
-        a = b = 1
-        while not (ins and outs and a == b):
-            if (a <= b or j >= m) and i < n:
-                a *= in_shape[i]
-                ins.append(i)
-                i += 1
-            elif j < m:
-                b *= out_shape[j]
-                outs.append(j)
-                j += 1
-            else:
-                break
-        while i < n and in_shape[i] == 1:  # trailing size-1 axes join the run
-            ins.append(i)
-            i += 1
-        while j < m and out_shape[j] == 1:
-            outs.append(j)
-            j += 1
-        groups.append((ins, outs))
-    return groups
-
-
-def _backward(eqn: Any) -> bool:
-    """Whether JAX's name stack marks the operation as part of a transposed (backward) pass."""
-    try:
-        return "transpose(" in str(eqn.source_info.name_stack)
-    except AttributeError:
-        return False
-
-
-def _where(eqn: Any) -> str:
-    """``file:line`` of the innermost user code behind an operation (not JAX's own), or ``''``."""
-    frames = getattr(getattr(eqn.source_info, "traceback", None), "frames", None) or ()
-    for frame in frames:
-        name = str(getattr(frame, "file_name", ""))
-        if not any(f"/{package}/" in name for package in ("jax", "jaxlib", "einshard")):
-            line = getattr(frame, "line_num", None) or getattr(frame, "start_line", "")
-            return f"{name.rsplit('/', 1)[-1]}:{line}"
-    return ""
 
 
 _HANDLERS: dict[str, Callable[[Reader, Any, list[Value]], list[Value]]] = {

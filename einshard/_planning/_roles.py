@@ -16,7 +16,8 @@ from .._arrays._leaves import is_jax_array, is_traced, nbytes
 from .._cost._call import StepCall, traced_dtype
 from .._language._errors import EinshardError
 from .._language._text import table_text
-from ._jaxpr import ACT, CORE, PARAM, Reader, Value, plain
+from ._jaxpr import Reader
+from ._values import ACT, CORE, PARAM, Value, plain
 
 __all__ = ["LeafRole", "Roles", "choose_splits", "read", "read_call", "roles"]
 
