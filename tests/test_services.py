@@ -10,7 +10,7 @@ import einshard
 from conftest import N_DEVICES
 from einshard._arrays._build import build_sharded
 from einshard._arrays._place import place_leaves
-from einshard._sharding._devices import device_target
+from einshard._sharding._devices import call_devices
 
 
 def sharding(expression, shape):
@@ -93,14 +93,14 @@ def test_build_sharded_gives_the_unsharded_values_born_placed():
 class TestDeviceTarget:
     def test_the_precedence(self):
         devices = jax.devices()
-        assert device_target(None).order == tuple(devices)
+        assert call_devices(None).order == tuple(devices)
         with einshard.use_devices(devices[:2]):
-            assert device_target(None).order == tuple(devices[:2])
-            assert device_target(devices[:1]).count == 1  # devices= wins over the block
+            assert call_devices(None).order == tuple(devices[:2])
+            assert call_devices(devices[:1]).count == 1  # devices= wins over the block
             if N_DEVICES % 2 == 0:
                 mesh = jax.make_mesh((2, N_DEVICES // 2), ("data", "model"))
                 with jax.set_mesh(mesh):  # the ambient mesh wins over the block
-                    target = device_target(None)
+                    target = call_devices(None)
                     assert target.mesh is not None and target.count == N_DEVICES
                     assert target.describe() == f"on the ambient mesh data=2, model={N_DEVICES // 2}"
 
@@ -114,4 +114,4 @@ class TestDeviceTarget:
 
     def test_bad_devices_say_so(self):
         with pytest.raises(einshard.EinshardError, match="devices= is empty"):
-            device_target([])
+            call_devices([])

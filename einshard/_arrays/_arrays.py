@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from .._language._errors import EinshardError, short_repr
 from .._language._expression import check_expression_type
 from .._language._numbers import checked_n_dims, checked_shape
-from .._sharding._devices import Devices, device_target
+from .._sharding._devices import Devices, call_devices
 from .._sharding._expression_sharding import expression_sharding
 from ._leaves import is_array
 from ._one_device import warn_if_one_device
@@ -147,7 +147,7 @@ def _call_sharding(
     microsecond (a sixth of a cached ``make_sharding``).
     """
     try:
-        target = device_target(devices)
+        target = call_devices(devices)
         layout, sharding = expression_sharding(expression, n_dims, target, shape)
     except EinshardError as error:
         sharding_context(error, shape, devices)
@@ -178,7 +178,7 @@ def sharding_context(error: EinshardError, shape: tuple[int, ...] | None, device
     """
     what = f"an array of shape {shape}" if shape is not None else "an array"
     try:
-        where = device_target(devices).describe()
+        where = call_devices(devices).describe()
     except EinshardError:
         where = "on the given devices"
     error.add_context(f"while sharding {what} {where}")

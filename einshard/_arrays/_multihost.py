@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 
 from .._language._errors import EinshardError, adding_context
 from .._language._layout import Layout
-from .._sharding._devices import Devices, device_target
+from .._sharding._devices import Devices, call_devices
 from .._sharding._expression_sharding import expression_sharding
 from ._agreement import DEFAULT_TIMEOUT, announce_failure, block_hashes, check_agreement
 from ._arrays import check_arguments, sharding_context
@@ -122,7 +122,7 @@ def _checked_local_part(
     check_arguments(expression)
     given_shape = None if global_shape is None else _checked_global_shape(global_shape)
     with adding_context(sharding_context, None, devices):
-        layout, sharding = expression_sharding(expression, len(local_shape), device_target(devices))
+        layout, sharding = expression_sharding(expression, len(local_shape), call_devices(devices))
     with adding_context(_process_context, local_shape):
         return _assemble(local, local_shape, given_shape, layout, sharding)
 

@@ -276,7 +276,7 @@ def plan(
     >>> result.best.name, result.best.batch
     ('data parallel', 'b ... -> b* ...')
     """
-    from .._sharding._devices import count_to_plan, device_target
+    from .._sharding._devices import call_devices, count_to_plan
 
     strategies = list(candidates) if candidates is not None else None
     if strategies is not None:
@@ -291,7 +291,7 @@ def plan(
     given = count_to_plan(n_devices, hint="Give the device count to plan for, e.g. n_devices=64.")
     chosen = parse_target(target, n_devices)
     figures = hardware_of(chosen, hardware)
-    local = device_target(None).count
+    local = call_devices(None).count
     count = chosen.n_devices if figures is not None else given
     # The step is resolved and its arguments named and flattened once, here, for the roles
     # reader, every candidate's table and compile, and the split shares.

@@ -6,7 +6,7 @@ precedence: ``devices=`` on the call; the ambient ``jax.set_mesh`` mesh (its
 flat device order); a :func:`use_devices` block; all devices of the default
 backend in ``jax.devices()`` order.
 
-:func:`device_target` is the one place that precedence is decided: every
+:func:`call_devices` is the one place that precedence is decided: every
 function that takes ``devices=`` asks it once per call.
 """
 
@@ -24,14 +24,14 @@ from .._language._errors import EinshardError
 from .._language._numbers import checked_count
 
 __all__ = [
+    "CallDevices",
     "Device",
     "DeviceOrder",
-    "DeviceTarget",
     "Devices",
     "ambient_mesh",
+    "call_devices",
     "count_to_plan",
     "device_order",
-    "device_target",
     "use_devices",
 ]
 
@@ -148,7 +148,7 @@ def ambient_mesh() -> tuple[AbstractMesh, Mesh | None] | None:
     return abstract, concrete
 
 
-class DeviceTarget(NamedTuple):
+class CallDevices(NamedTuple):
     """Where a call lays arrays out: a device order of einshard's own, or the ambient mesh.
 
     Attributes:
@@ -176,7 +176,7 @@ class DeviceTarget(NamedTuple):
         return f"on {len(self.order)} {self.order[0].platform.upper()} device{plural}"
 
 
-def device_target(devices: Devices | None) -> DeviceTarget:
+def call_devices(devices: Devices | None) -> CallDevices:
     """The devices a call lays its arrays out over, decided once per call.
 
     ``devices`` if given; else the ambient ``jax.set_mesh`` mesh; else the
@@ -190,17 +190,17 @@ def device_target(devices: Devices | None) -> DeviceTarget:
         if ambient is not None:
             abstract, concrete = ambient
             order = tuple(concrete.devices.flat) if concrete is not None else None
-            return DeviceTarget(order, abstract, concrete)
+            return CallDevices(order, abstract, concrete)
     order = device_order(devices)
     target = _targets.get(order)
     if target is None:  # one per device order: building the tuple costs a third of a cached call
         if len(_targets) >= 256:
             _targets.clear()
-        target = _targets[order] = DeviceTarget(order)
+        target = _targets[order] = CallDevices(order)
     return target
 
 
-_targets: dict[DeviceOrder, DeviceTarget] = {}
+_targets: dict[DeviceOrder, CallDevices] = {}
 
 
 def count_to_plan(n_devices: object, hint: str) -> int:
@@ -211,5 +211,5 @@ def count_to_plan(n_devices: object, hint: str) -> int:
         hint: What the error for a bad count suggests.
     """
     if n_devices is None:
-        return device_target(None).count
+        return call_devices(None).count
     return checked_count(n_devices, "n_devices", hint=hint)

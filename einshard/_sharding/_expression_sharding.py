@@ -1,11 +1,11 @@
-"""An expression's sharding on a device target: (expression, rank, target, shape) to (layout, sharding).
+"""An expression's sharding on the devices of a call: (expression, rank, devices, shape) to (layout, sharding).
 
 Every function that turns an expression into a sharding comes here: arrays
 (:func:`~einshard.make_sharding`, :func:`~einshard.einshard`), trees (once per
 kind of leaf) and several processes (:func:`~einshard.from_process_local`).
 (Pictures need no sharding: they draw the pure :class:`~einshard.Layout`.) The device
 target is decided before, once per call, by
-:func:`~einshard._sharding._devices.device_target`. The arguments a user gives (the
+:func:`~einshard._sharding._devices.call_devices`. The arguments a user gives (the
 expression's type, the rank, the shape) are checked once, by the public function, before it
 asks; adding context to an error is the public function's job too.
 """
@@ -18,7 +18,7 @@ from jax.sharding import AxisType, NamedSharding
 
 from .._language._errors import EinshardError
 from .._language._layout import Layout
-from ._devices import DeviceTarget
+from ._devices import CallDevices
 from ._mesh import ambient_spec, layout_sharding
 
 __all__ = ["expression_sharding"]
@@ -27,10 +27,10 @@ __all__ = ["expression_sharding"]
 def expression_sharding(
     expression: str,
     n_dims: int | None,
-    target: DeviceTarget,
+    target: CallDevices,
     shape: tuple[int, ...] | None = None,
 ) -> tuple[Layout, NamedSharding]:
-    """The layout and the sharding of an expression on a device target; cached below.
+    """The layout and the sharding of an expression on the devices of a call; cached below.
 
     On einshard's own mesh over the target's device order, or on the ambient
     mesh (with its devices when they are known, else abstract, inside a trace).
@@ -38,7 +38,7 @@ def expression_sharding(
     Args:
         expression: The expression's text.
         n_dims: The array's rank, or ``None`` to take it from the expression.
-        target: Where the array goes (from :func:`~einshard._sharding._devices.device_target`).
+        target: Where the array goes (from :func:`~einshard._sharding._devices.call_devices`).
         shape: The array's shape, if known: every split axis must divide.
 
     Raises:

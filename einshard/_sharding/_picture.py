@@ -22,7 +22,7 @@ from .._language import _layout
 from .._language._errors import EinshardError
 from .._language._layout import Layout
 from .._language._numbers import checked_shape
-from ._devices import Devices, device_order, device_target
+from ._devices import Devices, call_devices, device_order
 
 __all__ = ["picture", "visualize"]
 
@@ -214,7 +214,7 @@ def _grid_inputs(
         labels: tuple[int, ...] | None = None
         kind = "CPU"
     else:
-        order = device_target(devices).order
+        order = call_devices(devices).order
         if order is None:  # an ambient mesh known only abstractly (in a trace): no devices to label
             order = device_order(None)
         if n_devices is not None and n_devices != len(order):

@@ -8,7 +8,7 @@ from typing import Any
 
 from .._arrays._leaves import nbytes
 from .._language._text import size_text, table_text
-from .._sharding._devices import Devices, device_target
+from .._sharding._devices import Devices, call_devices
 from ._assign import assign_rules
 from ._rules import Rule, RulesLike
 
@@ -108,7 +108,7 @@ def explain(
     >>> report.total_bytes, report.max_bytes_per_device
     (4198400, 20480)
     """
-    count = n_devices if n_devices is not None else device_target(devices).count
+    count = n_devices if n_devices is not None else call_devices(devices).count
     assigned, _, unused = assign_rules(tree, rules, n_devices=count)
     paths = [assignment.path for _, assignment in assigned if assignment is not None]
     unmatched = tuple(rule for rule in unused if not any(re.search(rule.pattern, path) for path in paths))

@@ -1,7 +1,7 @@
 """Whole pytrees: ``shard_pytree``, ``pytree_shardings``, ``init_sharded``, and ``shardings_of``.
 
 Each array leaf gets the expression of the first rule whose regex matches its
-path (:mod:`einshard._trees._assign`, pure); the device target is decided once per
+path (:mod:`einshard._trees._assign`, pure); the devices are decided once per
 call, each kind of leaf (expression and rank) turned into a sharding once
 (:mod:`einshard._sharding._expression_sharding`), and the leaves placed by
 :func:`~einshard._arrays._place.place_leaves`. The table's policies apply
@@ -28,7 +28,7 @@ from .._arrays._build import build_sharded
 from .._arrays._leaves import carried_sharding, is_array
 from .._arrays._place import place_leaves
 from .._language._errors import EinshardError, EinshardWarning, adding_context
-from .._sharding._devices import Devices, device_target
+from .._sharding._devices import Devices, call_devices
 from .._sharding._expression_sharding import expression_sharding
 from ._assign import Assignment, as_rules, assign_leaves, assign_rules, leaf_context
 from ._calls import rule_table  # the one home of the builders' argument checks
@@ -103,7 +103,7 @@ def leaf_shardings(
 ) -> tuple[list[tuple[Any, Assignment | None]], Any, list[NamedSharding | None]]:
     """Every leaf with its assignment, the tree structure, and each leaf's sharding (``None``: not an array).
 
-    The device target is decided once; each kind of leaf (expression, rank)
+    The devices are decided once; each kind of leaf (expression, rank)
     gets its sharding once. Warns about unused rules when the table is strict.
     """
     table = as_rules(rules)
@@ -114,7 +114,7 @@ def leaf_shardings(
             hint="Place one array with einshard.einshard(x, expression), e.g. einshard.einshard(x, "
             "'... -> * ...'); shard_pytree and pytree_shardings take a tree (a dict, a list, a module).",
         )
-    target = device_target(devices)
+    target = call_devices(devices)
     assigned, treedef, unused = assign_rules(tree, table, n_devices=target.count)
     return assigned, treedef, _shardings(assigned, table, unused, target)
 
@@ -124,7 +124,7 @@ def path_shardings(
 ) -> tuple[list[tuple[Any, Assignment | None]], list[NamedSharding | None]]:
     """:func:`leaf_shardings` for leaves already flattened with their paths (a step's arguments)."""
     table = as_rules(rules)
-    target = device_target(devices)
+    target = call_devices(devices)
     assigned, unused = assign_leaves(paths, leaves, table, n_devices=target.count)
     return assigned, _shardings(assigned, table, unused, target)
 

@@ -66,7 +66,7 @@ from .._language._errors import EinshardDeprecationWarning, EinshardError, Einsh
 from .._language._expression import REPLICATE
 from .._language._layout import carried_expression, compile_layout
 from .._language._text import size_text
-from .._sharding._devices import Devices, device_target
+from .._sharding._devices import Devices, call_devices
 from .._sharding._mesh import spec_entries, spec_expression, spec_split
 from .._trees._assign import as_rules, assign_rules
 from .._trees._explain import Report, report_row
@@ -763,7 +763,7 @@ def explain_opt_state(
         placed = _Placed(params)
         sources = placed.sources
     else:
-        count = n_devices if n_devices is not None else device_target(devices).count
+        count = n_devices if n_devices is not None else call_devices(devices).count
         assignments = [a for _, a in assign_rules(params, as_rules(rules), n_devices=count)[0]]
         paths = flatten_with_paths(params)[1]
         sources = [
