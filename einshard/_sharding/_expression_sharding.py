@@ -1,4 +1,4 @@
-"""An expression's sharding on the devices of a call: (expression, rank, devices, shape) to (layout, sharding).
+"""An expression's sharding on the devices of a call: (expression, rank, devices, shape) to sharding.
 
 Every function that turns an expression into a sharding comes here: arrays
 (:func:`~einshard.make_sharding`, :func:`~einshard.einshard`), trees (once per

@@ -121,15 +121,21 @@ def layout_sharding(text: str, n_dims: int | None, devices: DeviceOrder) -> tupl
     runs = _runs(layout.mesh_shape, mesh_shape)
     assert runs is not None  # layout_mesh_shape chose a mesh the layout fits
     names = mesh_axis_names(len(mesh_shape))
-    spec = []
+    spec = _spec(layout, [tuple(names[i] for i in run) for run in runs])
+    _note_mesh(devices, mesh_shape, layout)
+    return layout, NamedSharding(device_mesh(devices, mesh_shape), spec)
+
+
+def _spec(layout: Layout, runs: Sequence[tuple[str, ...]]) -> PartitionSpec:
+    """The ``PartitionSpec`` of a layout whose canonical mesh axes are these runs of named axes."""
+    spec: list[str | tuple[str, ...] | None] = []
     for axis in layout.spec:
         if axis is None:
             spec.append(None)
         else:
-            run = tuple(names[i] for i in runs[axis])
+            run = runs[axis]
             spec.append(run[0] if len(run) == 1 else run)
-    _note_mesh(devices, mesh_shape, layout)
-    return layout, NamedSharding(device_mesh(devices, mesh_shape), PartitionSpec(*spec))
+    return PartitionSpec(*spec)
 
 
 # For each device order, the meshes handed out so far, each with the first layout written on it.
@@ -188,15 +194,7 @@ def ambient_spec(
 ) -> tuple[Layout, PartitionSpec]:
     """The layout and the ``PartitionSpec`` on an ambient mesh with these ``(name, size)`` axes."""
     layout = compile_layout(text, n_dims, math.prod(size for _, size in axes))
-    runs = match_runs(layout, axes)
-    spec = []
-    for axis in layout.spec:
-        if axis is None:
-            spec.append(None)
-        else:
-            run = runs[axis]
-            spec.append(run[0] if len(run) == 1 else run)
-    return layout, PartitionSpec(*spec)
+    return layout, _spec(layout, match_runs(layout, axes))
 
 
 def match_runs(layout: Layout, axes: Sequence[tuple[str, int]]) -> AxisRuns:
