@@ -143,3 +143,24 @@ def test_fsdp_over_varied_shapes_names_what_stays_whole_and_every_sliced_reducti
         (finding,) = sliced
         assert set(finding.params) >= reduced
         assert sum(f.bytes for f in report.findings) <= report.traffic + sum(f.memory_bytes for f in copied)
+
+
+@FEW
+@example(lengths=[2, 3])
+@given(lengths=st.lists(st.integers(2, 4), min_size=2, max_size=3))
+def test_a_forward_reduction_in_nested_loops_runs_the_product_of_their_trip_counts(lengths):
+    def forward(w, x):
+        def nest(x, depth):
+            if depth == len(lengths):
+                return jnp.tanh(x @ w)  # w split on its rows: a partial sum, all-reduced per trip
+            return jax.lax.fori_loop(0, lengths[depth], lambda _, c: nest(c, depth + 1), x)
+
+        return nest(x, 0)
+
+    w = jax.ShapeDtypeStruct((D, D), jnp.float32, sharding=einshard.make_sharding("a b -> a* b"))
+    report = einshard.explain_step(forward, w, f32(8, D))
+    reductions = [row for row in report.rows if row.kind == "all-reduce"]
+    assert reductions and all(row.times == math.prod(lengths) for row in reductions)
+    assert sum(row.traffic for row in reductions) == sum(
+        ring_all_reduce(row.bytes) * math.prod(lengths) for row in reductions
+    )
