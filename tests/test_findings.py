@@ -61,7 +61,7 @@ def tied_loss(params, tokens):
 
 
 def untied_loss(params, tokens):
-    h = jnp.tanh(params["embed"][tokens] @ params["w"])
+    h = jnp.tanh(params["embed"][tokens] @ params["w"])  # untied
     return -jnp.mean(jax.nn.log_softmax(h @ params["head"])[..., 0])
 
 
@@ -308,6 +308,10 @@ def test_stderr_is_restored_after_a_compile_that_fails():
         os.close(fd)
 
 
+def _at(text: str) -> str:
+    return f"{__file__}:{_line_of(text)}"
+
+
 def _line_of(text: str) -> int:
     with open(__file__) as source:
         for number, line in enumerate(source, 1):
@@ -325,6 +329,26 @@ def test_the_headline_counts_combined_collectives_and_their_arrays():
     assert len({row.instruction for row in report.rows}) == 1  # XLA's CPU compiler combines them
     assert report.collectives == 1 and len(report.rows) == 3
     assert str(report).count("1 combined all-reduce of 3 arrays on") == 1
+
+
+def test_each_array_of_a_combined_all_reduce_carries_its_own_line():
+    params = {"embed": f32(VOCAB, DIM), "w": f32(DIM, DIM), "head": f32(DIM, VOCAB)}
+    report = einshard.explain_step(sgd(untied_loss), params, TOKENS, rules=DATA_PARALLEL)
+    assert len({row.instruction for row in report.rows}) == 1  # one combined all-reduce
+    untied = _at("@ params['w'])  # untied".replace("'", '"'))
+    head = _at("jax.nn.log_softmax(h @ params['head'])".replace("'", '"'))
+    assert {row.param: row.source for row in report.rows} == {
+        "params/embed": untied,
+        "params/w": untied,
+        "params/head": head,
+    }
+    tied = einshard.explain_step(
+        sgd(tied_loss), {"embed": f32(VOCAB, DIM), "w": f32(DIM, DIM)}, TOKENS, rules=DATA_PARALLEL
+    )
+    first = _at("h = jnp.tanh(params['embed'][tokens] @ params['w'])".replace("'", '"'))
+    logits = _at("logits = h @ params['embed'].T".replace("'", '"'))
+    assert sorted(row.source for row in tied.rows if row.param == "params/embed") == sorted([first, logits])
+    assert set(only(tied, "repeated").sources) == {first, logits}
 
 
 def test_findings_print_under_the_table_with_cause_and_fix():

@@ -422,7 +422,55 @@ DATAFLOW_ROLES += [
     ),
 ]
 
-ALL = MUTANTS + DATAFLOW_ROLES
+# --- the findings and the loop reading: what would make a finding's bytes wrong ---
+DETECT_REDUCTIONS = "einshard/_cost/_detect_reductions.py"
+DETECT_LAYOUTS = "einshard/_cost/_detect_layouts.py"
+HLO = "einshard/_cost/_hlo.py"
+FINDINGS = ("tests/test_findings.py", "tests/test_finding_fixes.py", "tests/test_finding_properties.py")
+FINDING_MUTANTS = [
+    Mutant(
+        "repeated-counts-the-kept-reduction",
+        DETECT_REDUCTIONS,
+        "wasted = rows_traffic(rows, [p for p in positions if p != keep])",
+        "wasted = rows_traffic(rows, positions)",
+        FINDINGS,
+        "a repeated finding's waste also counts the reduction that is kept",
+    ),
+    Mutant(
+        "unsummed-keeps-none",
+        DETECT_REDUCTIONS,
+        "for p in sorted(group, key=lambda q: rows[q].traffic)[:-1]]",
+        "for p in sorted(group, key=lambda q: rows[q].traffic)]",
+        FINDINGS,
+        "unsummed counts every partial sum, with none kept",
+    ),
+    Mutant(
+        "copied-memory-is-the-shard",
+        DETECT_LAYOUTS,
+        "held = sum(_assignment_bytes(leaf) - _assignment_bytes(leaf) // ways for leaf in chosen)",
+        "held = sum(_assignment_bytes(leaf) // ways for leaf in chosen)",
+        FINDINGS,
+        "copied memory is the shard, not the excess held",
+    ),
+    Mutant(
+        "loop-users-read-in-the-entry",
+        ATTRIBUTION,
+        "            body = start[0].computation\n            users = self.users_in(body)",
+        "            body = start[0].computation\n            users = self.users_in(self.module.entry)",
+        (*FINDINGS, "tests/test_step.py"),
+        "a loop body's users are looked up in the entry computation",
+    ),
+    Mutant(
+        "nested-trip-count-not-multiplied",
+        HLO,
+        "                total += n * factor",
+        "                total += factor",
+        (*FINDINGS, "tests/test_step.py"),
+        "a nested loop's trip count is not multiplied by its caller's",
+    ),
+]
+
+ALL = MUTANTS + DATAFLOW_ROLES + FINDING_MUTANTS
 
 
 # --- anchors ----------------------------------------------------------------------------------------

@@ -554,6 +554,9 @@ def attributed_rows(
             phase = phase or user_phase
         fraction, _ = RING[collective.kind]
         for index, (shape, operand, value) in enumerate(arrays):
+            # One of a combined collective: the line of its own array, not the collective's (the
+            # combiner keeps the first array's metadata); ``None`` where the array's shows none.
+            own = source if len(arrays) == 1 else _array_source(flow, operand)
             param = None
             if paths is not None:
                 parameter = None
@@ -586,13 +589,32 @@ def attributed_rows(
                     seconds=None,
                     phase=phase,
                     op_name=op_name,
-                    source=source,
+                    source=own,
                     param=param,
                     instruction=instruction.name,
                     hosts=spans,
                 )
             )
     return rows, origins
+
+
+def _array_source(flow: Flow, operand: str | None) -> str | None:
+    """``file:line`` of the code that made one array of a combined collective, or ``None``.
+
+    Read from the array's own producer (through copies and reshapes that carry no line).
+    """
+    name = operand
+    for _ in range(6):
+        instruction = flow.all.get(name) if name is not None else None
+        if instruction is None:
+            return None
+        _, file, line = flow.module.source(instruction)
+        if file is not None and line is not None:
+            return f"{file}:{line}"
+        if instruction.opcode not in _THROUGH or not instruction.operands:
+            return None
+        name = instruction.operands[0]
+    return None
 
 
 def _hosts(groups: Sequence[Sequence[int]], hosts: Sequence[int] | None) -> int:

@@ -60,15 +60,25 @@ def find_repeated(context: Context, extra: set[int]) -> list[Finding]:
                 positions = sorted(set(candidates))
                 wasted = rows_traffic(rows, fed)
         else:
-            positions = candidates
+            # A gather whose result is only sliced moves a layout (a reshard's), not the weight.
+            positions = [p for p in candidates if not _only_sliced(context, p)]
             moved = sum(rows[p].total_bytes for p in positions)
             whole = context.sizes.get(param, 0)
-            if not whole or moved <= whole:
+            if not whole or moved <= whole or len(positions) < 2:
                 continue
             traffic = rows_traffic(rows, positions)
-            gathered.setdefault(rows_sources(rows, positions), []).append(
-                (param, positions, traffic - round(traffic * whole / moved))
-            )
+            one = round(traffic * whole / moved)  # what one gather of the whole weight sends
+            forward = [p for p in positions if rows[p].phase == "forward"]
+            later = [p for p in positions if p not in forward]
+            if len(forward) >= 2:
+                waste = rows_traffic(rows, forward) - one
+                place = (_FORWARD, rows_sources(rows, forward))
+                gathered.setdefault(place, []).append((param, forward, waste))
+            if later:
+                waste = rows_traffic(rows, later) - (one if not forward else 0)
+                why = _REMAT if any(_recomputed(rows[p].op_name) for p in later) else _BACKWARD
+                gathered.setdefault((why, rows_sources(rows, positions)), []).append((param, later, waste))
+            extra.update(positions)
             continue
         others = [p for p in positions if p != max(positions, key=lambda q: rows[q].traffic)]
         extra.update(others)
@@ -89,23 +99,9 @@ def find_repeated(context: Context, extra: set[int]) -> list[Finding]:
                 REPEATED, wasted, 0, (param,), rows_sources(rows, positions), cause, fix, tuple(positions)
             )
         )
-    # Gathered again: one finding per place in the code (a norm scale in every layer: one line).
-    for sources, items in gathered.items():
-        params = tuple(param for param, _, _ in items)
-        positions = [p for _, group, _ in items for p in group]
-        row = rows[positions[0]]
-        what = params[0] if len(params) == 1 else f"{len(params)} parameters ({params[0]}, ...)"
-        cause = (
-            f"{what} {'is' if len(params) == 1 else 'are'} gathered more than once per step "
-            f"({len(positions)} all-gathers of {array_text(row)} and the like), usually once in the forward "
-            "pass and again in the backward pass."
-        )
-        fix = (
-            "Keep the gathered weights for the backward pass (a jax.checkpoint policy that saves "
-            "them), if the memory allows; otherwise this is the price of not holding them."
-        )
-        wasted = sum(w for _, _, w in items)
-        out.append(Finding(REPEATED, wasted, 0, params, sources, cause, fix, tuple(positions)))
+    # Gathered again: one finding per cause and place in the code (a norm scale in every layer: one).
+    for (why, sources), items in gathered.items():
+        out.append(_gathered_finding(context, why, sources, items))
     return out
 
 
@@ -209,3 +205,77 @@ def _fed(context: Context, candidates: list[int]) -> list[int]:
                 out.append(a)
                 break
     return out
+
+
+_FORWARD, _BACKWARD, _REMAT = "forward", "backward", "recomputed"
+
+
+def _only_sliced(context: Context, position: int) -> bool:
+    value = context.values[position]
+    fraction = context.uses.slice_fraction(value) if value is not None else None
+    return fraction is not None and fraction < 1
+
+
+def _recomputed(op_name: str) -> bool:
+    """Whether JAX's op name says the op runs again in the backward pass (``jax.checkpoint``)."""
+    return any(word in op_name for word in ("remat", "checkpoint"))
+
+
+def _expression(path: str) -> str:
+    """A parameter's path as the Python that reads it: ``params/layers/0/w``, ``params['layers'][0]['w']``."""
+    name, *keys = path.split("/")
+    return name + "".join(f"[{key}]" if key.isdigit() else f"[{key!r}]" for key in keys)
+
+
+def _gathered_finding(
+    context: Context, why: str, sources: tuple[str, ...], items: list[tuple[str, list[int], int]]
+) -> Finding:
+    """One ``repeated`` gather finding: its cause read off the rows' phases and op names."""
+    rows = context.rows
+    params = tuple(param for param, _, _ in items)
+    positions = [p for _, group, _ in items for p in group]
+    row = rows[positions[0]]
+    what = params[0] if len(params) == 1 else f"{len(params)} parameters ({params[0]}, ...)"
+    what = what if len(params) == 1 else capital(what)
+    verb = "is" if len(params) == 1 else "are"
+    weight = _expression(params[0])
+    gather = f"einshard.einshard({weight}, '... -> * ...')"
+    lines = ", ".join(s.rsplit("/", 1)[-1] for s in rows_sources(rows, positions)) or "the same line"
+    if why == _FORWARD:
+        cause = (
+            f"{what} {verb} gathered {len(positions)} times in the forward pass "
+            f"({len(positions)} all-gathers of {array_text(row)} and the like, at {lines}): the weight is "
+            "used in more than one place (as a tied embedding is, by the lookup and the logits) and each "
+            "use gathers it."
+        )
+        fix = (
+            f"Gather it once and use that in every place: w = {gather} before its first use "
+            "(jax.lax.with_sharding_constraint to a replicated sharding does the same); the backward pass "
+            "then reads that too. Each device holds the whole weight from there on."
+        )
+    elif why == _REMAT:
+        cause = (
+            f"{what} {verb} gathered in the forward pass and again in the backward pass "
+            f"({len(positions)} all-gathers of {array_text(row)} and the like in the backward pass): "
+            "jax.checkpoint recomputes the forward pass there, gather included."
+        )
+        fix = (
+            "Save the gathered weight: inside the checkpointed function write "
+            f"w = checkpoint_name({gather}, 'gathered') (checkpoint_name from jax.ad_checkpoint) and "
+            "checkpoint with policy=jax.checkpoint_policies.save_only_these_names('gathered'). A policy "
+            "that saves everything does not keep it (the gather is the partitioner's, not the step's). "
+            "Each device then holds the whole weight until the backward pass, if the memory allows."
+        )
+    else:
+        cause = (
+            f"{what} {verb} gathered in the forward pass and again in the backward pass "
+            f"({len(positions)} all-gathers of {array_text(row)} and the like in the backward pass): the "
+            "backward pass reads the parameter as it is split, not the gathered value."
+        )
+        fix = (
+            f"Gather it once in the forward pass and use that: w = {gather}; the backward pass then "
+            "reads the gathered value. Each device holds the whole weight until the backward pass, if the "
+            "memory allows."
+        )
+    wasted = sum(w for _, _, w in items)
+    return Finding(REPEATED, wasted, 0, params, sources, cause, fix, tuple(positions))

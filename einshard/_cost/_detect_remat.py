@@ -72,7 +72,9 @@ def find_remats(context: Context, excluded: set[int]) -> tuple[list[Finding], se
         )
         fix = (
             "Make the two layouts agree (the rule of the parameter, or the einshard(...) constraint "
-            "at this line), or change them one axis at a time, which XLA does with an all-to-all."
+            "at this line): then nothing moves. Where both layouts are needed, change them one axis at a "
+            "time (einshard(...) to each in turn; XLA does each with an all-to-all or a slice), which "
+            "sends less, not nothing."
         )
         out.append(
             Finding(

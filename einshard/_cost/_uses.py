@@ -159,15 +159,30 @@ def add_tree(
     """
     summed: dict[str, set[int]] = {name: {position} for name, position in leaves.items()}
     pure: dict[str, set[int]] = {name: {position} for name, position in leaves.items()}
+    # The same slice of each (FSDP: every device's own part, then added): a slice of their sum.
+    cut: dict[str, tuple | None] = dict.fromkeys(leaves)
     best: set[int] = set()
     for instruction in instructions:
-        if instruction.opcode in SAME and instruction.operands and instruction.operands[0] in summed:
-            summed[instruction.name] = summed[instruction.operands[0]]
+        first = instruction.operands[0] if instruction.operands else None
+        if instruction.opcode in SAME and first in summed:
+            summed[instruction.name] = summed[first]
+            cut[instruction.name] = cut.get(first)
+        elif instruction.opcode in ("slice", "dynamic-slice") and first in summed and cut.get(first) is None:
+            summed[instruction.name] = summed[first]
+            cut[instruction.name] = (
+                instruction.opcode,
+                instruction.operands[1:],
+                instruction.attribute("slice"),
+                instruction.attribute("dynamic_slice_sizes"),
+            )
         elif instruction.opcode == "add" and len(instruction.operands) == 2:
             left, right = instruction.operands
+            if left in summed and right in summed and cut.get(left) != cut.get(right):
+                continue  # different parts of them: not a sum of the whole
             total = summed.get(left, set()) | summed.get(right, set())
             if total:
                 summed[instruction.name] = total
+                cut[instruction.name] = cut.get(left) if left in summed else cut.get(right)
                 if len(total) > len(best):
                     best = total
             if left in pure and right in pure:
