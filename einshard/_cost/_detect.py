@@ -100,3 +100,10 @@ def capital(text: str) -> str:
 def is_user_collective(row: StepRow) -> bool:
     last = row.op_name.rsplit("/", 1)[-1]
     return any(last.startswith(name) for name in USER_COLLECTIVES)
+
+
+def only_sliced(context: Context, position: int) -> bool:
+    """Whether each device uses only a slice of a row's result (an all-reduce a reduce-scatter would do)."""
+    value = context.values[position]
+    fraction = context.uses.slice_fraction(value) if value is not None else None
+    return fraction is not None and fraction < 1

@@ -13,6 +13,7 @@ from ._detect import (
     Context,
     array_text,
     capital,
+    only_sliced,
     rows_params,
     rows_sources,
     rows_traffic,
@@ -61,7 +62,7 @@ def find_repeated(context: Context, extra: set[int]) -> list[Finding]:
                 wasted = rows_traffic(rows, fed)
         else:
             # A gather whose result is only sliced moves a layout (a reshard's), not the weight.
-            positions = [p for p in candidates if not _only_sliced(context, p)]
+            positions = [p for p in candidates if not only_sliced(context, p)]
             moved = sum(rows[p].total_bytes for p in positions)
             whole = context.sizes.get(param, 0)
             if not whole or moved <= whole or len(positions) < 2:
@@ -208,12 +209,6 @@ def _fed(context: Context, candidates: list[int]) -> list[int]:
 
 
 _FORWARD, _BACKWARD, _REMAT = "forward", "backward", "recomputed"
-
-
-def _only_sliced(context: Context, position: int) -> bool:
-    value = context.values[position]
-    fraction = context.uses.slice_fraction(value) if value is not None else None
-    return fraction is not None and fraction < 1
 
 
 def _recomputed(op_name: str) -> bool:

@@ -10,6 +10,7 @@ from . import _hlo
 from ._detect import (
     REMAT,
     Context,
+    only_sliced,
     rows_traffic,
 )
 from ._report import Finding
@@ -41,7 +42,7 @@ def find_remats(context: Context, excluded: set[int]) -> tuple[list[Finding], se
         matched = [p for p in free if op_name and rows[p].op_name == op_name]
         if not matched:
             whole = _whole_shape(operation, before)
-            sliced = [p for p in free if _only_sliced(context, p)]
+            sliced = [p for p in free if only_sliced(context, p)]
             matched = [p for p in sliced if param and rows[p].param == param]
             matched = matched or [p for p in sliced if whole and rows[p].shape == whole]
         matched = matched[:1]
@@ -89,12 +90,6 @@ def find_remats(context: Context, excluded: set[int]) -> tuple[list[Finding], se
             )
         )
     return out, claimed
-
-
-def _only_sliced(context: Context, position: int) -> bool:
-    value = context.values[position]
-    fraction = context.uses.slice_fraction(value) if value is not None else None
-    return fraction is not None and fraction < 1
 
 
 def _described(
