@@ -147,7 +147,7 @@ def test_the_tied_gradients_double_reduction_is_repeated_before_and_after_an_unr
 # --- repeated: gathered again in the backward pass under jax.checkpoint --------------------------
 
 REMAT = {"w1": f32(H, H), "w2": f32(H, H)}
-FSDP = einshard.Rules([(r"^x", "b d -> b* d")]) + strategies.fsdp(min_bytes=0)
+FSDP = einshard.Rules([(r"^batch(/|$)", "b d -> b* d")]) + strategies.fsdp(min_bytes=0)
 
 
 def remat_step(saved: bool):
