@@ -489,31 +489,28 @@ def test_einshard_given_a_tree_names_shard_pytree(tree):
 
 @pytest.mark.parametrize("abstract", [False, True], ids=["concrete", "abstract"])
 def test_shard_pytree_given_one_array_names_einshard(abstract):
-    x = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
+    x = np.arange(8 * 16 * N_DEVICES, dtype=np.float32).reshape(8, 16 * N_DEVICES)
     leaf = jax.ShapeDtypeStruct(x.shape, x.dtype) if abstract else x
     function = einshard.pytree_shardings if abstract else einshard.shard_pytree
     with pytest.raises(EinshardError) as info:
         function(leaf, [(r"kernel$", "x y -> x y*")])
     assert (
         info.value.headline
-        == "one array (shape (8, 16)) where a tree goes: its path is '' and no rule matches it"
+        == f"one array (shape (8, {16 * N_DEVICES})) where a tree goes: its path is '' and no rule matches it"
     )
     assert "einshard.einshard(x, '... -> * ...')" in info.value.hint
     placed = einshard.einshard(x, "... -> * ...")  # the hint's call
     assert placed.sharding.is_fully_replicated
     np.testing.assert_array_equal(np.asarray(placed), x)
     # A table whose rule matches the empty path places one array as before.
-    assert einshard.shard_pytree(x, [(r".*", "x y -> x y*")]).sharding.shard_shape(x.shape) == (
-        8,
-        16 // N_DEVICES,
-    )
+    assert einshard.shard_pytree(x, [(r".*", "x y -> x y*")]).sharding.shard_shape(x.shape) == (8, 16)
 
 
 def test_optax_state_from_unplaced_params_warns_and_says_how_to_place_them():
     optax = pytest.importorskip("optax")
     from einshard.integrations.optax import init_opt_state
 
-    params = {"w": np.ones((8, 64), np.float32)}
+    params = {"w": np.ones((8, 16 * N_DEVICES), np.float32)}
     if N_DEVICES < 2:
         pytest.skip("one device: nothing is replicated")
     with pytest.warns(einshard.EinshardWarning, match=r"not placed \(NumPy arrays\)") as record:
