@@ -147,6 +147,35 @@ def _test_device_counts(python: str) -> list[int]:
     return [8, 16, 6] if python == MAIN_PYTHON else [8]
 
 
+# The tests of the cost model and the planner: each compiles whole training steps (most of the
+# suite's time). They run on every JAX CI tests (3.11's and the main Python's) at 8 and at 6
+# devices (no power of two); at 16 (a power of two, like 8) and on 3.13 (the main Python's JAX
+# again) they would find nothing new for their minutes, so those runs leave them out, and the
+# multi-process tests too (their 2 processes x 4 devices do not depend on the count).
+COMPILES_STEPS = [
+    "tests/test_roles.py",
+    "tests/test_reading.py",
+    "tests/test_primitives.py",
+    "tests/test_planner.py",
+    "tests/test_strategies.py",
+    "tests/test_step.py",
+    "tests/test_findings.py",
+    "tests/test_finding_fixes.py",
+    "tests/test_finding_properties.py",
+    "tests/test_report_bytes.py",
+    "tests/test_volumes.py",
+    "tests/test_targets.py",
+]
+
+
+def _left_out(python: str, count: int) -> list[str]:
+    """The test files a run leaves out (``--ignore``): see ``COMPILES_STEPS``."""
+    if python == PYTHONS[0] or (python == MAIN_PYTHON and count in (8, 6)):
+        return []
+    files = [*COMPILES_STEPS, "tests/test_multihost.py"]
+    return [f"--ignore={name}" for name in files]
+
+
 def _runs_meet_tests(python: str) -> bool:
     """The 12-device tests of layouts meeting in one jit: on the main Python and on 3.11 (the oldest JAX)."""
     return python in (MAIN_PYTHON, PYTHONS[0])
@@ -207,8 +236,12 @@ def tests(session: nox.Session) -> None:
     _show_versions(session, "jax", "jaxlib", "numpy", "flax", "equinox", "optax", "chex", "hypothesis")
     for count in _test_device_counts(python):
         session.log(f"--- {count} simulated CPU devices ---")
+        left_out = [] if session.posargs else _left_out(python, count)
+        if left_out:
+            session.log(f"(leaving out {len(left_out)} files: see COMPILES_STEPS)")
         session.run(
             "pytest",
+            *left_out,
             *session.posargs,
             env={"EINSHARD_TEST_DEVICES": str(count), **CPU_ONLY},
         )
