@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 __all__ = [
     "COLLECTIVES",
+    "KINDS",
     "Collective",
     "Instruction",
     "Module",
@@ -50,6 +51,8 @@ COLLECTIVES = {
     "collective-permute": "collective-permute",
     "collective-permute-start": "collective-permute",
 }
+KINDS = tuple(dict.fromkeys(COLLECTIVES.values()))
+"""The kinds of collective, in the order reports list them."""
 
 _CALL_ROLES = ("calls=", "body=", "condition=", "to_apply=", "_computation=", "branch_computations=")
 _BITS = {"pred": 8, "s4": 4, "u4": 4, "s2": 2, "u2": 2, "c64": 64, "c128": 128, "token": 0}

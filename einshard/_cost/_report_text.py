@@ -1,0 +1,191 @@
+"""How a :class:`~einshard._cost._report.StepReport` is printed: its table, footer and findings."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from .._language._text import seconds_text, size_text, table_text
+from ._hlo import KINDS
+
+if TYPE_CHECKING:  # the report's data classes print through this module: a type-only import
+    from ._report import Finding, StepReport, StepRow
+
+__all__ = ["collectives_text", "finding_headline", "findings_text", "memory_note", "report_text"]
+
+
+def report_text(report: StepReport) -> str:
+    """``print(report)``: one row per collective, then the totals, estimate and findings."""
+    return table_text(*_columns(report), empty="no collectives")
+
+
+def findings_text(report: StepReport) -> str:
+    """The findings, one paragraph each: kind, bytes, where, cause and fix."""
+    return "\n".join(_findings_lines(report))
+
+
+def finding_headline(finding: Finding) -> str:
+    """``kind: +X sent per device per step (params) at sources``."""
+    parts = []
+    if finding.bytes:
+        parts.append(f"+{size_text(finding.bytes)} sent per device per step")
+    if finding.memory_bytes:
+        parts.append(f"+{size_text(finding.memory_bytes)} held per device")
+    where = ", ".join(finding.params[:4]) + (" ..." if len(finding.params) > 4 else "")
+    if finding.sources:
+        at = ", ".join(_short(s) for s in finding.sources[:3]) + (" ..." if len(finding.sources) > 3 else "")
+        where = f"{where} at {at}" if where else f"at {at}"
+    return f"{finding.kind}: {', '.join(parts) or 'no bytes'}" + (f" ({where})" if where else "")
+
+
+def _short(source: str) -> str:
+    return source.rsplit("/", 1)[-1]
+
+
+def _columns(report: StepReport) -> tuple[list[str], list[list[str]], list[str]]:
+    header = ["kind", "array", "per device", "group", "axes", "times", "phase", "parameter", "source"]
+    estimate = report.bandwidth is not None
+    if estimate:
+        header.insert(6, "time")
+    body = []
+    for row in report.rows:
+        source = row.source.rsplit("/", 1)[-1] if row.source else "-"
+        line = [
+            row.kind,
+            f"{row.dtype}{list(row.shape)}",
+            size_text(row.bytes),
+            str(row.group_size),
+            ",".join(row.axes) if row.axes is not None else "?",
+            f"{row.times}" + ("" if row.times_known else "?"),
+            row.phase or "-",
+            row.param or "-",
+            source,
+        ]
+        if estimate:
+            line.insert(6, seconds_text(row.seconds))
+        body.append(line)
+    kinds = ", ".join(f"{kind} {size_text(b)}" for kind, b in report.bytes_by_kind.items())
+    mesh = " × ".join(f"{name}={size}" for name, size in report.mesh)
+    devices = f"{report.n_devices} devices"
+    if report.target != "cpu":
+        devices = (
+            f"{report.n_devices} {report.target.upper()} ({report.topology}), "
+            "as XLA's compiler for them makes it"
+        )
+    headline = (
+        f"{collectives_text(report.rows)} on {devices} (mesh {mesh}): "
+        f"{size_text(report.bytes)} per device per step" + (f" ({kinds})" if kinds else "")
+    )
+    footer = textwrap.wrap(headline, _HEADLINE_WIDTH, subsequent_indent="  ", break_on_hyphens=False)
+    if report.peak_bytes is not None:
+        footer.append(
+            f"memory per device: {size_text(report.peak_bytes)} at the peak "
+            f"(arguments {size_text(report.argument_bytes or 0)}, "
+            f"outputs {size_text(report.output_bytes or 0)}, "
+            f"aliased {size_text(report.alias_bytes or 0)}, "
+            f"temporaries {size_text(report.temp_bytes or 0)})"
+        )
+        if report.hardware is not None:
+            footer += _wrapped(f"  {memory_note(report)}", "  ")
+    if report.flops is not None:
+        footer.append(
+            f"flops per device: {report.flops:.3g}"
+            + (f" ({report.flops_source})" if report.flops_source else "")
+        )
+    if report.communication_seconds is not None and report.bandwidth is not None:
+        links = f"{report.bandwidth / 1e9:g} GB/s"
+        if report.network_bandwidth is not None and any(row.hosts > 1 for row in report.rows):
+            links += f" within a host, {report.network_bandwidth / 1e9:g} GB/s across hosts"
+        text = (
+            f"estimate at {links}, latency {seconds_text(report.latency)}: "
+            f"communication {seconds_text(report.communication_seconds)}"
+        )
+        if report.compute_seconds is not None:
+            bound = "communication" if report.communication_bound else "compute"
+            text += (
+                f", compute {seconds_text(report.compute_seconds)} at {report.flops_per_second:.3g} FLOP/s: "
+                f"{bound}-bound"
+            )
+        footer += _wrapped(text, "  ")
+        hardware = report.hardware
+        if hardware is not None and report.flops_per_second == hardware.flops_per_second:
+            footer += _wrapped(
+                f"  compute at {hardware.efficiency:g} of the {hardware.device}'s peak "
+                f"{hardware.peak_flops_per_second / 1e12:.4g} TFLOP/s ({hardware.sources['efficiency']})",
+                "  ",
+            )
+    if report.unmatched_rules:
+        count = len(report.unmatched_rules)
+        why = (
+            "(a step's paths begin with its argument's name, 'params/...': anchor with (^|/), not ^)"
+            if report.relative_rules
+            else "(a layer name the step's arguments do not have?)"
+        )
+        footer += _wrapped(
+            f"{count} rule{' matches' if count == 1 else 's match'} no path of the step's arguments {why}: "
+            + ", ".join(repr(pattern) for pattern in report.unmatched_rules),
+            "  ",
+        )
+    footer += _findings_lines(report)
+    return header, body, footer
+
+
+def memory_note(report: StepReport) -> str:
+    """What the memory of a target's report is, against the device's own memory."""
+    hardware = report.hardware
+    assert hardware is not None and report.peak_bytes is not None
+    share = report.peak_bytes / hardware.memory_bytes
+    fits = "fits in" if share <= 1 else "does NOT fit in"
+    return (
+        f"{fits} the {hardware.device}'s {size_text(hardware.memory_bytes)} ({share:.1%}); the "
+        f"buffers as XLA's compiler for it assigns them (on an H200 that peak equalled the device's "
+        f"measured peak to 0.1 %)"
+    )
+
+
+def collectives_text(rows: Sequence[StepRow]) -> str:
+    """``'1 combined all-reduce of 25 arrays, 2 all-gathers'``: instructions and arrays, by kind."""
+    parts = []
+    for kind in KINDS:
+        instructions = {row.instruction for row in rows if row.kind == kind}
+        arrays = sum(1 for row in rows if row.kind == kind)
+        if not arrays:
+            continue
+        count = len(instructions)
+        if count == arrays:
+            parts.append(f"{count} {kind}{'s' if count > 1 else ''}")
+        elif count == 1:
+            parts.append(f"1 combined {kind} of {arrays} arrays")
+        else:
+            parts.append(f"{count} {kind}s of {arrays} arrays")
+    return ", ".join(parts) or "0 collectives"
+
+
+def _findings_lines(report: StepReport) -> list[str]:
+    if not report.findings:
+        return ["no waste found"]
+    sent = report.waste_bytes
+    held = sum(finding.memory_bytes for finding in report.findings)
+    costs = [f"{size_text(sent)} more sent per device per step" if sent else ""]
+    costs.append(f"{size_text(held)} more held per device" if held else "")
+    count = len(report.findings)
+    lines = [
+        f"waste found ({count} finding{'s' if count > 1 else ''}): "
+        f"{', '.join(c for c in costs if c)} than the better program"
+    ]
+    for number, finding in enumerate(report.findings, 1):
+        lines += _wrapped(f"{number}. {finding.headline()}", "   ")
+        lines += _wrapped(f"   cause: {finding.cause}", "          ")
+        lines += _wrapped(f"   fix: {finding.fix}", "        ")
+    return lines
+
+
+_WIDTH = 110  # findings read as paragraphs: a terminal's or a page's width, not the table's
+_HEADLINE_WIDTH = 130
+
+
+def _wrapped(text: str, indent: str) -> list[str]:
+    return textwrap.wrap(
+        text, _WIDTH, subsequent_indent=indent, break_on_hyphens=False, break_long_words=False
+    )

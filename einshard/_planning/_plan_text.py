@@ -1,0 +1,159 @@
+"""How a :class:`~einshard._planning._planner.Plan` is printed: its table, chart and footer."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._cost._report import KINDS, StepReport
+from .._language._text import seconds_text, size_text, table_text
+
+if TYPE_CHECKING:  # the planner's data classes print through this module: a type-only import
+    from ._planner import Plan, PlanRow
+
+__all__ = ["plan_text"]
+
+_BAR_WIDTH = 40
+
+
+def _columns(plan: Plan) -> tuple[list[str], list[list[str]]]:
+    kinds = [k for k in KINDS if any(row.bytes_by_kind.get(k) for row in plan.rows)]
+    # Communication is time less compute: the chart under the table shows the two apart.
+    header = ["#", "strategy", "split", "time", "compute", "peak", "sent"]
+    header += [_SHORT_KIND.get(kind, kind) for kind in kinds]
+    header += ["findings", "verdict"]
+    body = []
+    rank = 0
+    for row in plan.rows:
+        report = row.report
+        if row.rejected is None:
+            rank += 1
+        body.append(
+            [
+                str(rank) if row.rejected is None else "-",
+                row.name,
+                f"{row.split_share:.0%}" if row.split_share is not None else "-",
+                seconds_text(row.seconds) if report is not None else "-",
+                seconds_text(report.compute_seconds) if report is not None else "-",
+                size_text(row.peak_bytes) if row.peak_bytes is not None else "-",
+                size_text(row.traffic) if row.traffic is not None else "-",
+                *[size_text(row.bytes_by_kind.get(kind, 0)) for kind in kinds],
+                _findings_cell(report),
+                _verdict(row, rank),  # a rejection's reason in full below
+            ]
+        )
+    return header, body
+
+
+def _findings_cell(report: StepReport | None) -> str:
+    """How many findings, and the largest one's bytes: ``'2 (112.0 KiB)'`` (the footer names it)."""
+    if report is None:
+        return "-"
+    if not report.findings:
+        return "0"
+    return f"{len(report.findings)} ({size_text(report.findings[0].cost)})"
+
+
+def _findings_lines(plan: Plan) -> list[str]:
+    """One line per candidate with findings: how many, and the largest."""
+    lines = []
+    for row in plan.rows:
+        if row.report is not None and row.report.findings:
+            count = len(row.report.findings)
+            lines.append(
+                f"{row.name}: {count} finding{'s' if count > 1 else ''}, the largest "
+                f"{row.report.findings[0].headline()}"
+            )
+    return lines
+
+
+def _chart(plan: Plan) -> list[str]:
+    """Bars of the estimated step time: ``█`` communication, ``░`` compute."""
+    usable = [row for row in plan.usable if row.seconds is not None]
+    if not usable:
+        return []
+    longest = max(row.seconds or 0.0 for row in usable) or 1.0
+    width = max(len(row.name) for row in usable)
+    lines = []
+    for row in usable:
+        report = row.report
+        assert report is not None
+        communication = report.communication_seconds or 0.0
+        compute = report.compute_seconds or 0.0
+        bar_comm = round(_BAR_WIDTH * communication / longest)
+        bar_compute = round(_BAR_WIDTH * (communication + compute) / longest) - bar_comm
+        bar = "█" * bar_comm + "░" * bar_compute
+        lines.append(f"{row.name.ljust(width)}  {bar.ljust(_BAR_WIDTH)}  {seconds_text(row.seconds)}")
+    return ["estimated step time (█ communication, ░ compute):", *lines]
+
+
+def _verdict(row: PlanRow, rank: int) -> str:
+    if row.rejected is not None:
+        return f"rejected ({row.rejected_for})"
+    if row.splits_little:
+        little = f"splits only {row.split_share:.0%}"
+        return f"best, {little}" if rank == 1 else little
+    return "best" if rank == 1 else "fits"
+
+
+_SHORT_KIND = {"collective-permute": "permute", "reduce-scatter": "reduce-scatter"}
+
+
+def _footer(plan: Plan) -> list[str]:
+    rejected = [f"rejected {row.name}: {row.rejected}" for row in plan.rows if row.rejected is not None]
+    for row in plan.rows:
+        if row.splits_little and not row.model_parallel:
+            rejected.append(
+                f"{row.name} splits only {row.split_share:.0%} of the parameter bytes over all "
+                f"{plan.n_devices} devices: the leaves under its min_bytes are replicated "
+                "(fsdp(min_bytes=...) splits more)"
+            )
+        elif row.splits_little:
+            rejected.append(
+                f"{row.name} splits only {row.split_share:.0%} of the parameter bytes over its model axis "
+                f"of {row.strategy.model or plan.n_devices}: the rest is replicated or split as FSDP"
+            )
+        if row.unused_rules:
+            listed = ", ".join(repr(rule.pattern) for rule in row.unused_rules[:5])
+            more = f" and {len(row.unused_rules) - 5} more" if len(row.unused_rules) > 5 else ""
+            count = len(row.unused_rules)
+            rejected.append(
+                f"{row.name}: {count} rule{'' if count == 1 else 's'} matched no parameter: {listed}{more}"
+            )
+    figures = []
+    if plan.bandwidth is not None:
+        links = f"{plan.bandwidth / 1e9:g} GB/s per device"
+        if plan.network_bandwidth is not None:
+            links += f" ({plan.network_bandwidth / 1e9:g} GB/s across hosts)"
+        figures.append(f"{links}, latency {seconds_text(plan.latency)}")
+    if plan.flops_per_second is not None:
+        figures.append(f"{plan.flops_per_second:.3g} FLOP/s per device")
+    if plan.memory_per_device is not None:
+        figures.append(f"{size_text(plan.memory_per_device)} per device")
+    if plan.bandwidth is None:
+        figures.append("no bandwidth given: ranked by bytes sent")
+    given = "; ".join(figures)
+    devices = f"{plan.n_devices} devices"
+    compiled_for = "the program compiled for CPU devices"
+    if plan.hardware is not None:
+        devices = f"{plan.n_devices} {plan.target.upper()}"
+        compiled_for = f"the program XLA's compiler makes for the {plan.hardware.device}"
+    return [
+        *rejected,
+        *_findings_lines(plan),
+        f"{len(plan.rows)} candidates on {devices} ({given}); "
+        f"times within {plan.tie:.0%} count as equal (the simpler strategy first); split: the share of the "
+        "parameter bytes split over the model axis (over all devices for data parallel and FSDP); "
+        "time: communication plus compute; sent: what each device sends by the ring formulas (an "
+        "all-reduce of b bytes sends 2(n-1)/n b); each kind's column: the bytes its collectives move; "
+        "peak, sent and bytes: per device per step.",
+        "Estimates, not measurements: collectives of the compiled program by ring formulas at the "
+        "given bandwidth, plus XLA's flop count at the given FLOP/s, without overlap; peak memory "
+        f"from XLA's memory analysis of {compiled_for}. Findings: the waste each "
+        "candidate's step report names (print row.report for all of them).",
+    ]
+
+
+def plan_text(plan: Plan) -> str:
+    """``print(plan)``: the table of candidates, the chart of their times, the footer."""
+    # 150 columns: what the documentation's code blocks show without wrapping a table's lines.
+    return table_text(*_columns(plan), [*_chart(plan), *_footer(plan)], width=150)
