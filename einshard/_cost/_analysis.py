@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from .._language._errors import EinshardError
 from .._language._expression import REPLICATE
 from .._trees._rules import Rules, RulesLike
-from . import _hlo
+from . import _hlo, _timing
 from ._attribution import Flow, attributed_rows
 from ._call import StepCall
 from ._compile import Compiled, compile_step
@@ -105,6 +105,8 @@ def _read(call: StepCall, compiled: Compiled, *, matmul_flops: bool = False) -> 
     flops = _hlo.program_matmul_flops(module) if matmul_flops else compiled.flops()
     analysis_seconds = time.perf_counter() - start
     report = report_of(rows, n, mesh, memory, flops, compiled.seconds, analysis_seconds, findings)
+    if matmul_flops:  # a target's program: the order its kernels run in, to simulate its time
+        report = dataclasses.replace(report, schedule=_timing.schedule_of(module))
     if call.unused:
         below = {path.partition("/")[2] for path in call.paths}  # as shard_pytree sees an argument
         relative = tuple(
