@@ -261,6 +261,58 @@ def test_a_plan_for_64_h100s_ranks_by_time_at_their_figures():
     assert "64 H100" in str(plan)
 
 
+# --- never a CPU program under a target's name ------------------------------------------------------
+
+
+def _raw_peak(target: str, n: int, rules) -> int:
+    """The peak of ``jax.jit(step).lower(...).compile()`` for the target's compile-only devices,
+    with every argument replicated there (``rules=None``) or laid out by the rules."""
+    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    devices = _target.target_devices(_target.parse_target(target, n))
+    params = gpt.gpt_params()
+    if rules is None:
+        mesh = jax.sharding.Mesh(devices, ("d",))
+        everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        args = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=everywhere), (params, gpt.TOKENS)
+        )
+    else:
+        call = StepCall.of(gpt.step, (params, gpt.TOKENS), {})
+        with einshard.use_devices(devices):
+            args = call.with_rules(gpt.table(rules, "b s -> b* s")).args
+    stats = jax.jit(gpt.step).lower(*args).compile().memory_analysis()
+    return (
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        - stats.alias_size_in_bytes
+        + stats.temp_size_in_bytes
+    )
+
+
+@needs_gpu
+@pytest.mark.parametrize("n", [1, 8])
+@pytest.mark.parametrize("with_rules", [False, True])
+def test_a_target_report_s_memory_is_the_target_program_s(n, with_rules):
+    rules = gpt.REPLICATED if with_rules else None
+    table = gpt.table(rules, "b s -> b* s") if rules is not None else None
+    report = einshard.explain_step(
+        gpt.step, gpt.gpt_params(), gpt.TOKENS, rules=table, target="h100", n_devices=n
+    )
+    assert report.target == "h100" and report.n_devices == n
+    assert report.peak_bytes == _raw_peak("h100", n, rules)
+
+
+def no_arguments():
+    return jnp.arange(8.0) * 2
+
+
+@needs_gpu
+def test_a_step_that_lands_on_cpu_devices_is_not_reported_under_a_target_s_name():
+    # No argument to lay out on the H100: JAX compiles it for its default backend, the CPU.
+    with pytest.raises(einshard.EinshardError, match="compiled for cpu devices, not for 1 H100"):
+        einshard.explain_step(no_arguments, target="h100", n_devices=1)
+
+
 # --- TPU v5e ----------------------------------------------------------------------------------------
 
 

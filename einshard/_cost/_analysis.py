@@ -10,11 +10,12 @@ import time
 from collections.abc import Iterator
 
 from .._language._errors import EinshardError
-from .._trees._rules import RulesLike
-from . import _hlo
+from .._language._expression import REPLICATE
+from .._trees._rules import Rules, RulesLike
+from . import _hlo, _timing
 from ._attribution import Flow, attributed_rows
 from ._call import StepCall
-from ._compile import Compiled, compile_step, cpu_flops
+from ._compile import Compiled, compile_step
 from ._findings import find_waste
 from ._report import StepReport, report_of
 from ._target import Target
@@ -26,21 +27,43 @@ def analyse(call: StepCall, rules: RulesLike | None, target: Target | None = Non
     """Compiles the step (its arguments sharded by ``rules``, if given) and reports what it costs.
 
     With a GPU or TPU ``target``, the einshard device order is that target's compile-only devices
-    (the child process sets it); the flops, which such a program does not count, come from the
-    same step compiled for as many CPU devices.
+    (the child process sets it): every argument is laid out on them, by the rules or, without
+    rules, replicated, so that no program of another platform is reported under the target's
+    name. Its flops are its own dots' (``_hlo.program_matmul_flops``): XLA's cost analysis of a
+    GPU program leaves most of them out, and a compile-only TPU program has none.
+
+    Raises:
+        EinshardError: The step compiled for other devices than the target's (its own shardings
+            name them).
     """
-    placed = call.with_rules(rules) if rules is not None else call
+    on_target = target is not None and target.platform != "cpu"
+    if rules is not None:
+        placed = call.with_rules(rules)
+    elif on_target:
+        replicated = call.with_rules(Rules([(".*", REPLICATE)]))
+        placed = dataclasses.replace(replicated, layouts=call.layouts, table=call.table, unused=call.unused)
+    else:
+        placed = call
     compiled = compile_step(placed)
+    if not on_target:
+        with _without_gc():
+            return _read(placed, compiled)
+    assert target is not None
+    platform = compiled.platform()
+    if platform != target.platform:
+        raise EinshardError(
+            f"the step compiled for {platform or 'unknown'} devices, not for {target.label}",
+            hint="The step's own shardings name other devices (a jax.jit with in_shardings=, or "
+            "arrays placed on this machine): give the step without them, and the arguments' layouts "
+            "with rules=.",
+        )
     with _without_gc():
-        report = _read(placed, compiled)
-    if target is None or target.platform == "cpu":
-        return report
-    flops, source = report.flops, None
-    if flops is None:
-        flops = cpu_flops(call, rules, report.n_devices)
-        source = f"XLA's CPU compiler's count for the same step on {report.n_devices} CPU devices"
+        report = _read(placed, compiled, matmul_flops=True)
     return dataclasses.replace(
-        report, flops=flops, flops_source=source, target=target.name, topology=target.topology
+        report,
+        flops_source=f"the dots of the program XLA's compiler made for {target.label}",
+        target=target.name,
+        topology=target.topology,
     )
 
 
@@ -57,7 +80,7 @@ def _without_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _read(call: StepCall, compiled: Compiled) -> StepReport:
+def _read(call: StepCall, compiled: Compiled, *, matmul_flops: bool = False) -> StepReport:
     start = time.perf_counter()
     text = compiled.text()
     module = _hlo.parse_module(text)
@@ -79,9 +102,11 @@ def _read(call: StepCall, compiled: Compiled) -> StepReport:
         table=call.table,
     )
     memory = compiled.memory()
-    flops = compiled.flops()
+    flops = _hlo.program_matmul_flops(module) if matmul_flops else compiled.flops()
     analysis_seconds = time.perf_counter() - start
     report = report_of(rows, n, mesh, memory, flops, compiled.seconds, analysis_seconds, findings)
+    if matmul_flops:  # a target's program: the order its kernels run in, to simulate its time
+        report = dataclasses.replace(report, schedule=_timing.schedule_of(module))
     if call.unused:
         below = {path.partition("/")[2] for path in call.paths}  # as shard_pytree sees an argument
         relative = tuple(

@@ -110,6 +110,21 @@ class Compiled:
         peak = sizes["argument_bytes"] + sizes["output_bytes"] - sizes["alias_bytes"] + sizes["temp_bytes"]
         return {**sizes, "peak_bytes": peak}
 
+    def platform(self) -> str | None:
+        """The platform of the devices the program was compiled for (``'cpu'``, ``'gpu'``, ``'tpu'``)."""
+        import jax
+
+        for attribute in ("input_shardings", "output_shardings"):
+            try:
+                shardings = jax.tree_util.tree_leaves(getattr(self.program, attribute))
+            except Exception:
+                continue
+            for sharding in shardings:
+                devices = getattr(sharding, "_device_assignment", None)
+                if devices:
+                    return str(devices[0].platform)
+        return None
+
     def flops(self) -> float | None:
         """Floating-point operations per device (XLA's cost analysis), or ``None``."""
         try:
@@ -194,24 +209,6 @@ def _remembered(text: str, messages: tuple[str, ...]) -> tuple[str, ...]:
             _SEEN.popitem(last=False)
         return messages
     return _SEEN.get(key, ())
-
-
-def cpu_flops(call: StepCall, rules: Any, n: int) -> float | None:
-    """The step's flops per device as XLA's CPU compiler partitions it for ``n`` CPU devices.
-
-    A compile-only device's program has no cost analysis; the same step, its arguments sharded
-    by the same table over as many CPU devices (the child process has them), has.
-    """
-    import jax
-
-    from .._sharding._devices import use_devices
-
-    devices = jax.devices("cpu")
-    if len(devices) < n:
-        return None
-    with use_devices(devices[:n]):
-        placed = call.with_rules(rules) if rules is not None else call
-        return compile_step(placed).flops()
 
 
 def compile_step(call: StepCall) -> Compiled:

@@ -9,7 +9,8 @@ from typing import Any
 from .._language._errors import EinshardError
 from ._hlo import KINDS
 from ._report_text import finding_headline, findings_text, report_text
-from ._target import Hardware
+from ._target import Figures, Hardware
+from ._timing import Rates, Schedule, simulate
 
 __all__ = [
     "KINDS",
@@ -166,6 +167,13 @@ class StepReport:
         relative_rules: Those of them that match a path below an argument's name
             (``layers/0/kernel``, as ``shard_pytree(params, rules)`` sees it): anchored with
             ``^``, they miss the step's paths; ``(^|/)`` matches both.
+        figures: The figures the estimate was made at (:func:`~einshard._cost._target.resolve_figures`).
+        schedule: The target program's kernels and collectives in the order they run (what the
+            step time is simulated from), or ``()`` on CPU devices.
+        simulated_seconds: The simulated step time of a GPU or TPU target's program, or ``None``.
+        exposed_seconds: Communication the kernels do not cover (simulated), or ``None``.
+        hidden_seconds: Communication that runs while kernels do (simulated), or ``None``.
+        kernels: The kernels that take the most time: ``(instruction, source, seconds)``.
     """
 
     rows: tuple[StepRow, ...]
@@ -196,6 +204,12 @@ class StepReport:
     network_bandwidth: float | None = None
     unmatched_rules: tuple[str, ...] = ()
     relative_rules: tuple[str, ...] = ()
+    figures: Figures | None = dataclasses.field(default=None, repr=False)
+    schedule: Schedule = dataclasses.field(default=(), repr=False)
+    simulated_seconds: float | None = None
+    exposed_seconds: float | None = None
+    hidden_seconds: float | None = None
+    kernels: tuple[tuple[str, str | None, float], ...] = dataclasses.field(default=(), repr=False)
 
     @property
     def waste_bytes(self) -> int:
@@ -203,11 +217,30 @@ class StepReport:
         return sum(finding.bytes for finding in self.findings)
 
     @property
+    def seconds(self) -> float | None:
+        """The step's estimated time.
+
+        A GPU or TPU target: simulated from its program (kernels in order, async collectives
+        beside them). CPU devices: compute plus communication, without overlap (what is
+        estimated of them).
+        """
+        if self.simulated_seconds is not None:
+            return self.simulated_seconds
+        known = [p for p in (self.communication_seconds, self.compute_seconds) if p is not None]
+        return sum(known) if known else None
+
+    @property
     def step_seconds(self) -> float | None:
-        """Communication plus compute, without overlap (an upper bound), when both are estimated."""
-        if self.communication_seconds is None or self.compute_seconds is None:
+        """The same as :attr:`seconds`."""
+        return self.seconds
+
+    @property
+    def model_flops_utilisation(self) -> float | None:
+        """The share of the device's bf16 peak that the step's matrix flops in :attr:`seconds` imply."""
+        seconds, hardware = self.seconds, self.hardware
+        if not seconds or hardware is None or self.flops is None:
             return None
-        return self.communication_seconds + self.compute_seconds
+        return self.flops / (seconds * hardware.peak_flops_per_second)
 
     @property
     def communication_bound(self) -> bool | None:
@@ -231,13 +264,9 @@ class StepReport:
         target is another compile: ``explain_step(..., target=...)``.
         """
         check_no_accelerator(accelerator)
+        figures = self.figures or Figures(self.target, self.hardware)
         return estimated(
-            self,
-            bandwidth if bandwidth is not None else self.bandwidth,
-            latency if latency is not None else self.latency,
-            flops_per_second if flops_per_second is not None else self.flops_per_second,
-            # A bandwidth given is every link's; the target's network figure is kept otherwise.
-            self.network_bandwidth if bandwidth is None else None,
+            self, figures.at(bandwidth=bandwidth, latency=latency, flops_per_second=flops_per_second)
         )
 
     def __str__(self) -> str:
@@ -304,20 +333,19 @@ def check_no_accelerator(accelerator: Any) -> None:
         )
 
 
-def estimated(
-    report: StepReport,
-    bandwidth: float | None,
-    latency: float,
-    flops_per_second: float | None,
-    network_bandwidth: float | None = None,
-) -> StepReport:
+def estimated(report: StepReport, figures: Figures) -> StepReport:
     """The report with its rows' times and the totals estimated at these figures.
 
-    A row whose groups span hosts runs at ``network_bandwidth`` where one is given (a ring is
-    as fast as its slowest link), the others at ``bandwidth``.
+    A row whose groups span hosts runs at the network's bandwidth and latency where there is
+    one (a ring is as fast as its slowest link), the others at ``bandwidth``. A GPU or TPU
+    target's step time is simulated from its program (:mod:`._timing`); CPU devices keep
+    ``flops / flops_per_second`` plus the collectives, without overlap: simulated CPU devices
+    share one host's cores, and a schedule of them describes no hardware.
     """
+    bandwidth = figures.bandwidth
     rows = []
     started: set[str] = set()
+    per_run: dict[str, float] = {}
     for row in report.rows:
         seconds = None
         if bandwidth is not None:
@@ -325,18 +353,51 @@ def estimated(
             # The arrays of a combined collective travel together: its latency is paid once.
             hops = steps(row.group_size) if row.group_size > 1 and row.instruction not in started else 0
             started.add(row.instruction)
-            link = network_bandwidth if row.hosts > 1 and network_bandwidth is not None else bandwidth
+            across = row.hosts > 1 and figures.network_bandwidth is not None
+            link = figures.network_bandwidth if across and figures.network_bandwidth else bandwidth
+            latency = figures.network_latency if across else figures.latency
             seconds = row.traffic / link + row.times * hops * latency
+            per_run[row.instruction] = per_run.get(row.instruction, 0.0) + seconds / max(row.times, 1)
         rows.append(dataclasses.replace(row, seconds=seconds))
     communication = sum(r.seconds for r in rows if r.seconds is not None) if bandwidth is not None else None
+    flops_per_second = figures.flops_per_second
     compute = report.flops / flops_per_second if flops_per_second and report.flops is not None else None
+    simulated = {}
+    if figures.hardware is not None and report.schedule:
+        time = simulate(report.schedule, per_run, _rates(figures.hardware, figures))
+        compute = time.compute_seconds
+        simulated = {
+            "simulated_seconds": time.seconds,
+            "exposed_seconds": time.exposed_seconds,
+            "hidden_seconds": time.hidden_seconds,
+            "kernels": time.kernels,
+        }
     return dataclasses.replace(
         report,
         rows=tuple(rows),
         bandwidth=bandwidth,
-        latency=latency,
+        latency=figures.latency,
         flops_per_second=flops_per_second,
         communication_seconds=communication,
         compute_seconds=compute,
-        network_bandwidth=network_bandwidth if bandwidth is not None else None,
+        network_bandwidth=figures.network_bandwidth if bandwidth is not None else None,
+        hardware=figures.hardware if figures.hardware is not None else report.hardware,
+        figures=figures,
+        **simulated,
+    )
+
+
+def _rates(hardware: Hardware, figures: Figures) -> Rates:
+    """What the simulation prices kernels at: a given FLOP/s is every dot's rate."""
+    if figures.flops_given and figures.flops_per_second:
+        matmul: dict[str, float] = {}
+        fallback = figures.flops_per_second
+    else:
+        matmul = hardware.matmul_rates()
+        fallback = hardware.flops_per_second
+    return Rates(
+        matmul=matmul,
+        fallback=fallback,
+        memory=hardware.memory_bandwidth * hardware.memory_efficiency,
+        launch=hardware.launch_seconds,
     )

@@ -107,14 +107,10 @@ def _columns(report: StepReport) -> tuple[list[str], list[list[str]], list[str]]
                 f", compute {seconds_text(report.compute_seconds)} at {report.flops_per_second:.3g} FLOP/s: "
                 f"{bound}-bound"
             )
-        footer += _wrapped(text, "  ")
-        hardware = report.hardware
-        if hardware is not None and report.flops_per_second == hardware.flops_per_second:
-            footer += _wrapped(
-                f"  compute at {hardware.efficiency:g} of the {hardware.device}'s peak "
-                f"{hardware.peak_flops_per_second / 1e12:.4g} TFLOP/s ({hardware.sources['efficiency']})",
-                "  ",
-            )
+        if report.simulated_seconds is None:
+            footer += _wrapped(text, "  ")
+    if report.simulated_seconds is not None:
+        footer += _simulated_lines(report)
     if report.unmatched_rules:
         count = len(report.unmatched_rules)
         why = (
@@ -129,6 +125,47 @@ def _columns(report: StepReport) -> tuple[list[str], list[list[str]], list[str]]
         )
     footer += _findings_lines(report)
     return header, body, footer
+
+
+def _simulated_lines(report: StepReport) -> list[str]:
+    """The simulated step time, its parts, the slowest kernels and what the figures assume."""
+    hardware = report.hardware
+    assert hardware is not None
+    mfu = report.model_flops_utilisation
+    lines = _wrapped(
+        f"step time {seconds_text(report.simulated_seconds)}, simulated from the program "
+        f"(its kernels in order; async collectives beside the kernels between their start and done): "
+        f"compute {seconds_text(report.compute_seconds)}, communication "
+        f"{seconds_text(report.exposed_seconds)} exposed and {seconds_text(report.hidden_seconds)} hidden"
+        + (
+            f"; model FLOP utilisation {mfu:.0%} of the {hardware.device}'s bf16 peak "
+            f"{hardware.peak_flops_per_second / 1e12:.4g} TFLOP/s"
+            if mfu is not None
+            else ""
+        ),
+        "  ",
+    )
+    if report.kernels:
+        slowest = ", ".join(
+            f"{name} {seconds_text(seconds)}" + (f" ({_short(source)})" if source else "")
+            for name, source, seconds in report.kernels[:3]
+        )
+        lines += _wrapped(f"  slowest kernels: {slowest}", "    ")
+    figures = report.figures
+    rates = (
+        f"every dot at the given {report.flops_per_second:.3g} FLOP/s"
+        if figures is not None and figures.flops_given
+        else f"gemms at {hardware.efficiency:g} of the matrix units' peak per element type "
+        f"({hardware.sources.get('efficiency', 'given')})"
+    )
+    lines += _wrapped(
+        f"  assumed: {rates}; memory at {hardware.memory_efficiency:g} of "
+        f"{hardware.memory_bandwidth / 1e12:.3g} TB/s; {seconds_text(hardware.launch_seconds)} per kernel at "
+        f"least; {seconds_text(report.latency)} per ring step"
+        + (" (no TPU time was measured: these are a GPU's figures)" if "TPU" in hardware.device else ""),
+        "  ",
+    )
+    return lines
 
 
 def memory_note(report: StepReport) -> str:

@@ -23,7 +23,6 @@ The cost folder, in the order its modules import each other:
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -40,7 +39,7 @@ from ._report import StepReport as StepReport
 from ._report import StepRow as StepRow
 from ._report import check_no_accelerator, estimated
 from ._target import Hardware as Hardware
-from ._target import Target, hardware_of, parse_target
+from ._target import Target, parse_target, resolve_figures
 
 __all__ = [
     "Finding",
@@ -61,7 +60,7 @@ def explain_step(
     target: str = "cpu",
     hardware: Mapping[str, float] | None = None,
     bandwidth: float | None = None,
-    latency: float = 0.0,
+    latency: float | None = None,
     flops_per_second: float | None = None,
     accelerator: Any = None,
     **kwargs: Any,
@@ -79,8 +78,11 @@ def explain_step(
 
     With ``target='h100'`` (or another GPU, or a TPU generation) the step is compiled by that
     hardware's own XLA compiler for ``n_devices`` compile-only devices, on this machine, with no
-    accelerator present: the rows, bytes, findings and memory are that compiler's, and the
-    estimate takes the hardware's figures (:class:`~einshard.Hardware`).
+    accelerator present (every argument on those devices: by ``rules``, else replicated): the
+    rows, bytes, findings, memory and flops are that program's, and ``report.seconds`` is its
+    step time simulated at the hardware's figures (:class:`~einshard.Hardware`): its kernels in
+    the order they run, each at its element type's gemm rate or the memory's bandwidth, with
+    the async collectives running beside the kernels scheduled between their start and done.
 
     Args:
         fn: The step. A plain function is compiled with ``jax.jit`` (leaves that are not arrays
@@ -100,13 +102,14 @@ def explain_step(
             needs ``einshard[tpu-target]``). A target other than ``'cpu'`` is always compiled
             in a child process.
         hardware: Figures of the target to use instead of its own, by name
-            (``{'efficiency': 0.3, 'network_bandwidth': 25e9}``; see :class:`~einshard.Hardware`).
+            (``{'efficiency': 0.6, 'network_bandwidth': 25e9}``; see :class:`~einshard.Hardware`).
         bandwidth: Bytes per second each device sends, for the communication estimate (every
             collective's; default with a target: its NVLink or ICI figure, and its network's for
             collectives across hosts).
-        latency: Seconds per step of a ring algorithm.
-        flops_per_second: FLOP/s per device the compute estimate assumes (default with a
-            target: its peak times its efficiency).
+        latency: Seconds per step of a ring algorithm (default: 0, or the target's figure per
+            link: NVLink, its network, ICI).
+        flops_per_second: FLOP/s per device the compute estimate assumes; with a target, the
+            rate every dot runs at instead of its matrix units' per element type.
         accelerator: Removed: give ``target=`` instead (an ``EinshardError`` says so).
         **kwargs: Keyword arguments of ``fn``.
 
@@ -128,7 +131,9 @@ def explain_step(
     if n_devices is not None:
         _check_devices(n_devices)
     chosen = parse_target(target, n_devices)
-    figures = hardware_of(chosen, hardware)
+    figures = resolve_figures(
+        chosen, hardware, bandwidth=bandwidth, latency=latency, flops_per_second=flops_per_second
+    )
     if chosen.platform != "cpu" or n_devices is not None:
         StepCall.of(fn, args, kwargs)  # named here too: its checks (a float64 argument) speak in this process
     if chosen.platform != "cpu":
@@ -145,7 +150,7 @@ def explain_step(
         report = analyse(StepCall.of(fn, args, kwargs), rules)
     if rules is not None:
         warn_if_only_catch_all(as_rules(rules), report, "explain_step")
-    return on_hardware(report, figures, bandwidth, latency, flops_per_second)
+    return estimated(report, figures)
 
 
 def warn_if_only_catch_all(
@@ -177,24 +182,6 @@ def warn_if_only_catch_all(
         EinshardWarning,
         stacklevel=3,
     )
-
-
-def on_hardware(
-    report: StepReport,
-    hardware: Hardware | None,
-    bandwidth: float | None,
-    latency: float,
-    flops_per_second: float | None,
-) -> StepReport:
-    """The report estimated at the figures given, else at the target's (``hardware``)."""
-    network = None
-    if hardware is not None:
-        report = dataclasses.replace(report, hardware=hardware)
-        if bandwidth is None:
-            bandwidth, network = hardware.bandwidth, hardware.network_bandwidth
-        if flops_per_second is None:
-            flops_per_second = hardware.flops_per_second
-    return estimated(report, bandwidth, latency, flops_per_second, network)
 
 
 def _check_devices(n_devices: Any) -> None:

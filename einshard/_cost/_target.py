@@ -30,11 +30,13 @@ from .._language._errors import EinshardError
 __all__ = [
     "GPUS",
     "TPUS",
+    "Figures",
     "Hardware",
     "Target",
     "gpu_spec_text",
     "hardware_of",
     "parse_target",
+    "resolve_figures",
     "spec_figures",
     "target_devices",
 ]
@@ -54,15 +56,30 @@ GPU_EXTRA = "einshard[gpu-target]"
 TPU_EXTRA = "einshard[tpu-target]"
 GPUS_PER_HOST = 8  # an HGX / DGX board: NVLink joins the 8 GPUs of a host
 
-# The efficiency a compute estimate assumes: the achieved fraction of the peak FLOP/s. On one
-# H200 (2026-11-26, ../shared/accelerators/gpu_time_mem.py), bf16 GPT steps of 4 x 1024,
-# 8 x 2048 and 8 x 4096 (layers x hidden) ran at 0.085, 0.062 and 0.12 of 989 TFLOP/s; the
-# middle of the three is the default.
-DEFAULT_EFFICIENCY = 0.085
+# The figures a simulated step time assumes (_timing), each stated with where it comes from.
+# The fraction of the matrix units' peak a large gemm reaches: cuBLAS's large bf16 gemms on
+# H100 / H200 SXM run at about 700-780 of the 989 TFLOP/s (NVIDIA's published cuBLAS figures).
+DEFAULT_EFFICIENCY = 0.75
 EFFICIENCY_SOURCE = (
-    "measured: bf16 GPT steps on one H200 ran at 0.062-0.12 of peak (median 0.085); give yours as "
-    "hardware={'efficiency': ...}"
+    "assumed: what cuBLAS reaches on large bf16 gemms on an H100 / H200 (about 0.7-0.8 of the spec's "
+    "peak); give yours as hardware={'efficiency': ...}"
 )
+# The fraction of the memory's bandwidth a streaming kernel reaches (about 4.1 of 4.8 TB/s on an
+# H200: copy kernels reach 0.8-0.9 of the HBM's spec).
+MEMORY_EFFICIENCY = 0.85
+MEMORY_EFFICIENCY_SOURCE = "assumed: what a streaming copy reaches of the HBM's spec (0.8-0.9)"
+# What each kernel costs at least: its launch and tail (XLA's GPU runtime launches through CUDA
+# graphs; a kernel's own start and drain take a few microseconds).
+LAUNCH_SECONDS = 2e-6
+LAUNCH_SOURCE = "assumed: a kernel's launch and tail on a GPU, about 2 us"
+# Latency per ring step: NCCL's tuning model (src/graph/tuning.cc) gives NVLink about 0.6 us of
+# hardware latency per step and a few us of network latency per step; 1 us and 5 us are taken.
+NVLINK_LATENCY = 1e-6
+NETWORK_LATENCY = 5e-6
+ICI_LATENCY = 1e-6
+LATENCY_SOURCE = "NCCL's tuning model (src/graph/tuning.cc): about 1 us per ring step on NVLink"
+NETWORK_LATENCY_SOURCE = "NCCL's tuning model (src/graph/tuning.cc): about 5 us per ring step across hosts"
+TPU_ASSUMED = "assumed, as for a GPU: no TPU time was measured"
 
 # NVLink, per link and direction, by compute capability's major version (NVIDIA's datasheets:
 # NVLink 3 (A100) and 4 (H100, H200) 25 GB/s, NVLink 5 (B200) 50 GB/s).
@@ -87,8 +104,12 @@ _FIGURES = (
     "memory_bandwidth",
     "peak_flops_per_second",
     "efficiency",
+    "memory_efficiency",
+    "launch_seconds",
     "bandwidth",
     "network_bandwidth",
+    "latency",
+    "network_latency",
 )
 
 
@@ -99,17 +120,23 @@ class Hardware:
     Attributes:
         device: The device's name (``'NVIDIA H100 80GB HBM3'``, ``'TPU v5 lite'``).
         memory_bytes: Memory per device (a GPU spec's ``device_memory_size``; a TPU's HBM).
-        memory_bandwidth: Bytes per second between a device and its memory (shown, not used
-            by the estimate: the efficiency covers it).
+        memory_bandwidth: Bytes per second between a device and its memory.
         peak_flops_per_second: Dense bf16 FLOP/s per device at the peak.
-        efficiency: The fraction of the peak a step achieves: compute time is
-            ``flops / (peak_flops_per_second * efficiency)``.
+        efficiency: The fraction of the matrix units' peak a large gemm reaches (every element
+            type's rate is its peak times this).
+        memory_efficiency: The fraction of ``memory_bandwidth`` a streaming kernel reaches.
+        launch_seconds: What each kernel costs at least (its launch and tail).
         bandwidth: Bytes per second each device sends to the devices of its host (NVLink) or
             its slice (ICI).
         network_bandwidth: Bytes per second each device sends to other hosts (GPUs), or ``None``
             (a TPU slice: ICI joins its hosts).
         devices_per_host: How many devices share a host's NVLink, or ``None``.
         sources: Where each figure comes from, by its name.
+        latency: Seconds per ring step on the ``bandwidth`` link.
+        network_latency: Seconds per ring step across hosts, or ``None``.
+        matmul_peaks: Peak FLOP/s of the matrix units per element type they run (``'bf16'``,
+            ``'f16'``, ``'tf32'`` for f32 through TF32, ``'f32'`` at full precision,
+            ``'f8e4m3fn'`` ...).
     """
 
     device: str
@@ -121,11 +148,21 @@ class Hardware:
     network_bandwidth: float | None
     devices_per_host: int | None
     sources: Mapping[str, str]
+    memory_efficiency: float = MEMORY_EFFICIENCY
+    launch_seconds: float = LAUNCH_SECONDS
+    latency: float = NVLINK_LATENCY
+    network_latency: float | None = NETWORK_LATENCY
+    matmul_peaks: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def flops_per_second(self) -> float:
-        """The FLOP/s a compute estimate assumes: ``peak_flops_per_second * efficiency``."""
+        """The bf16 FLOP/s a large gemm reaches: ``peak_flops_per_second * efficiency``."""
         return self.peak_flops_per_second * self.efficiency
+
+    def matmul_rates(self) -> dict[str, float]:
+        """The FLOP/s a gemm reaches per element type: each peak times the efficiency."""
+        peaks = {**self.matmul_peaks, "bf16": self.peak_flops_per_second}
+        return {kind: peak * self.efficiency for kind, peak in peaks.items()}
 
     def replace(self, figures: Mapping[str, Any]) -> Hardware:
         """These figures with some given instead (their source: ``'given'``).
@@ -154,7 +191,7 @@ def checked_figures(figures: Mapping[str, Any]) -> dict[str, float]:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise EinshardError(
                 f"hardware={{{name!r}: {value!r}}} must be a positive number",
-                hint="Bytes, bytes per second, FLOP/s, or (efficiency) a fraction such as 0.3.",
+                hint="Bytes, bytes per second, FLOP/s, seconds, or (an efficiency) a fraction such as 0.7.",
             )
         checked[name] = int(value) if name == "memory_bytes" else float(value)
     return checked
@@ -364,12 +401,20 @@ def _number(text: str, key: str) -> float | None:
 
 
 _BF16 = 16  # XLA's PrimitiveType number of bf16, the key of a spec's rate_infos
+# XLA's PrimitiveType numbers of the types a spec's matrix units have rates for; f32 on the
+# matrix units is TF32.
+_MATRIX_TYPES = {2: "s8", 10: "f16", 11: "tf32", 12: "f64", 16: "bf16", 19: "f8e5m2", 20: "f8e4m3fn"}
+_RATE = re.compile(
+    r"key:\s*(\d+)\s*value\s*\{\s*clock_rate_ghz:\s*([\d.]+)\s*units_per_core:\s*(\d+)\s*ops_per_clock:\s*(\d+)"
+)
 
 
 def spec_figures(text: str) -> dict[str, float]:
-    """The figures a GPU spec gives: memory, memory bandwidth, bf16 peak FLOP/s, NVLink links.
+    """The figures a GPU spec gives: memory, memory bandwidth, peak FLOP/s, NVLink links.
 
-    The peak is ``2 x clock x units per core x ops per clock x cores`` of the matrix units'
+    ``matrix_<type>`` is the matrix units' peak per element type (``matrix_tf32``: f32 through
+    TF32; ``matrix_f32``: f32 at full precision, on the CUDA cores). The peak is
+    ``2 x clock x units per core x ops per clock x cores`` of the matrix units'
     bf16 rate (a multiply-add is two FLOPs): 989 TFLOP/s for an H100 or H200.
     """
     figures: dict[str, float] = {}
@@ -386,6 +431,16 @@ def spec_figures(text: str) -> dict[str, float]:
     if rate is not None and "core_count" in figures:
         clock, units, ops = float(rate.group(1)), int(rate.group(2)), int(rate.group(3))
         figures["peak_flops_per_second"] = 2 * clock * 1e9 * units * ops * figures["core_count"]
+    if "core_count" in figures:
+        cores = figures["core_count"]
+        scalar = text[text.find("scalar_unit_description") : text.find("matrix_unit_description")]
+        for key, clock, units, ops in _RATE.findall(matrix):
+            if int(key) in _MATRIX_TYPES:
+                peak = 2 * float(clock) * 1e9 * int(units) * int(ops) * cores
+                figures[f"matrix_{_MATRIX_TYPES[int(key)]}"] = peak
+        for key, clock, units, ops in _RATE.findall(scalar):
+            if int(key) == 11:  # f32 at full precision runs on the CUDA cores
+                figures["matrix_f32"] = 2 * float(clock) * 1e9 * int(units) * int(ops) * cores
     links = re.search(r"device_interconnect_info\s*\{\s*active_links:\s*(\d+)", text)
     if links is not None:
         figures["active_links"] = int(links.group(1))
@@ -417,6 +472,101 @@ def hardware_of(target: Target, given: Mapping[str, Any] | None = None) -> Hardw
     return hardware.replace(given) if given else hardware
 
 
+@dataclasses.dataclass(frozen=True)
+class Figures:
+    """The figures an estimate is made at, resolved once: the target's, with the caller's instead.
+
+    Made by :func:`resolve_figures` (``explain_step``, ``plan``) and :meth:`at` (``.at(...)``);
+    the estimate, a report and a plan take this object, and nothing else fills in a figure.
+
+    Attributes:
+        target: What the step is compiled for (``'cpu'``, ``'h100'`` ...).
+        hardware: The target's figures with the ``hardware=`` given instead, or ``None`` (CPU).
+        bandwidth: Bytes per second each device sends (a collective within a host or slice),
+            or ``None``: no communication estimate.
+        network_bandwidth: Bytes per second across hosts, or ``None``: every collective at
+            ``bandwidth``.
+        latency: Seconds per ring step at ``bandwidth``.
+        network_latency: Seconds per ring step across hosts.
+        flops_per_second: On CPU devices: the FLOP/s of the compute estimate, or ``None``. On a
+            target: given, the rate every dot runs at instead of the matrix units' per type;
+            else the bf16 rate a large gemm reaches (shown).
+        flops_given: Whether ``flops_per_second`` was given.
+        memory_per_device: Bytes each device has (a plan rejects candidates above it), or ``None``.
+    """
+
+    target: str = "cpu"
+    hardware: Hardware | None = None
+    bandwidth: float | None = None
+    network_bandwidth: float | None = None
+    latency: float = 0.0
+    network_latency: float = 0.0
+    flops_per_second: float | None = None
+    flops_given: bool = False
+    memory_per_device: int | None = None
+
+    @property
+    def simulated(self) -> bool:
+        """Whether a step time is simulated from the program (a GPU or TPU target)."""
+        return self.hardware is not None
+
+    def at(
+        self,
+        *,
+        bandwidth: float | None = None,
+        latency: float | None = None,
+        flops_per_second: float | None = None,
+        memory_per_device: int | None = None,
+    ) -> Figures:
+        """These figures with those given instead; a bandwidth given is every collective's."""
+        changed: dict[str, Any] = {}
+        if bandwidth is not None:
+            changed.update(bandwidth=bandwidth, network_bandwidth=None)
+        if latency is not None:
+            changed.update(latency=latency, network_latency=latency)
+        if flops_per_second is not None:
+            changed.update(flops_per_second=flops_per_second, flops_given=True)
+        if memory_per_device is not None:
+            changed.update(memory_per_device=memory_per_device)
+        return dataclasses.replace(self, **changed)
+
+
+def resolve_figures(
+    target: Target,
+    hardware: Mapping[str, Any] | None = None,
+    *,
+    bandwidth: float | None = None,
+    latency: float | None = None,
+    flops_per_second: float | None = None,
+    memory_per_device: int | None = None,
+) -> Figures:
+    """The figures of a report or plan: the target's, each one the caller gave instead.
+
+    Raises:
+        EinshardError: As :func:`hardware_of`.
+    """
+    device = hardware_of(target, hardware)
+    if device is None:
+        base = Figures(target=target.name)
+    else:
+        base = Figures(
+            target=target.name,
+            hardware=device,
+            bandwidth=device.bandwidth,
+            network_bandwidth=device.network_bandwidth,
+            latency=device.latency,
+            network_latency=device.network_latency or device.latency,
+            flops_per_second=device.flops_per_second,
+            memory_per_device=device.memory_bytes,
+        )
+    return base.at(
+        bandwidth=bandwidth,
+        latency=latency,
+        flops_per_second=flops_per_second,
+        memory_per_device=memory_per_device,
+    )
+
+
 @functools.cache
 def _gpu_hardware(name: str) -> Hardware:
     spec = gpu_spec_text(name)
@@ -437,11 +587,17 @@ def _gpu_hardware(name: str) -> Hardware:
         bandwidth=links * per_link,
         network_bandwidth=_NETWORK.get(major, 50e9),
         devices_per_host=GPUS_PER_HOST,
+        matmul_peaks={k.removeprefix("matrix_"): v for k, v in figures.items() if k.startswith("matrix_")},
         sources={
             "memory_bytes": f"{source}: device_memory_size",
             "memory_bandwidth": f"{source}: memory_bandwidth",
             "peak_flops_per_second": f"{source}: matrix units' bf16 rate x cores",
             "efficiency": EFFICIENCY_SOURCE,
+            "memory_efficiency": MEMORY_EFFICIENCY_SOURCE,
+            "launch_seconds": LAUNCH_SOURCE,
+            "latency": LATENCY_SOURCE,
+            "network_latency": NETWORK_LATENCY_SOURCE,
+            "matmul_peaks": f"{source}: the matrix units' rate per element type x cores",
             "bandwidth": f"{links} NVLink links x {per_link / 1e9:g} GB/s per direction ({links_source})",
             "network_bandwidth": "one 400 Gb/s NIC per GPU (DGX)"
             if major >= 9
@@ -462,11 +618,19 @@ def _tpu_hardware(name: str) -> Hardware:
         bandwidth=ici / 2,
         network_bandwidth=None,
         devices_per_host=None,
+        latency=ICI_LATENCY,
+        network_latency=None,
+        # An f32 dot at the default precision is one bf16 pass on a TPU; at 'highest', six.
+        matmul_peaks={"tf32": peak, "f32": peak / 6},
         sources={
             "memory_bytes": f"{source}: HBM per chip",
             "memory_bandwidth": f"{source}: HBM bandwidth per chip",
             "peak_flops_per_second": f"{source}: peak bf16 compute per chip",
-            "efficiency": EFFICIENCY_SOURCE + " (an H200's figure: none was measured on a TPU)",
+            "efficiency": f"{TPU_ASSUMED} (what cuBLAS reaches on an H100)",
+            "memory_efficiency": f"{TPU_ASSUMED} (a GPU's figure)",
+            "launch_seconds": f"{TPU_ASSUMED} (a GPU's figure)",
+            "latency": f"{TPU_ASSUMED}: 1 us per ring step on ICI",
+            "matmul_peaks": "f32 at the default precision: one bf16 pass; at 'highest': six",
             "bandwidth": f"{source}: half the bidirectional ICI bandwidth per chip",
         },
     )

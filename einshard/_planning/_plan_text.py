@@ -143,14 +143,33 @@ def _footer(plan: Plan) -> list[str]:
         f"{len(plan.rows)} candidates on {devices} ({given}); "
         f"times within {plan.tie:.0%} count as equal (the simpler strategy first); split: the share of the "
         "parameter bytes split over the model axis (over all devices for data parallel and FSDP); "
-        "time: communication plus compute; sent: what each device sends by the ring formulas (an "
+        "time: the step's (simulated on a target; communication plus compute on CPU devices); "
+        "sent: what each device sends by the ring formulas (an "
         "all-reduce of b bytes sends 2(n-1)/n b); each kind's column: the bytes its collectives move; "
         "peak, sent and bytes: per device per step.",
-        "Estimates, not measurements: collectives of the compiled program by ring formulas at the "
-        "given bandwidth, plus XLA's flop count at the given FLOP/s, without overlap; peak memory "
-        f"from XLA's memory analysis of {compiled_for}. Findings: the waste each "
-        "candidate's step report names (print row.report for all of them).",
+        _estimate_text(plan)
+        + f" Peak memory from XLA's memory analysis of {compiled_for}. Findings: the waste "
+        "each candidate's step report names (print row.report for all of them).",
     ]
+
+
+def _estimate_text(plan: Plan) -> str:
+    """What the times are: simulated from each program on a target, added up on CPU devices."""
+    hardware = plan.hardware
+    if hardware is None:
+        return (
+            "Estimates, not measurements: collectives of the compiled program by ring formulas at the "
+            "given bandwidth, plus XLA's flop count at the given FLOP/s, without overlap."
+        )
+    tpu = " No TPU time was measured: the fractions are a GPU's." if "TPU" in hardware.device else ""
+    return (
+        "Simulated, not measured: each candidate's program, its kernels in order at its element "
+        "types' gemm rates or the memory's bandwidth, its async collectives beside the kernels "
+        f"between their start and done (ring formulas with {seconds_text(plan.latency)} per step). "
+        f"Assumed: gemms at {hardware.efficiency:g} of the matrix units' peak, memory at "
+        f"{hardware.memory_efficiency:g} of its bandwidth, {seconds_text(hardware.launch_seconds)} per "
+        f"kernel at least.{tpu}"
+    )
 
 
 def plan_text(plan: Plan) -> str:

@@ -18,7 +18,7 @@ from .._arrays._leaves import nbytes
 from .._cost._call import StepCall
 from .._cost._report import StepReport, check_no_accelerator, estimated
 from .._cost._step import reports, warn_if_only_catch_all
-from .._cost._target import Hardware, hardware_of, parse_target
+from .._cost._target import Figures, Hardware, parse_target, resolve_figures
 from .._language._errors import EinshardError
 from .._language._expression import parse
 from .._language._text import size_text
@@ -95,12 +95,8 @@ class PlanRow:
 
     @property
     def seconds(self) -> float | None:
-        """Estimated step time: communication plus compute (what is estimated of them)."""
-        if self.report is None:
-            return None
-        parts = [self.report.communication_seconds, self.report.compute_seconds]
-        known = [p for p in parts if p is not None]
-        return sum(known) if known else None
+        """Estimated step time: the report's (:attr:`StepReport.seconds`): simulated on a target."""
+        return None if self.report is None else self.report.seconds
 
     @property
     def peak_bytes(self) -> int | None:
@@ -122,10 +118,11 @@ class PlanRow:
 class Plan:
     """Candidate strategies for one step, best first; ``print(plan)`` shows a table and a chart.
 
-    The figures are estimates: communication from the compiled program's collectives by the
-    ring formulas at the given bandwidth and latency, compute from XLA's flop count at the
-    given FLOP/s, added without overlap; memory from XLA's memory analysis of the program
-    compiled for (simulated) CPU devices, or for the target's devices by its own compiler.
+    The figures are estimates. With a GPU or TPU target, each candidate's step time is
+    simulated from the program its compiler made (kernels in order, async collectives beside
+    them). On CPU devices, communication from the program's collectives by the ring formulas at
+    the given bandwidth and latency plus XLA's flop count at the given FLOP/s, without overlap.
+    Memory from XLA's memory analysis of the program.
 
     Attributes:
         rows: One :class:`PlanRow` per candidate: the usable ones by estimated step time (by
@@ -140,6 +137,7 @@ class Plan:
         target: What the candidates were compiled for (``'cpu'``, ``'h100'``, ``'v5e'`` ...).
         hardware: The target's figures (:class:`~einshard.Hardware`), or ``None`` on CPU devices.
         network_bandwidth: Bytes per second per device across hosts, or ``None``.
+        figures: The figures resolved once (the target's, with those given instead).
     """
 
     rows: tuple[PlanRow, ...]
@@ -151,6 +149,7 @@ class Plan:
     target: str = "cpu"
     hardware: Hardware | None = dataclasses.field(default=None, repr=False)
     network_bandwidth: float | None = None
+    figures: Figures = dataclasses.field(default_factory=Figures, repr=False)
 
     tie: ClassVar[float] = TIE
     """Estimated step times within this share of each other count as equal."""
@@ -193,17 +192,14 @@ class Plan:
         network figure is dropped). Another target is another compile: ``plan(..., target=...)``.
         """
         check_no_accelerator(accelerator)
-        return _ranked(
-            [dataclasses.replace(row, rejected=_unfit(row.rejected)) for row in self.rows],
-            self.n_devices,
-            memory_per_device if memory_per_device is not None else self.memory_per_device,
-            bandwidth if bandwidth is not None else self.bandwidth,
-            latency if latency is not None else self.latency,
-            flops_per_second if flops_per_second is not None else self.flops_per_second,
-            self.network_bandwidth if bandwidth is None else None,
-            self.target,
-            self.hardware,
+        figures = self.figures.at(
+            bandwidth=bandwidth,
+            latency=latency,
+            flops_per_second=flops_per_second,
+            memory_per_device=memory_per_device,
         )
+        rows = [dataclasses.replace(row, rejected=_unfit(row.rejected)) for row in self.rows]
+        return _ranked(rows, self.n_devices, figures)
 
     def __str__(self) -> str:
         return plan_text(self)
@@ -217,7 +213,7 @@ def plan(
     n_devices: int | None = None,
     memory_per_device: int | None = None,
     bandwidth: float | None = None,
-    latency: float = 0.0,
+    latency: float | None = None,
     flops_per_second: float | None = None,
     candidates: Sequence[Strategy] | None = None,
     min_bytes: int = DEFAULT_MIN_BYTES,
@@ -250,16 +246,16 @@ def plan(
             (default with a target: its device's memory).
         bandwidth: Bytes per second each device sends, for the communication estimate (default
             with a target: its NVLink or ICI figure, its network's across hosts).
-        latency: Seconds per step of a ring algorithm.
-        flops_per_second: FLOP/s per device the compute estimate assumes (default with a
-            target: its peak times its efficiency).
+        latency: Seconds per step of a ring algorithm (default: 0, or the target's per link).
+        flops_per_second: FLOP/s per device the compute estimate assumes; with a target, the
+            rate every dot runs at instead of its matrix units' per element type.
         candidates: The strategies to try; default data parallel, FSDP, tensor parallel and
             a hybrid for every factorization of the device count (:func:`strategies.defaults
             <einshard.strategies.defaults>`).
         min_bytes: FSDP's and the hybrids' ``min_bytes`` in the default candidates.
         target: What to compile each candidate for: ``'cpu'`` (the default), a GPU (``'h100'``
             ...) or a TPU (``'v5e'`` ...), as for :func:`~einshard.explain_step`; with a target
-            the candidates rank by estimated time at its figures.
+            the candidates rank by the step time simulated from each one's program.
         hardware: Figures of the target to use instead of its own, by name (see
             :class:`~einshard.Hardware`).
         accelerator: Removed: give ``target=`` instead (an ``EinshardError`` says so).
@@ -302,22 +298,24 @@ def plan(
     check_no_accelerator(accelerator)
     given = count_to_plan(n_devices, hint="Give the device count to plan for, e.g. n_devices=64.")
     chosen = parse_target(target, n_devices)
-    figures = hardware_of(chosen, hardware)
+    figures = resolve_figures(
+        chosen,
+        hardware,
+        bandwidth=bandwidth,
+        latency=latency,
+        flops_per_second=flops_per_second,
+        memory_per_device=memory_per_device,
+    )
     local = call_devices(None).count
-    count = chosen.n_devices if figures is not None else given
+    count = chosen.n_devices if figures.hardware is not None else given
     # The step is resolved and its arguments named and flattened once, here, for the roles
     # reader, every candidate's table and compile, and the split shares.
     call = StepCall.of(step, (params, batch), {})
     if strategies is None:
         strategies = derived_defaults(read_call(call), count, min_bytes)
     tables = [_with_batch(strategy, call.names[1]) for strategy in strategies]
-    network = None
-    if figures is not None:
+    if figures.hardware is not None:
         answers = reports(call, tables, count, chosen)
-        memory_per_device = figures.memory_bytes if memory_per_device is None else memory_per_device
-        if bandwidth is None:
-            bandwidth, network = figures.bandwidth, figures.network_bandwidth
-        flops_per_second = figures.flops_per_second if flops_per_second is None else flops_per_second
     else:
         answers = reports(call, tables, count if isolate or count != local else None)
     params_leaves = call.argument_leaves(0)
@@ -331,9 +329,7 @@ def plan(
         if candidates is not None and answer.report is not None:  # a table the user wrote
             caller = f"plan (candidate {strategy.name!r})"
             warn_if_only_catch_all(strategy, answer.report, caller, relative_only=True)
-    return _ranked(
-        rows, count, memory_per_device, bandwidth, latency, flops_per_second, network, chosen.name, figures
-    )
+    return _ranked(rows, count, figures)
 
 
 def _with_batch(strategy: Strategy, batch_name: str) -> Rules:
@@ -400,23 +396,13 @@ def _unfit(reason: str | None) -> str | None:
     return None if reason is not None and reason.startswith(_MEMORY) else reason
 
 
-def _ranked(
-    rows: list[PlanRow],
-    n_devices: int,
-    memory_per_device: int | None,
-    bandwidth: float | None,
-    latency: float,
-    flops_per_second: float | None,
-    network_bandwidth: float | None = None,
-    target: str = "cpu",
-    hardware: Hardware | None = None,
-) -> Plan:
+def _ranked(rows: list[PlanRow], n_devices: int, figures: Figures) -> Plan:
+    memory_per_device = figures.memory_per_device
     priced = []
     for row in rows:
         report = row.report
         if report is not None:
-            report = dataclasses.replace(report, hardware=hardware)
-            report = estimated(report, bandwidth, latency, flops_per_second, network_bandwidth)
+            report = estimated(report, figures)
         rejected = row.rejected
         if (
             rejected is None
@@ -428,6 +414,7 @@ def _ranked(
             needs, has = size_text(report.peak_bytes), size_text(memory_per_device)
             rejected = f"{_MEMORY}: needs {needs} > {has} per device"
         priced.append(dataclasses.replace(row, report=report, rejected=rejected))
+    bandwidth = figures.bandwidth
 
     def measure(row: PlanRow) -> float:
         # Without a bandwidth the communication has no time: the bytes sent rank instead.
@@ -453,11 +440,12 @@ def _ranked(
         n_devices,
         memory_per_device,
         bandwidth,
-        latency,
-        flops_per_second,
-        target,
-        hardware,
-        network_bandwidth if bandwidth is not None else None,
+        figures.latency,
+        figures.flops_per_second,
+        figures.target,
+        figures.hardware,
+        figures.network_bandwidth if bandwidth is not None else None,
+        figures,
     )
 
 
