@@ -14,17 +14,20 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._language._errors import EinshardError
+from .._language._text import size_text
 from .._sharding._devices import use_devices
 from .._trees._rules import RulesLike
 from ._analysis import Answer, answer
 from ._call import StepCall, abstract
+from ._progress import Progress
 from ._target import Target, target_devices
 
-__all__ = ["child_error", "in_child", "main"]
+__all__ = ["KILLED", "child_error", "in_child", "killed_reason", "main"]
 
 _COMMAND = "from einshard._cost._child import main; main()"
 
@@ -36,6 +39,7 @@ def in_child(
     n_devices: int,
     tables: Sequence[RulesLike | None],
     target: Target | None = None,
+    progress: Progress | None = None,
 ) -> list[Answer]:
     """One answer per table, compiled in a child process with ``n_devices`` simulated CPU devices.
 
@@ -86,7 +90,7 @@ def in_child(
         env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
     answers: list[Answer] = []
     while len(answers) < len(tables):
-        done, crash = _run_child(data, env, len(answers), n_devices, target)
+        done, crash = _run_child(data, env, len(answers), n_devices, target, progress)
         answers += done
         if crash is not None:
             # XLA aborts the whole process on some layouts (a failed CHECK in its partitioner):
@@ -96,45 +100,92 @@ def in_child(
 
 
 def _run_child(
-    data: bytes, env: dict[str, str], start: int, n_devices: int, target: Target | None = None
+    data: bytes,
+    env: dict[str, str],
+    start: int,
+    n_devices: int,
+    target: Target | None = None,
+    progress: Progress | None = None,
 ) -> tuple[list[Answer], str | None]:
     """One child, compiling the tables from ``start`` on: its answers, and why it died compiling the next.
 
     The child writes a ``('compiling', i)`` record before each table and ``('answer', a)`` after
-    it, so a child that dies names the table it was compiling when it died.
+    it, so a child that dies names the table it was compiling when it died; the records are read
+    as they come, for the progress shown.
     """
-    result = subprocess.run(
-        [sys.executable, "-c", _COMMAND, str(start)], input=data, capture_output=True, env=env, check=False
+    child = subprocess.Popen(
+        [sys.executable, "-c", _COMMAND, str(start)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
     )
-    stream = io.BytesIO(result.stdout)
+    assert child.stdin is not None and child.stdout is not None and child.stderr is not None
+    errors: list[bytes] = []
+    # The child's stderr is drained beside its records: a full pipe would stop it.
+    drain = threading.Thread(target=lambda: errors.append(child.stderr.read()), daemon=True)  # type: ignore[union-attr]
+    drain.start()
+    with contextlib.suppress(BrokenPipeError):  # a child that dies at once says why on stderr
+        child.stdin.write(data)
+    child.stdin.close()
     answers: list[Answer] = []
     compiling = None
-    while stream.tell() < len(result.stdout):
+    failure = None
+    while True:
         try:
-            kind, value = pickle.load(stream)
-        except Exception:  # a record cut short by the child's death
+            kind, value = pickle.load(child.stdout)
+        except Exception:  # the end, or a record cut short by the child's death
             break
         if kind == "error":
-            raise child_error(value, n_devices, target)
-        if kind == "compiling":
+            failure = value
+        elif kind == "compiling":
             compiling = value
+            if progress is not None:
+                progress.compiling(value)
         else:
             answers.append(value)
+            if progress is not None and compiling is not None:
+                progress.finished(compiling, "compiled" if value.report is not None else "rejected")
             compiling = None
-    stderr = result.stderr.decode(errors="replace").strip()
-    if result.returncode == 0 and compiling is None:
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = returncode = os.waitstatus_to_exitcode(status)
+    drain.join()
+    child.stdout.close()
+    child.stderr.close()
+    if failure is not None:
+        raise child_error(failure, n_devices, target)
+    stderr = b"".join(errors).decode(errors="replace").strip()
+    if returncode == 0 and compiling is None:
         return answers, None
     if compiling is None:
         raise EinshardError(
-            f"the child process with {n_devices} devices failed (exit code {result.returncode})",
+            f"the child process with {n_devices} devices failed (exit code {returncode})",
             hint=stderr[-2000:] or None,
         )
+    if progress is not None:
+        progress.finished(compiling, "not compiled")
     last = next((line for line in reversed(stderr.splitlines()) if "Check failed" in line), None)
-    if last is None and result.returncode < 0:
+    if last is None and returncode == -signal.SIGKILL:
+        return answers, killed_reason(usage.ru_maxrss * 1024)
+    if last is None and returncode < 0:
         with contextlib.suppress(ValueError):
-            last = f"{signal.Signals(-result.returncode).name}, no message"
-    last = last or (stderr.splitlines()[-1] if stderr else f"exit code {result.returncode}")
+            last = f"{signal.Signals(-returncode).name}, no message"
+    last = last or (stderr.splitlines()[-1] if stderr else f"exit code {returncode}")
     return answers, f"XLA aborted the process compiling it ({last.strip()[:300]})"
+
+
+KILLED = "killed while compiling it"
+"""How the reason of a child killed from outside (SIGKILL) begins: not the program's fault."""
+
+
+def killed_reason(peak_bytes: int) -> str:
+    """Why a child was killed with no message: most likely this machine's memory, with its peak."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return (
+        f"{KILLED} (SIGKILL, no message) at a peak of {size_text(peak_bytes)} of this machine's "
+        f"{size_text(total)}: most likely this machine ran out of memory (the program may well compile "
+        "on a larger one), not a fault of the step"
+    )
 
 
 def child_error(error: EinshardError | str, n_devices: int, target: Target | None = None) -> EinshardError:

@@ -34,6 +34,7 @@ from .._trees._rules import Rules, RulesLike
 from ._analysis import Answer, analyse, answer
 from ._call import StepCall
 from ._child import child_error, in_child
+from ._progress import Progress
 from ._report import Finding as Finding
 from ._report import StepReport as StepReport
 from ._report import StepRow as StepRow
@@ -63,6 +64,7 @@ def explain_step(
     latency: float | None = None,
     flops_per_second: float | None = None,
     accelerator: Any = None,
+    quiet: bool = False,
     **kwargs: Any,
 ) -> StepReport:
     """Compiles ``fn(*args, **kwargs)`` for its arguments' shardings and reports what it costs.
@@ -111,6 +113,8 @@ def explain_step(
         flops_per_second: FLOP/s per device the compute estimate assumes; with a target, the
             rate every dot runs at instead of its matrix units' per element type.
         accelerator: Removed: give ``target=`` instead (an ``EinshardError`` says so).
+        quiet: Show no progress. A compile in a child process that runs over 10 seconds says
+            so on standard error (``rich``'s bar on a terminal, else plain lines).
         **kwargs: Keyword arguments of ``fn``.
 
     Returns:
@@ -137,12 +141,14 @@ def explain_step(
     if chosen.platform != "cpu" or n_devices is not None:
         StepCall.of(fn, args, kwargs)  # named here too: its checks (a float64 argument) speak in this process
     if chosen.platform != "cpu":
-        (result,) = in_child(fn, args, kwargs, chosen.n_devices, [rules], chosen)
+        with Progress("explain_step", [chosen.label], quiet=quiet) as progress:
+            (result,) = in_child(fn, args, kwargs, chosen.n_devices, [rules], chosen, progress)
         if result.report is None:
             raise child_error(result.error or "no report", chosen.n_devices, chosen)
         report = result.report
     elif n_devices is not None:
-        (result,) = in_child(fn, args, kwargs, n_devices, [rules])
+        with Progress("explain_step", [f"{n_devices} CPU devices"], quiet=quiet) as progress:
+            (result,) = in_child(fn, args, kwargs, n_devices, [rules], None, progress)
         if result.report is None:
             raise child_error(result.error or "no report", n_devices)
         report = result.report
@@ -189,7 +195,11 @@ def _check_devices(n_devices: Any) -> None:
 
 
 def reports(
-    call: StepCall, tables: Sequence[RulesLike], n_devices: int | None = None, target: Target | None = None
+    call: StepCall,
+    tables: Sequence[RulesLike],
+    n_devices: int | None = None,
+    target: Target | None = None,
+    progress: Progress | None = None,
 ) -> list[Answer]:
     """The step's report under each table: in this process, or (``n_devices``) in one child process.
 
@@ -201,5 +211,12 @@ def reports(
             the child fails as a whole.
     """
     if n_devices is None:
-        return [answer(call, table) for table in tables]
-    return in_child(call.given, call.args, call.kwargs, n_devices, list(tables), target)
+        answers = []
+        for index, table in enumerate(tables):
+            if progress is not None:
+                progress.compiling(index)
+            answers.append(answer(call, table))
+            if progress is not None:
+                progress.finished(index, "compiled" if answers[-1].report is not None else "rejected")
+        return answers
+    return in_child(call.given, call.args, call.kwargs, n_devices, list(tables), target, progress)

@@ -16,6 +16,8 @@ from typing import Any, ClassVar
 
 from .._arrays._leaves import nbytes
 from .._cost._call import StepCall
+from .._cost._child import KILLED
+from .._cost._progress import Progress
 from .._cost._report import StepReport, check_no_accelerator, estimated
 from .._cost._step import reports, warn_if_only_catch_all
 from .._cost._target import Figures, Hardware, parse_target, resolve_figures
@@ -81,11 +83,17 @@ class PlanRow:
 
     @property
     def rejected_for(self) -> str | None:
-        """Why, in a word: ``'memory'``, ``'compile'`` or ``'shapes'``; ``None`` when not rejected."""
+        """Why, in a word or two; ``None`` when not rejected.
+
+        ``'memory'``, ``'compile'``, ``'killed here'`` (this machine's memory ended its compile:
+        no verdict on the step) or ``'shapes'``.
+        """
         if self.rejected is None:
             return None
         if self.rejected.startswith(_MEMORY):
             return "memory"
+        if self.rejected.startswith(NOT_COMPILED_HERE):
+            return "killed here"
         return "compile" if self.rejected.startswith("does not compile") else "shapes"
 
     @property
@@ -221,6 +229,7 @@ def plan(
     hardware: Mapping[str, float] | None = None,
     accelerator: Any = None,
     isolate: bool = False,
+    quiet: bool = False,
 ) -> Plan:
     """Compiles ``step(params, batch)`` under each candidate strategy and ranks them.
 
@@ -264,6 +273,9 @@ def plan(
             an exception); in a child, such a candidate is rejected ("XLA aborted the process
             compiling it") and the others are compiled in a new child. Another ``n_devices``
             is always compiled that way.
+        quiet: Show no progress. A plan that runs over 10 seconds shows which candidate it is
+            compiling, how many are done and left, and their times, on standard error
+            (``rich``'s bar on a terminal, else plain lines).
 
     Returns:
         A :class:`Plan`; ``plan.best`` is the winning :class:`~einshard.strategies.Strategy`.
@@ -314,10 +326,11 @@ def plan(
     if strategies is None:
         strategies = derived_defaults(read_call(call), count, min_bytes)
     tables = [_with_batch(strategy, call.names[1]) for strategy in strategies]
-    if figures.hardware is not None:
-        answers = reports(call, tables, count, chosen)
-    else:
-        answers = reports(call, tables, count if isolate or count != local else None)
+    with Progress("plan", [strategy.name for strategy in strategies], quiet=quiet) as progress:
+        if figures.hardware is not None:
+            answers = reports(call, tables, count, chosen, progress)
+        else:
+            answers = reports(call, tables, count if isolate or count != local else None, None, progress)
     params_leaves = call.argument_leaves(0)
     param_paths = [call.paths[i] for i in params_leaves]
     param_leaves = [call.leaves[i] for i in params_leaves]
@@ -385,10 +398,14 @@ def _reason(error: Any) -> str:
     if isinstance(error, EinshardError):
         where = f" ({error.context[0]})" if error.context else ""
         return f"does not fit the shapes or devices: {error.headline}{where}"
+    if isinstance(error, str) and error.startswith(KILLED):
+        return f"{NOT_COMPILED_HERE}: {error}"
     return f"does not compile: {error}"
 
 
 _MEMORY = "does not fit memory"
+NOT_COMPILED_HERE = "not compiled on this machine"
+"""A candidate whose compile this machine could not finish (its memory): no verdict on the step."""
 
 
 def _unfit(reason: str | None) -> str | None:
