@@ -47,8 +47,8 @@ class Layer:
 
 
 def paths_of(tree):
-    assigned, _, _ = einshard._trees._assign.assign_rules(tree, [(".*", REPLICATE)], n_devices=N_DEVICES)
-    return [assignment.path for _, assignment in assigned if assignment is not None]
+    assignment, _ = einshard._trees._assign.assign_rules(tree, [(".*", REPLICATE)], n_devices=N_DEVICES)
+    return [leaf.path for _, leaf in assignment.leaves if leaf is not None]
 
 
 class TestPaths:
@@ -242,7 +242,7 @@ class TestPolicies:
 
     def test_strict_warns_about_unused_rules(self):
         rules = Rules([(".*", REPLICATE), ("never", "x -> x*")], strict=True)
-        with pytest.warns(EinshardWarning, match=r"rules that matched no leaf: \('never', 'x -> x\*'\)"):
+        with pytest.warns(EinshardWarning, match=r"unused rules \(they decided no leaf\): \('never', 'x -> x\*'\)"):
             einshard.shard_pytree(self.tree, rules)
         with warnings.catch_warnings():
             warnings.simplefilter("error")

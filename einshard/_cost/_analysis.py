@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import re
 import time
 from collections.abc import Iterator
 
@@ -82,12 +81,11 @@ def _read(call: StepCall, compiled: Compiled) -> StepReport:
     flops = compiled.flops()
     analysis_seconds = time.perf_counter() - start
     report = report_of(rows, n, mesh, memory, flops, compiled.seconds, analysis_seconds, findings)
-    if call.unused:
+    if call.unmatched:
         below = {path.partition("/")[2] for path in call.paths}  # as shard_pytree sees an argument
-        relative = tuple(
-            rule.pattern for rule in call.unused if any(re.search(rule.pattern, p) for p in below)
-        )
-        unmatched = tuple(rule.pattern for rule in call.unused)
+        unmatched_below = set(call.table.unmatched_rules(below))
+        relative = tuple(rule.pattern for rule in call.unmatched if rule not in unmatched_below)
+        unmatched = tuple(rule.pattern for rule in call.unmatched)
         report = dataclasses.replace(report, unmatched_rules=unmatched, relative_rules=relative)
     return report
 

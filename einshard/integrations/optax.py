@@ -764,7 +764,7 @@ def explain_opt_state(
         sources = placed.sources
     else:
         count = n_devices if n_devices is not None else call_devices(devices).count
-        assignments = [a for _, a in assign_rules(params, as_rules(rules), n_devices=count)[0]]
+        assignments = [a for _, a in assign_rules(params, as_rules(rules), n_devices=count)[0].leaves]
         paths = flatten_with_paths(params)[1]
         sources = [
             _Param(path, None, None) if a is None else _Param(path, a.shape, a.layout.spec)
