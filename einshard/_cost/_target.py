@@ -55,7 +55,7 @@ TPU_EXTRA = "einshard[tpu-target]"
 GPUS_PER_HOST = 8  # an HGX / DGX board: NVLink joins the 8 GPUs of a host
 
 # The efficiency a compute estimate assumes: the achieved fraction of the peak FLOP/s. On one
-# H200 (2026-11-26, ../shared/accelerators/gpu_time_mem.py), bf16 GPT steps of 4 x 1024,
+# H200 (timed on 2026-11-26, jitted training steps), bf16 GPT steps of 4 x 1024,
 # 8 x 2048 and 8 x 4096 (layers x hidden) ran at 0.085, 0.062 and 0.12 of 989 TFLOP/s; the
 # middle of the three is the default.
 DEFAULT_EFFICIENCY = 0.085
