@@ -287,7 +287,7 @@ def test_the_scan_finds_the_messages():
         "the expression names  axes besides '...', but the array has ",
         "axes  are on the left-hand side but not on the right",
         " devices leave a factor of  for  starred elements, which is not a whole ",
-        "rules that matched no leaf: ",
+        "unused rules (they decided no leaf): ",
     ):
         assert expected in texts, expected
     vague = [str(m) for m in MESSAGES if not re.search(r"\w", _literal(m.template))]

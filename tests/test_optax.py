@@ -614,6 +614,23 @@ def test_lookahead_fast_state_follows_the_fast_params_not_the_slow(params):
     assert report.replication_overhead < 1.5
 
 
+def test_optax_s_placeholder_params_are_not_logged_and_absl_s_level_stays(params, caplog):
+    """optax's tree_map_params inits lookahead with placeholder params, which lookahead logs have no
+    ``fast``: that notice is dropped for the call by a filter, not by raising absl's level for all."""
+    import logging
+
+    absl = logging.getLogger("absl")
+    level, filters = absl.level, list(absl.filters)
+    fast = einshard.shard_pytree(params, RULES)
+    tx = optax.lookahead(optax.adam(1e-2), 2, 0.5)
+    with caplog.at_level(logging.WARNING):
+        init_opt_state(tx, optax.LookaheadParams(fast, fast))
+        assert not [r for r in caplog.records if "has no attribute `fast`" in r.getMessage()]
+        assert (absl.level, absl.filters) == (level, filters)
+        tx.init(params)  # the user's own params without `fast`: lookahead's notice shows
+        assert [r for r in caplog.records if "has no attribute `fast`" in r.getMessage()]
+
+
 def test_a_restored_lookahead_state_follows_the_fast_params_by_structure(params):
     """Without the optimizer (a restored state), its fast state is found as a copy of ``params.fast``."""
     fast = einshard.shard_pytree(params, RULES)

@@ -565,7 +565,7 @@ def test_plan_reads_the_tensor_parallel_tables_from_the_step():
         row = rows[name]
         assert row.model_parallel and row.split_share >= 0.5 and not row.splits_little, name
         assert all(rule.note for rule in row.strategy), name
-        assert not row.unused_rules, name
+        assert not row.unmatched_rules, name
     assert rows["data parallel"].split_share == 0 and not rows["data parallel"].model_parallel
     assert rows["fsdp"].split_share > 0.9  # FSDP splits over all devices (no model axis)
     text = str(plan)
@@ -577,11 +577,11 @@ def test_a_model_parallel_candidate_that_splits_little_says_so():
     named = strategies.tensor_parallel()  # by layer names: none of them is in this model
     plan = einshard.plan(step, params, batch, candidates=[strategies.data_parallel(), named], bandwidth=1e10)
     row = next(row for row in plan.rows if row.name == "tensor parallel")
-    assert row.split_share == 0 and row.splits_little and len(row.unused_rules) == 5
+    assert row.split_share == 0 and row.splits_little and len(row.unmatched_rules) == 5
     text = str(plan)
     assert "splits only 0%" in text and "fits" not in text.split("tensor parallel")[1].splitlines()[0]
     assert "tensor parallel splits only 0% of the parameter bytes over its model axis" in text
-    assert "tensor parallel: 5 rules matched no parameter" in text
+    assert "tensor parallel: 5 unmatched rules (matching no parameter's path)" in text
     # explain flags the same rules: their regexes match no path of this tree at all.
     report = einshard.explain(params, named)
     assert len(report.unmatched_rules) == 5 and "5 rules match no path of this tree" in str(report)
@@ -646,15 +646,22 @@ def test_a_hybrid_split_counts_only_the_model_axis():
 
 def test_a_plan_resolves_the_step_and_flattens_the_params_once(monkeypatch):
     """One StepCall per plan: the roles reader, every candidate's table and compile, and the split
-    shares use its one resolution and flattening (default candidates: the derived tables too)."""
+    shares use its one resolution and flattening (default candidates: the derived tables too), and
+    each candidate's one assignment (the compile's, which the split share reuses)."""
     import sys
 
     from einshard._cost import _call
-    from einshard._trees import _paths
+    from einshard._trees import _assign, _paths
 
-    resolved, flattened = [], []
-    resolve, flatten = _call.resolve_step, _paths.flatten_with_paths
+    resolved, flattened, assigned = [], [], []
+    resolve, flatten, assign = _call.resolve_step, _paths.flatten_with_paths, _assign.assign_leaves
     monkeypatch.setattr(_call, "resolve_step", lambda fn: resolved.append(fn) or resolve(fn))
+
+    def counting_assign(paths, leaves, rules, **kwargs):
+        assigned.append(rules)
+        return assign(paths, leaves, rules, **kwargs)
+
+    monkeypatch.setattr(_assign, "assign_leaves", counting_assign)
 
     def counting_flatten(tree, *args, **kwargs):
         flattened.append(tree)
@@ -668,3 +675,6 @@ def test_a_plan_resolves_the_step_and_flattens_the_params_once(monkeypatch):
     assert len(plan.rows) >= 3 and any(row.report is not None for row in plan.rows)
     assert resolved == ["tests.test_planner:sgd_step"]
     assert len(flattened) == 1  # the step's arguments, in StepCall.of
+    candidates = [row.strategy for row in plan.rows]
+    assert len(assigned) == len(candidates)  # once per candidate: for its compile, and its split share
+    assert {len(table) for table in assigned} == {len(strategy) + 1 for strategy in candidates}  # + batch

@@ -47,8 +47,8 @@ class Layer:
 
 
 def paths_of(tree):
-    assigned, _, _ = einshard._trees._assign.assign_rules(tree, [(".*", REPLICATE)], n_devices=N_DEVICES)
-    return [assignment.path for _, assignment in assigned if assignment is not None]
+    assignment, _ = einshard._trees._assign.assign_rules(tree, [(".*", REPLICATE)], n_devices=N_DEVICES)
+    return [leaf.path for _, leaf in assignment.leaves if leaf is not None]
 
 
 class TestPaths:
@@ -183,6 +183,29 @@ def test_a_table_decides_as_the_first_search(patterns, path):
     assert [r.index for r in rules.matches(path)] == [i for i, p in enumerate(patterns) if re.search(p, path)]
 
 
+class TestUnusedAndUnmatched:
+    """*Unused*: decided no leaf (the assignment says); *unmatched*: matches no path (the table says)."""
+
+    def test_unmatched_rules_match_no_path_and_the_catch_all_matches_all(self):
+        rules = Rules([("w$", "x -> x*"), ("typo$", "x -> x*"), ("layers/1/w", "x -> x*"), (".*", REPLICATE)])
+        paths = ["layers/0/w", "layers/2/w", "layers/0/b"]
+        # A table naming a digit is not digit-blind: 'layers/1/w' is looked for as written.
+        assert [rule.pattern for rule in rules.unmatched_rules(paths)] == ["typo$", "layers/1/w"]
+        assert [rule.pattern for rule in rules.matching_all(paths)] == [".*"]
+        assert rules.unmatched_rules([]) == tuple(rules) and rules.matching_all([]) == ()
+        blind = Rules([(r"layers/\d+/w$", "x -> x*"), ("b$", REPLICATE)])
+        assert blind.unmatched_rules(f"layers/{i}/w" for i in range(100)) == (blind[1],)
+
+    def test_an_unused_rule_that_matches_is_not_unmatched(self):
+        tree = {"w": np.zeros((8, 8))}
+        rules = Rules([("w", REPLICATE), ("w$", "x y -> x y*"), ("bias", "x -> x*")])
+        assignment, _ = einshard._trees._assign.assign_rules(tree, rules, n_devices=N_DEVICES)
+        assert [rule.pattern for rule in assignment.unused] == ["w$", "bias"]
+        assert [rule.pattern for rule in assignment.unmatched] == ["bias"]
+        report = einshard.explain(tree, rules, n_devices=N_DEVICES)
+        assert (report.unused_rules, report.unmatched_rules) == (assignment.unused, assignment.unmatched)
+
+
 class TestPolicies:
     tree = {"w": np.ones((3, 2 * N_DEVICES), np.float32), "norm": np.ones(4, np.float32)}
 
@@ -242,7 +265,8 @@ class TestPolicies:
 
     def test_strict_warns_about_unused_rules(self):
         rules = Rules([(".*", REPLICATE), ("never", "x -> x*")], strict=True)
-        with pytest.warns(EinshardWarning, match=r"rules that matched no leaf: \('never', 'x -> x\*'\)"):
+        unused = r"unused rules \(they decided no leaf\): \('never', 'x -> x\*'\)"
+        with pytest.warns(EinshardWarning, match=unused):
             einshard.shard_pytree(self.tree, rules)
         with warnings.catch_warnings():
             warnings.simplefilter("error")

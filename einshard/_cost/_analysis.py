@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import re
 import time
 from collections.abc import Iterator
 
@@ -41,7 +40,9 @@ def analyse(call: StepCall, rules: RulesLike | None, target: Target | None = Non
         placed = call.with_rules(rules)
     elif on_target:
         replicated = call.with_rules(Rules([(".*", REPLICATE)]))
-        placed = dataclasses.replace(replicated, layouts=call.layouts, table=call.table, unused=call.unused)
+        placed = dataclasses.replace(
+            replicated, layouts=call.layouts, table=call.table, unmatched=call.unmatched
+        )
     else:
         placed = call
     compiled = compile_step(placed)
@@ -107,12 +108,11 @@ def _read(call: StepCall, compiled: Compiled, *, matmul_flops: bool = False) -> 
     report = report_of(rows, n, mesh, memory, flops, compiled.seconds, analysis_seconds, findings)
     if matmul_flops:  # a target's program: the order its kernels run in, to simulate its time
         report = dataclasses.replace(report, schedule=_timing.schedule_of(module))
-    if call.unused:
+    if call.unmatched:
         below = {path.partition("/")[2] for path in call.paths}  # as shard_pytree sees an argument
-        relative = tuple(
-            rule.pattern for rule in call.unused if any(re.search(rule.pattern, p) for p in below)
-        )
-        unmatched = tuple(rule.pattern for rule in call.unused)
+        unmatched_below = set(call.table.unmatched_rules(below))
+        relative = tuple(rule.pattern for rule in call.unmatched if rule not in unmatched_below)
+        unmatched = tuple(rule.pattern for rule in call.unmatched)
         report = dataclasses.replace(report, unmatched_rules=unmatched, relative_rules=relative)
     return report
 

@@ -11,14 +11,16 @@ import dataclasses
 import functools
 import importlib
 import inspect
-import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._arrays._leaves import is_traced, nbytes
 from .._language._errors import EinshardError
 from .._trees._paths import flatten_with_paths
 from .._trees._rules import RulesLike
+
+if TYPE_CHECKING:
+    from .._trees._assign import TableAssignment
 
 __all__ = ["StepCall", "abstract", "resolve_step"]
 
@@ -118,7 +120,8 @@ class StepCall:
         layouts: Each leaf's ``Assignment`` under the rules that gave the arguments their shardings
             (``None`` for a leaf that is not an array), or ``None`` without rules.
         table: Those rules, or ``None``.
-        unused: The rules that matched no path (a catch-all that decided no leaf is not one).
+        unmatched: Their *unmatched* rules: those whose regex matches no path of the arguments'
+            array leaves (a catch-all never is one).
     """
 
     given: Callable[..., Any] | str
@@ -132,7 +135,7 @@ class StepCall:
     _treedef: Any
     layouts: tuple[Any, ...] | None = None
     table: Any = None
-    unused: tuple[Any, ...] = ()
+    unmatched: tuple[Any, ...] = ()
 
     @classmethod
     def of(cls, fn: Callable[..., Any] | str, args: tuple, kwargs: dict) -> StepCall:
@@ -202,28 +205,58 @@ class StepCall:
         args, kwargs = jax.tree_util.tree_unflatten(self._treedef, leaves)
         return dataclasses.replace(self, args=tuple(args), kwargs=dict(kwargs), leaves=tuple(leaves))
 
+    @functools.cached_property
+    def _abstract_leaves(self) -> tuple[Any, ...]:
+        return tuple(abstract(leaf) for leaf in self.leaves)  # what the compile traces, and rules see
+
+    @functools.cached_property
+    def _assignments(self) -> dict[tuple[int, int], tuple[Any, Any]]:
+        return {}  # (id of the table, device count) -> (the table, its assignment or its error)
+
+    def assigned(self, rules: RulesLike, n_devices: int) -> TableAssignment:
+        """The table's assignment of the arguments' leaves for ``n_devices`` devices, made once per table.
+
+        The compile's (:meth:`with_rules`) and the planner's split shares share it.
+
+        Raises:
+            EinshardError: As the table raises for these leaves (raised again on every ask).
+        """
+        from .._trees._assign import as_rules, assign_leaves
+
+        table = as_rules(rules)
+        key = (id(table), n_devices)  # the table is held with its answer: its id is not reused
+        if key not in self._assignments:
+            try:
+                done: Any = assign_leaves(self.paths, self._abstract_leaves, table, n_devices=n_devices)
+            except EinshardError as error:
+                done = error
+            self._assignments[key] = (table, done)
+        done = self._assignments[key][1]
+        if isinstance(done, EinshardError):
+            raise done
+        return done
+
     def with_rules(self, rules: RulesLike) -> StepCall:
         """The arguments as ``ShapeDtypeStruct`` leaves with the shardings the rules give them.
 
         The rules see the leaves' paths (``params/layers/0/kernel``), from this call's one
-        flattening: the arguments are not flattened again per table.
+        flattening: the arguments are not flattened again per table, nor assigned again.
         """
         import jax
 
-        from .._trees._assign import as_rules
-        from .._trees._pytrees import path_shardings
+        from .._sharding._devices import call_devices
+        from .._trees._pytrees import assignment_shardings
 
-        leaves = [abstract(leaf) for leaf in self.leaves]
-        assigned, shardings = path_shardings(self.paths, leaves, rules, None)
+        target = call_devices(None)
+        assignment = self.assigned(rules, target.count)
+        shardings = assignment_shardings(assignment, target)
         placed = [
             jax.ShapeDtypeStruct(leaf.shape, traced_dtype(leaf.dtype), sharding=sharding)
             if sharding is not None and is_traced(leaf)
             else leaf
-            for leaf, sharding in zip(leaves, shardings, strict=True)
+            for leaf, sharding in zip(self._abstract_leaves, shardings, strict=True)
         ]
-        layouts = tuple(assignment for _, assignment in assigned)
-        table = as_rules(rules)
-        unused = tuple(
-            rule for rule in table if not any(re.search(rule.pattern, path) for path in self.paths)
+        layouts = tuple(leaf for _, leaf in assignment.leaves)
+        return dataclasses.replace(
+            self.with_leaves(placed), layouts=layouts, table=assignment.table, unmatched=assignment.unmatched
         )
-        return dataclasses.replace(self.with_leaves(placed), layouts=layouts, table=table, unused=unused)

@@ -184,20 +184,19 @@ def find_copied(context: Context) -> list[Finding]:
     }
     layouts = [leaf for leaf in context.layouts if leaf is not None and leaf.path in trained]
     split = [leaf for leaf in layouts if math.prod(leaf.layout.shards) > 1]
-    used = {leaf.rule for leaf in context.layouts if leaf is not None}
-    idle = (
-        [rule for rule in context.table.rules if rule not in used and _splits(rule)] if context.table else []
-    )
+    unmatched = context.table.unmatched_rules(context.paths) if context.table else ()
+    idle = [rule for rule in unmatched if _splits(rule)]
     if not split and not idle:
         return []
     smallest = min((_assignment_bytes(leaf) for leaf in split), default=0)
     ways = max((math.prod(leaf.layout.shards) for leaf in split), default=context.n_devices)
     by_reason: dict[str, list[Any]] = {}
     words: dict[str, str] = {}
+    catch_alls = context.table.matching_all(context.paths) if context.table else ()
     for leaf in layouts:
         if len(leaf.shape) < 2 or math.prod(leaf.layout.shards) > 1 or _assignment_bytes(leaf) < smallest:
             continue
-        why = _why_copied(leaf, context.paths)
+        why = _why_copied(leaf, catch_alls)
         if why is not None:
             by_reason.setdefault(why[0], []).append(leaf)
             words.setdefault(why[0], why[1])
@@ -245,7 +244,7 @@ def _assignment_bytes(leaf: Any) -> int:
     return nbytes(leaf.shape, leaf.dtype)
 
 
-def _why_copied(leaf: Any, paths: Sequence[str]) -> tuple[str, str] | None:
+def _why_copied(leaf: Any, catch_alls: Sequence[Any]) -> tuple[str, str] | None:
     """Why the table copies a leaf it was not told to copy: a kind, and words.
 
     ``None`` when a rule says to copy it.
@@ -259,8 +258,7 @@ def _why_copied(leaf: Any, paths: Sequence[str]) -> tuple[str, str] | None:
     if rule is None:
         return "unmatched", "no rule matches them (the table's policy replicates such leaves)"
     # A rule that matches every leaf (the table's catch-all) was not written for this one.
-    pattern = re.compile(rule.pattern)
-    if paths and all(pattern.search(p) for p in paths):
+    if rule in catch_alls:
         return "catch-all", f"only the catch-all rule {rule} matches them"
     return None
 

@@ -37,7 +37,7 @@ def find_repeated(context: Context, extra: set[int]) -> list[Finding]:
         family = "gather" if row.kind == "all-gather" else "reduce"
         by_param.setdefault((row.param, family, row.group_size), []).append(position)
     out = []
-    gathered: dict[tuple[str, ...], list[tuple[str, list[int], int]]] = {}
+    gathered: dict[tuple[str, tuple[str, ...]], list[tuple[str, list[int], int]]] = {}  # (why, sources)
     for (param, family, _), candidates in by_param.items():
         if len(candidates) < 2:
             continue

@@ -5,20 +5,12 @@ The step is compiled for its arguments' shardings with public JAX calls
 ``.cost_analysis()``); ``_hlo`` reads the program text. With ``n_devices=N`` the same happens in
 a child process with ``N`` simulated CPU devices.
 
-The cost folder, in the order its modules import each other:
-
-* ``_hlo``: reads the compiled program's text (pure: no JAX);
-* ``_call``: the step and its arguments, flattened and named once (:class:`StepCall`);
-* ``_compile``: compiles the step; the compiled program's mesh, memory and flops;
-* ``_report``: :class:`StepRow`, :class:`Finding`, :class:`StepReport`, the ring formulas,
-  estimates, the table;
-* ``_target``: what a report is compiled for (CPU devices, a GPU, a TPU) and its figures;
-* ``_attribution``: each collective as rows, with its mesh axes, phase and parameter;
-* ``_findings``: the waste in them (:class:`Finding`), from the data flow and the compiler's messages;
-* ``_analysis``: one report (compile, read, attribute, total), or an :class:`Answer` per table;
-* ``_child``: the same in a child process with another device count;
-* ``_step`` (here): ``explain_step``, and :func:`reports`, what the planner calls;
-* ``_strategies``, ``_planner``: candidate tables and their ranking.
+Which module of the cost folder decides what (reading the program's text, the step's call, the
+compile and its target, attributing collectives over the program's dataflow, the detectors of
+waste, the report, its printing and its time) is the layer table of the design note,
+``einshard/README.md``: one row per module, held to the code by ``tests/test_layers.py``, so a
+module added or moved shows there. This module is ``explain_step``, and :func:`reports`, what the
+planner (``einshard._planning``) calls.
 """
 
 from __future__ import annotations

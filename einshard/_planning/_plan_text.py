@@ -112,12 +112,13 @@ def _footer(plan: Plan) -> list[str]:
                 f"{row.name} splits only {row.split_share:.0%} of the parameter bytes over its model axis "
                 f"of {row.strategy.model or plan.n_devices}: the rest is replicated or split as FSDP"
             )
-        if row.unused_rules:
-            listed = ", ".join(repr(rule.pattern) for rule in row.unused_rules[:5])
-            more = f" and {len(row.unused_rules) - 5} more" if len(row.unused_rules) > 5 else ""
-            count = len(row.unused_rules)
+        if row.unmatched_rules:
+            listed = ", ".join(repr(rule.pattern) for rule in row.unmatched_rules[:5])
+            more = f" and {len(row.unmatched_rules) - 5} more" if len(row.unmatched_rules) > 5 else ""
+            count = len(row.unmatched_rules)
             rejected.append(
-                f"{row.name}: {count} rule{'' if count == 1 else 's'} matched no parameter: {listed}{more}"
+                f"{row.name}: {count} unmatched rule{'' if count == 1 else 's'} "
+                f"(matching no parameter's path): {listed}{more}"
             )
     figures = []
     if plan.bandwidth is not None:

@@ -52,8 +52,9 @@ class PlanRow:
         split_share: The share of the parameters' bytes split over the candidate's model axis
             (tensor parallelism, hybrids), or over all devices (data parallel, FSDP: no model
             axis); ``None`` when its rules do not fit the parameters.
-        unused_rules: The candidate's rules that matched no parameter (a final catch-all
-            ``.*`` left with nothing to catch is not counted).
+        unmatched_rules: The candidate's *unmatched* rules: those whose regex matches no path
+            of the parameters (a layer name the model does not have, a typo; a catch-all never
+            is one).
     """
 
     strategy: Strategy
@@ -61,7 +62,7 @@ class PlanRow:
     rejected: str | None
     index: int = 0
     split_share: float | None = None
-    unused_rules: tuple[Any, ...] = ()
+    unmatched_rules: tuple[Any, ...] = ()
 
     @property
     def model_parallel(self) -> bool:
@@ -331,14 +332,13 @@ def plan(
             answers = reports(call, tables, count, chosen, progress)
         else:
             answers = reports(call, tables, count if isolate or count != local else None, None, progress)
-    params_leaves = call.argument_leaves(0)
-    param_paths = [call.paths[i] for i in params_leaves]
-    param_leaves = [call.leaves[i] for i in params_leaves]
+    param_paths = [call.paths[i] for i in call.argument_leaves(0)]
     rows = []
-    for index, (strategy, answer) in enumerate(zip(strategies, answers, strict=True)):
-        share, unused = _split_share(strategy, param_paths, param_leaves, count)
+    for index, (strategy, table, answer) in enumerate(zip(strategies, tables, answers, strict=True)):
+        share = _split_share(strategy, call, table, count)
+        unmatched = strategy.unmatched_rules(param_paths)
         rejected = None if answer.report is not None else _reason(answer.error)
-        rows.append(PlanRow(strategy, answer.report, rejected, index, share, unused))
+        rows.append(PlanRow(strategy, answer.report, rejected, index, share, unmatched))
         if candidates is not None and answer.report is not None:  # a table the user wrote
             caller = f"plan (candidate {strategy.name!r})"
             warn_if_only_catch_all(strategy, answer.report, caller, relative_only=True)
@@ -351,29 +351,28 @@ def _with_batch(strategy: Strategy, batch_name: str) -> Rules:
     return Rules([batch_rule, *strategy.pairs()], **strategy._policies())
 
 
-def _split_share(
-    strategy: Strategy, paths: Sequence[str], leaves: Sequence[Any], n_devices: int
-) -> tuple[float | None, tuple[Any, ...]]:
-    """The share of ``params``' bytes the strategy splits over its model axis, and its unused rules.
+def _split_share(strategy: Strategy, call: StepCall, table: Rules, n_devices: int) -> float | None:
+    """The share of ``params``' bytes the strategy splits over its model axis (as ``table``: with the batch).
 
     A leaf counts when the devices of one model group (``model`` neighbours in the device
     order) hold different blocks of it along an axis that the data groups do not split too:
     a weight split over all devices (FSDP inside a hybrid) is not split over the model axis.
-    Without a model axis (data parallel, FSDP), the share split over all devices.
+    Without a model axis (data parallel, FSDP), the share split over all devices. The leaves'
+    layouts are the compile's (one assignment per table: :meth:`StepCall.assigned`); ``None``
+    when the table does not fit the arguments.
     """
-    from .._trees._assign import assign_leaves
-
     try:
-        assigned, unused = assign_leaves(paths, leaves, strategy, n_devices=n_devices)
+        assignment = call.assigned(table, n_devices)
     except EinshardError:
-        return None, ()
+        return None
     model = strategy.model or n_devices
     if n_devices % model:
-        return None, ()
+        return None
     groups = n_devices // model
     seen: dict[int, bool] = {}
     total = split = 0
-    for _, leaf in assigned:
+    for i in call.argument_leaves(0):
+        leaf = assignment.leaves[i][1]
         if leaf is None or not leaf.shape:
             continue
         size = nbytes(leaf.shape, leaf.dtype)
@@ -390,8 +389,7 @@ def _split_share(
             )
             seen[id(layout)] = known
         split += size if known else 0
-    catch_all = [rule for rule in unused if not (rule.catches_all and rule.index == len(strategy) - 1)]
-    return (split / total if total else 0.0), tuple(catch_all)
+    return split / total if total else 0.0
 
 
 def _reason(error: Any) -> str:

@@ -118,14 +118,12 @@ def picture(
         legacy_windows=False,
         soft_wrap=False,
     )
-    for i, (title, table) in enumerate(
-        _tables(rich, layout, shape, labels, kind, scale, min_width, max_width)
-    ):
+    for i, (title, shown, shards, cells) in enumerate(_grids(layout, shape, labels)):
         if i:
             console.print()
         if title is not None:
             console.print(rich.text.Text(title))
-        console.print(table)
+        console.print(_table(rich, shown, shards, cells, kind, scale, min_width, max_width))
     return "\n".join(line.rstrip() for line in buffer.getvalue().rstrip().splitlines())
 
 
@@ -235,17 +233,14 @@ def _grid_inputs(
     return layout, shape, labels, kind
 
 
-def _tables(
-    rich: Any,
-    layout: Layout,
-    shape: tuple[int, ...],
-    labels: tuple[int, ...],
-    kind: str,
-    scale: float,
-    min_width: int,
-    max_width: int,
-) -> list[tuple[str | None, Any]]:
-    """One ``(title, rich table)`` per grid: one grid, or one per block of the leading axes."""
+def _grids(
+    layout: Layout, shape: tuple[int, ...], labels: tuple[int, ...]
+) -> list[tuple[str | None, tuple[int, ...], tuple[int, ...], dict[tuple[int, int], list[int]]]]:
+    """One ``(title, shape, shards, cells)`` per grid to draw: one, or one per block of the leading axes.
+
+    A grid shows the last two axes (``shape`` and ``shards`` of one or two axes); ``cells`` gives
+    the labels of the devices holding each block of them.
+    """
     rank = len(shape)
     n_lead = max(rank - 2, 0)
     lead_shards = layout.shards[:n_lead]
@@ -261,9 +256,7 @@ def _tables(
             cell = (index[0], index[1]) if len(index) == 2 else (0, index[0] if index else 0)
             cells.setdefault(cell, []).append(labels[position])
         title = _title(shape, layout.shards, lead) if n_lead else None
-        shards = layout.shards[n_lead:] or (1,)
-        table = _table(rich, shown, shards, cells, kind, scale, min_width, max_width)
-        result.append((title, table))
+        result.append((title, shown, layout.shards[n_lead:] or (1,), cells))
     return result
 
 

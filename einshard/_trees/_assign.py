@@ -4,10 +4,16 @@ Pure: it needs only a device count, so :func:`~einshard.explain` can lay a tree 
 devices the machine does not have. The table's policies (``unmatched``,
 ``indivisible``) decide the leaves no rule fits. A leaf's errors get its
 context here, once: the path, the shape, the rule and the device count.
+
+The result, a :class:`TableAssignment`, says which of the table's rules are *unused* (they
+decided no leaf) and which are *unmatched* (their regex matches no leaf's path, asked of the
+compiled table: :meth:`~einshard._trees._rules.Rules.unmatched_rules`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -18,7 +24,15 @@ from .._language._layout import Layout, compile_layout
 from ._paths import flatten_with_paths
 from ._rules import Rule, Rules, RulesLike
 
-__all__ = ["Assignment", "as_rules", "assign_leaves", "assign_rules", "describe_leaf", "leaf_context"]
+__all__ = [
+    "Assignment",
+    "TableAssignment",
+    "as_rules",
+    "assign_leaves",
+    "assign_rules",
+    "describe_leaf",
+    "leaf_context",
+]
 
 
 class Assignment(NamedTuple):
@@ -44,35 +58,50 @@ class Assignment(NamedTuple):
     note: str | None = None
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class TableAssignment:
+    """What a table assigns the leaves of a tree: each leaf's rule, and the rules left over.
+
+    Attributes:
+        leaves: Each leaf with its :class:`Assignment` (``None`` for a leaf that passes through:
+            not an array), in the order given.
+        table: The table.
+        unused: The table's *unused* rules: those that decided no leaf (matched none, or only
+            leaves an earlier rule took, or passed over as not dividing).
+    """
+
+    leaves: list[tuple[Any, Assignment | None]]
+    table: Rules
+    unused: tuple[Rule, ...]
+
+    @functools.cached_property
+    def unmatched(self) -> tuple[Rule, ...]:
+        """The table's *unmatched* rules: those whose regex matches no array leaf's path.
+
+        All of them are unused; a final catch-all ``.*`` never is one (while there are leaves).
+        """
+        return self.table.unmatched_rules(a.path for _, a in self.leaves if a is not None)
+
+
 def as_rules(rules: RulesLike) -> Rules:
     """The rule table, built if given as pairs or a dict."""
     return rules if isinstance(rules, Rules) else Rules(rules)
 
 
-def assign_rules(
-    tree: Any, rules: RulesLike, *, n_devices: int
-) -> tuple[list[tuple[Any, Assignment | None]], Any, tuple[Rule, ...]]:
+def assign_rules(tree: Any, rules: RulesLike, *, n_devices: int) -> tuple[TableAssignment, Any]:
     """Assigns every leaf of ``tree`` its rule, by the table and its policies: pure, for any device count.
 
     Returns:
-        ``(leaves, treedef, unused)``: each leaf with its assignment (``None`` for
-        leaves that pass through), the tree structure, and the rules that
-        decided no leaf.
+        The :class:`TableAssignment`, and the tree structure.
     """
     leaves, paths, treedef = flatten_with_paths(tree)
-    assigned, unused = assign_leaves(paths, leaves, rules, n_devices=n_devices)
-    return assigned, treedef, unused
+    return assign_leaves(paths, leaves, rules, n_devices=n_devices), treedef
 
 
 def assign_leaves(
     paths: Sequence[str], leaves: Sequence[Any], rules: RulesLike, *, n_devices: int
-) -> tuple[list[tuple[Any, Assignment | None]], tuple[Rule, ...]]:
-    """:func:`assign_rules` for leaves already flattened with their paths (a step's arguments).
-
-    Returns:
-        ``(leaves, unused)``: each leaf with its assignment (``None`` for leaves that pass
-        through), and the rules that decided no leaf.
-    """
+) -> TableAssignment:
+    """:func:`assign_rules` for leaves already flattened with their paths (a step's arguments)."""
     table = as_rules(rules)
     used: set[int] = set()
     assigned: list[tuple[Any, Assignment | None]] = []
@@ -105,8 +134,7 @@ def assign_leaves(
             if assignment.rule is not None:
                 used.add(assignment.rule.index)
         append((leaf, assignment))
-    unused = tuple(rule for rule in table if rule.index not in used)
-    return assigned, unused
+    return TableAssignment(assigned, table, tuple(rule for rule in table if rule.index not in used))
 
 
 def describe_leaf(path: str, shape: tuple[int, ...]) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 from .._arrays._leaves import nbytes
@@ -53,10 +52,10 @@ class Report:
         n_devices: The device count planned for.
         total_bytes: The bytes of all array leaves (the model, once).
         max_bytes_per_device: The bytes the busiest device holds.
-        unused_rules: The rules that decided no leaf.
-        unmatched_rules: Of those, the rules whose regex matches no path of the tree at all
-            (a layer name the model does not have, a typo); a final catch-all ``.*`` is never
-            one.
+        unused_rules: The *unused* rules: those that decided no leaf.
+        unmatched_rules: Of those, the *unmatched* ones: their regex matches no path of the
+            tree at all (a layer name the model does not have, a typo); a final catch-all ``.*``
+            is never one.
     """
 
     rows: tuple[ReportRow, ...]
@@ -109,9 +108,8 @@ def explain(
     (4198400, 20480)
     """
     count = n_devices if n_devices is not None else call_devices(devices).count
-    assigned, _, unused = assign_rules(tree, rules, n_devices=count)
-    paths = [assignment.path for _, assignment in assigned if assignment is not None]
-    unmatched = tuple(rule for rule in unused if not any(re.search(rule.pattern, path) for path in paths))
+    assignment, _ = assign_rules(tree, rules, n_devices=count)
+    assigned = assignment.leaves
     rows = [
         report_row(
             assignment.path,
@@ -132,8 +130,8 @@ def explain(
         n_devices=count,
         total_bytes=sum(row.bytes for row in rows),
         max_bytes_per_device=per_device,
-        unused_rules=unused,
-        unmatched_rules=unmatched,
+        unused_rules=assignment.unused,
+        unmatched_rules=assignment.unmatched,
     )
 
 

@@ -70,20 +70,40 @@ _WRAPPER_FINDERS: list[Callable[[], None]] = []
 def flatten_with_paths(tree: Any) -> tuple[list[Any], list[str], Any]:
     """The leaves, their ``/``-joined paths and the tree structure; paths cached per structure."""
     leaves, treedef = flatten_or_explain(jax.tree_util.tree_flatten, tree)
+    return leaves, _paths_of(tree, treedef, None), treedef
+
+
+def flatten_with_key_paths(tree: Any) -> tuple[list[tuple[Any, Any]], list[str], Any]:
+    """:func:`flatten_with_paths` with JAX's key paths too: ``[(key path, leaf)]``, paths, structure.
+
+    One flattening (``tree_flatten_with_path``) gives both, for a caller that needs the key paths
+    (the optax derivations); the ``/``-joined paths are those of :func:`flatten_with_paths`.
+    """
+    path_leaves, treedef = flatten_or_explain(jax.tree_util.tree_flatten_with_path, tree)
+    return path_leaves, _paths_of(tree, treedef, path_leaves), treedef
+
+
+def _paths_of(tree: Any, treedef: Any, path_leaves: list[tuple[Any, Any]] | None) -> list[str]:
+    """The tree's leaf paths, cached per structure; from its key paths when given and no wrapper applies."""
     paths = _PATHS.get(treedef)
-    if paths is None:
-        try:
-            paths = _structure_paths(treedef)
-        except RecursionError:  # deeper than Python's stack: JAX's own (C++) flattening copes
-            paths = None
-        if paths is None:
-            paths = flatten_or_explain(_leaf_paths, tree)
-        _PATHS[treedef] = paths
-        if len(_PATHS) > _PATHS_KEPT:
-            _PATHS.popitem(last=False)
-    else:
+    if paths is not None:
         _PATHS.move_to_end(treedef)
-    return leaves, paths, treedef
+        return paths
+    try:
+        paths = _structure_paths(treedef)
+    except RecursionError:  # deeper than Python's stack: JAX's own (C++) flattening copes
+        paths = None
+    if paths is None and path_leaves is not None:
+        for find in _WRAPPER_FINDERS:
+            find()
+        if not _VALUE_WRAPPERS:  # the key paths at hand are the paths: no second flattening
+            paths = [path_string(key_path) for key_path, _ in path_leaves]
+    if paths is None:
+        paths = flatten_or_explain(_leaf_paths, tree)
+    _PATHS[treedef] = paths
+    if len(_PATHS) > _PATHS_KEPT:
+        _PATHS.popitem(last=False)
+    return paths
 
 
 def _structure_paths(treedef: Any) -> list[str] | None:

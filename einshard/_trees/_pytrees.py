@@ -17,7 +17,7 @@ Equinox's ``eqx.filter_shard``), keep the rules' layouts through every step.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -30,9 +30,9 @@ from .._arrays._place import place_leaves
 from .._language._errors import EinshardError, EinshardWarning, adding_context
 from .._sharding._devices import Devices, call_devices
 from .._sharding._expression_sharding import expression_sharding
-from ._assign import Assignment, as_rules, assign_leaves, assign_rules, leaf_context
+from ._assign import Assignment, TableAssignment, as_rules, assign_rules, leaf_context
 from ._calls import rule_table  # the one home of the builders' argument checks
-from ._rules import Rule, Rules, RulesLike
+from ._rules import RulesLike
 
 __all__ = ["init_sharded", "leaf_shardings", "pytree_shardings", "shard_pytree", "shardings_of"]
 
@@ -104,7 +104,7 @@ def leaf_shardings(
     """Every leaf with its assignment, the tree structure, and each leaf's sharding (``None``: not an array).
 
     The devices are decided once; each kind of leaf (expression, rank)
-    gets its sharding once. Warns about unused rules when the table is strict.
+    gets its sharding once. Warns about the table's unused rules when it is strict.
     """
     table = as_rules(rules)
     shape = tuple(getattr(tree, "shape", ())) if is_array(tree) else ()
@@ -115,40 +115,31 @@ def leaf_shardings(
             "'... -> * ...'); shard_pytree and pytree_shardings take a tree (a dict, a list, a module).",
         )
     target = call_devices(devices)
-    assigned, treedef, unused = assign_rules(tree, table, n_devices=target.count)
-    return assigned, treedef, _shardings(assigned, table, unused, target)
+    assignment, treedef = assign_rules(tree, table, n_devices=target.count)
+    return assignment.leaves, treedef, assignment_shardings(assignment, target)
 
 
-def path_shardings(
-    paths: Sequence[str], leaves: Sequence[Any], rules: RulesLike, devices: Devices | None
-) -> tuple[list[tuple[Any, Assignment | None]], list[NamedSharding | None]]:
-    """:func:`leaf_shardings` for leaves already flattened with their paths (a step's arguments)."""
-    table = as_rules(rules)
-    target = call_devices(devices)
-    assigned, unused = assign_leaves(paths, leaves, table, n_devices=target.count)
-    return assigned, _shardings(assigned, table, unused, target)
+def assignment_shardings(assignment: TableAssignment, target: Any) -> list[NamedSharding | None]:
+    """Each assigned leaf's sharding on the call's devices ``target`` (``None``: not an array).
 
-
-def _shardings(
-    assigned: list[tuple[Any, Assignment | None]], table: Rules, unused: tuple[Rule, ...], target: Any
-) -> list[NamedSharding | None]:
-    """Each assigned leaf's sharding (``None``: not an array), once per kind of leaf."""
-    if table.strict and unused:
-        listed = ", ".join(str(rule) for rule in unused)
-        warnings.warn(f"rules that matched no leaf: {listed}", EinshardWarning, stacklevel=4)
+    Once per kind of leaf (expression, rank). Warns about the table's unused rules when it is strict.
+    """
+    if assignment.table.strict and assignment.unused:
+        listed = ", ".join(str(rule) for rule in assignment.unused)
+        warnings.warn(f"unused rules (they decided no leaf): {listed}", EinshardWarning, stacklevel=4)
     by_kind: dict[tuple[str, int], NamedSharding] = {}  # one lookup per kind of leaf
     shardings: list[NamedSharding | None] = []
     append, of_kind = shardings.append, by_kind.get
-    for _, assignment in assigned:
-        if assignment is None:
+    for _, leaf in assignment.leaves:
+        if leaf is None:
             append(None)
             continue
-        key = (assignment.expression, len(assignment.shape))
+        key = (leaf.expression, len(leaf.shape))
         sharding = of_kind(key)
         if sharding is None:
-            path, shape, rule = assignment.path, assignment.shape, assignment.rule
+            path, shape, rule = leaf.path, leaf.shape, leaf.rule
             with adding_context(leaf_context, path, shape, rule, target.describe()):
-                _, sharding = expression_sharding(assignment.expression, len(shape), target)
+                _, sharding = expression_sharding(leaf.expression, len(shape), target)
             by_kind[key] = sharding
         append(sharding)
     return shardings

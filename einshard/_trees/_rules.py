@@ -104,7 +104,7 @@ class Rules:
         indivisible: What to do when a leaf's axis does not divide by its
             shard count: ``'error'`` (the default), ``'replicate'``, or
             ``'next'`` (use the next matching rule that fits).
-        strict: Warn about rules that matched no leaf (default ``False``).
+        strict: Warn about *unused* rules, those that decided no leaf (default ``False``).
 
     The policies belong to the table: every function that takes one applies
     them. :meth:`replace` makes a variant for one call
@@ -217,6 +217,22 @@ class Rules:
             if regex.search(path):
                 yield rule
 
+    def unmatched_rules(self, paths: Iterable[str]) -> tuple[Rule, ...]:
+        """The table's *unmatched* rules: those whose regex matches none of ``paths``, in table order.
+
+        Often a typo, or a layer name the model does not have. A rule that matches a path and
+        still decides no leaf (an earlier rule wins, or it does not divide) is *unused*, not
+        unmatched: the assignment says which rules are unused
+        (:attr:`~einshard._trees._assign.TableAssignment.unused`).
+        """
+        unmatched, _ = self._table.coverage(paths)
+        return tuple(self.rules[i] for i in unmatched)
+
+    def matching_all(self, paths: Iterable[str]) -> tuple[Rule, ...]:
+        """The rules whose regex matches every one of ``paths`` (none when there are none)."""
+        _, everywhere = self._table.coverage(paths)
+        return tuple(self.rules[i] for i in everywhere)
+
 
 class _Table:
     """A compiled table, shared by every :class:`Rules` built from the same pairs.
@@ -245,6 +261,26 @@ class _Table:
             if len(self.memo) < 1_000_000:  # paths of one model are few; bound it anyway
                 self.memo[key] = self.memo[path] = index
         return index
+
+    def coverage(self, paths: Iterable[str]) -> tuple[list[int], list[int]]:
+        """The indices of the rules that match none of ``paths``, and of those that match all.
+
+        A digit-blind table reads the paths of one digit pattern once (``layers/0/w`` for them all).
+        """
+        none = list(range(len(self.compiled)))
+        every = list(none)
+        seen: set[str] = set()
+        for path in paths:
+            if type(path) is not str:
+                _refuse_path(path)
+            key = _digits_to_zero(path) if self.digit_blind else path
+            if key in seen:
+                continue
+            seen.add(key)
+            hits = {i for i in set(none) | set(every) if self.compiled[i].search(key)}
+            none = [i for i in none if i not in hits]
+            every = [i for i in every if i in hits]
+        return none, (every if seen else [])
 
     def search(self, path: str) -> int:
         """The first matching rule's index, or -1, searching rule by rule, without the memo."""

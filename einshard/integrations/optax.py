@@ -68,9 +68,9 @@ from .._language._layout import carried_expression, compile_layout
 from .._language._text import size_text
 from .._sharding._devices import Devices, call_devices
 from .._sharding._mesh import spec_entries, spec_expression, spec_split
-from .._trees._assign import as_rules, assign_rules
+from .._trees._assign import as_rules, assign_leaves
 from .._trees._explain import Report, report_row
-from .._trees._paths import flatten_or_explain, flatten_with_paths
+from .._trees._paths import flatten_or_explain, flatten_with_key_paths, flatten_with_paths
 from .._trees._rules import RulesLike
 
 __all__ = ["explain_opt_state", "init_opt_state", "init_sharded", "opt_state_shardings", "shard_opt_state"]
@@ -318,8 +318,7 @@ def _derivations(
     for path, node in _parameter_copies(tx, opt_state):
         matcher.visit(node, path)
     fields = _adafactor_fields(opt_state)
-    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
-    _, paths, _ = flatten_with_paths(opt_state)
+    path_leaves, paths, treedef = flatten_with_key_paths(opt_state)  # one flattening: keys and paths
     derived = []
     for (key_path, leaf), path in zip(path_leaves, paths, strict=True):
         key_path = tuple(key_path)
@@ -339,18 +338,23 @@ class _Copy:
         self.value = value
 
 
+def _not_lookahead_notice(record: logging.LogRecord) -> bool:
+    """Drops lookahead's notice that the params have no ``fast`` (optax's placeholders, not the user's)."""
+    return "has no attribute `fast`" not in str(record.msg)
+
+
 def _parameter_copies(tx: Initable | None, opt_state: Any) -> list[tuple[KeyPath, Any]]:
     """Where the state keeps copies of the parameter tree: optax says, if it can; else search it all."""
     if tx is None:
         return [((), opt_state)]
-    absl, level = logging.getLogger("absl"), logging.getLogger("absl").level
-    absl.setLevel(logging.ERROR)  # lookahead logs that the placeholder params have no `fast`
+    absl = logging.getLogger("absl")
+    absl.addFilter(_not_lookahead_notice)  # the logger's level stays: other messages still show
     try:
         marked = optax.tree_utils.tree_map_params(tx, _Copy, opt_state, is_leaf=lambda _: True)
     except Exception:  # an optimizer whose init does not take optax's placeholder params
         return [((), opt_state)]
     finally:
-        absl.setLevel(level)
+        absl.removeFilter(_not_lookahead_notice)
     found = jax.tree_util.tree_flatten_with_path(marked, is_leaf=lambda node: isinstance(node, _Copy))[0]
     return [(tuple(path), node.value) for path, node in found if isinstance(node, _Copy)]
 
@@ -383,7 +387,7 @@ def check_params_for_state(opt_state: Any, params: Any) -> None:
     part of the state must have the params' structure.
     """
     leaves = flatten_or_explain(jax.tree_util.tree_leaves, params)
-    not_arrays = [leaf for leaf in leaves if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype"))]
+    not_arrays = [leaf for leaf in leaves if not is_array(leaf)]
     if not leaves or not_arrays:
         what = f"{type(params).__name__}" if not leaves else f"a tree holding {short_repr(not_arrays[0])}"
         raise EinshardError(
@@ -395,7 +399,7 @@ def check_params_for_state(opt_state: Any, params: Any) -> None:
     state_shapes = {
         tuple(leaf.shape)
         for leaf in jax.tree_util.tree_leaves(opt_state)
-        if hasattr(leaf, "shape") and math.prod(leaf.shape) > 1
+        if is_array(leaf) and math.prod(leaf.shape) > 1
     }
     if (
         state_shapes
@@ -764,8 +768,9 @@ def explain_opt_state(
         sources = placed.sources
     else:
         count = n_devices if n_devices is not None else call_devices(devices).count
-        assignments = [a for _, a in assign_rules(params, as_rules(rules), n_devices=count)[0]]
-        paths = flatten_with_paths(params)[1]
+        param_leaves, paths, _ = flatten_with_paths(params)  # one flattening: the rules' and the rows'
+        assigned = assign_leaves(paths, param_leaves, as_rules(rules), n_devices=count)
+        assignments = [a for _, a in assigned.leaves]
         sources = [
             _Param(path, None, None) if a is None else _Param(path, a.shape, a.layout.spec)
             for path, a in zip(paths, assignments, strict=True)
