@@ -12,10 +12,11 @@ from collections.abc import Iterator
 from .._language._errors import EinshardError
 from .._trees._rules import RulesLike
 from . import _hlo
-from ._attribution import Flow, attributed_rows
+from ._attribution import attributed_rows
 from ._call import StepCall
 from ._compile import Compiled, compile_step, cpu_flops
 from ._findings import find_waste
+from ._flow import Flow
 from ._report import StepReport, report_of
 from ._target import Target
 
