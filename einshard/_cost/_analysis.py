@@ -120,9 +120,7 @@ def _parameter_paths(module: _hlo.Module, call: StepCall) -> list[str | None]:
     """
     paths = call.array_paths
     parameters = {
-        int(i.operands[0]): i
-        for i in module.computations[module.entry]
-        if i.opcode == "parameter" and i.operands and i.operands[0].isdigit()
+        i.parameter_number: i for i in module.computations[module.entry] if i.parameter_number is not None
     }
     if len(parameters) == len(paths):
         return list(paths)

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from collections.abc import Sequence
 
 from . import _hlo
-from ._flow import _THROUGH, Flow, Origin, _operand_shape
+from ._flow import THROUGH, Flow, Origin, operand_shape
 from ._report import RING, StepRow
 
 __all__ = ["attributed_rows", "mesh_axes"]
@@ -65,9 +64,6 @@ def _phase(op_name: str, has_grad: bool) -> str:
     return "optimizer" if "/" in op_name else ""
 
 
-_TRANSPOSED = re.compile(r'op_name="[^"]*transpose\(')
-
-
 def attributed_rows(
     module: _hlo.Module,
     flow: Flow,
@@ -85,7 +81,7 @@ def attributed_rows(
     found = _hlo.collectives(module)
     origins: list[Origin] = []
     # A backward pass shows as op names 'transpose(jvp(...))'; the raw text is enough to tell.
-    has_grad = module.mentions(_TRANSPOSED)
+    has_grad = module.op_names_mention("transpose(")
     forward_read = flow.forward_read(has_grad) if has_grad and paths is not None else set()
     rows = []
     for collective in found:
@@ -100,7 +96,7 @@ def attributed_rows(
         if pieces is not None:
             arrays = [(piece.shape, piece.operand, piece.value) for piece in pieces]
         else:
-            inputs = [s for s in (_operand_shape(flow, o) for o in instruction.operands) if s is not None]
+            inputs = [s for s in (operand_shape(flow, o) for o in instruction.operands) if s is not None]
             outputs = list(instruction.shapes)
             if instruction.opcode.endswith("-start") or len(outputs) != len(inputs):
                 outputs = [_output_of(collective.kind, s, instruction, group_size) for s in inputs]
@@ -125,7 +121,7 @@ def attributed_rows(
                 parameter = None
                 if operand is not None and operand in flow.entry:
                     parameter = flow.parameter(operand)
-                    if parameter is not None and flow.parameter_size(parameter) != flow._size(operand):
+                    if parameter is not None and flow.parameter_size(parameter) != flow.size_of(operand):
                         parameter = None  # a value computed from a parameter is not that parameter
                 backward = _phase(op_name, has_grad) == "backward"
                 if parameter is None and collective.kind in ("all-reduce", "reduce-scatter") and backward:
@@ -174,7 +170,7 @@ def _array_source(flow: Flow, operand: str | None) -> str | None:
         _, file, line = flow.module.source(instruction)
         if file is not None and line is not None:
             return f"{file}:{line}"
-        if instruction.opcode not in _THROUGH or not instruction.operands:
+        if instruction.opcode not in THROUGH or not instruction.operands:
             return None
         name = instruction.operands[0]
     return None
@@ -209,8 +205,7 @@ def _user_phase(
 
 def _output_of(kind: str, shape: _hlo.Shape, instruction: _hlo.Instruction, n: int) -> _hlo.Shape:
     dims = list(shape.dims)
-    dimension = instruction.attribute("dimensions")
-    axis = int(dimension.strip("{}").split(",")[0]) if dimension and dimension.strip("{}") else 0
+    axis = (instruction.dimensions or (0,))[0]
     if kind == "all-gather" and dims:
         dims[axis] *= n
     elif kind == "reduce-scatter" and dims:

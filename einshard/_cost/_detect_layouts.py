@@ -9,7 +9,7 @@ from fractions import Fraction
 from typing import Any
 
 from .._arrays._leaves import nbytes
-from .._language._expression import split_expression
+from .._language._expression import parse, split_expression
 from .._language._text import size_text
 from ._detect import (
     COPIED,
@@ -106,8 +106,7 @@ def _gathered(context: Context, position: int, fraction: Fraction) -> tuple[str,
     if value is None or n != context.n_devices:
         return "", ""
     gather = context.uses.flow.all.get(row.instruction)
-    dimension = (gather.attribute("dimensions") if gather is not None else None) or "{0}"
-    axis = int(dimension.strip("{}").split(",")[0] or 0)
+    axis = ((gather.dimensions if gather is not None else ()) or (0,))[0]
     sliced = slice_shape(context.uses, value)
     if sliced is None or len(sliced) != len(row.shape):
         return "", ""
@@ -230,8 +229,6 @@ def find_copied(context: Context) -> list[Finding]:
 
 def _splits(rule: Any) -> bool:
     """Whether a rule's expression splits an axis (a shape-dependent rule may)."""
-    from .._language._expression import parse
-
     if not isinstance(rule.expression, str):
         return True
     return any(
@@ -241,7 +238,6 @@ def _splits(rule: Any) -> bool:
 
 
 def _assignment_bytes(leaf: Any) -> int:
-
     return nbytes(leaf.shape, leaf.dtype)
 
 

@@ -7,14 +7,13 @@ detectors of waste ask it.
 from __future__ import annotations
 
 import dataclasses
-import re
 
 from . import _hlo
 
-__all__ = ["Flow", "Origin", "Piece"]
+__all__ = ["THROUGH", "Flow", "Origin", "Piece", "operand_shape"]
 
 # Ops a value passes through unchanged in meaning (a parameter stays that parameter).
-_THROUGH = {
+THROUGH = {
     "get-tuple-element",
     "bitcast",
     "copy",
@@ -25,23 +24,14 @@ _THROUGH = {
     "slice",
 }
 # Ops that combine a gradient with same-shaped state (an optimizer update), elementwise.
-_ELEMENTWISE = _THROUGH | {
+_ELEMENTWISE = THROUGH | {
     "add", "subtract", "multiply", "divide", "negate", "select", "sqrt", "rsqrt", "maximum", "minimum",
     "clamp", "power", "abs", "sign", "exponential", "log", "tanh", "all-reduce", "dynamic-update-slice",
 }  # fmt: skip
-_MIXING = {
-    "dot",
-    "convolution",
-    "reduce",
-    "reduce-window",
-    "scatter",
-    "gather",
-    "sort",
-    "custom-call",
-    "while",
-}
-
-_MIXING_LINE = re.compile(r"\s(?:" + "|".join(sorted(_MIXING, key=len, reverse=True)) + r")\(")
+# Ops that mix elements (a matmul, a loop): a fusion with one is not simple (see Flow.simple).
+_MIXING = frozenset(
+    {"dot", "convolution", "reduce", "reduce-window", "scatter", "gather", "sort", "custom-call", "while"}
+)
 
 
 class _Instructions:
@@ -95,9 +85,7 @@ class Flow:
         self._users: dict[str, dict[str, list[_hlo.Instruction]]] = {}
         self.users = self.users_in(module.entry)
         self.parameters = {
-            int(i.operands[0]): i
-            for i in self.entry.values()
-            if i.opcode == "parameter" and i.operands and i.operands[0].isdigit()
+            i.parameter_number: i for i in self.entry.values() if i.parameter_number is not None
         }
         self._simple: dict[str, bool] = {}
         self._loops: dict[str, list[_hlo.Instruction]] = {}
@@ -107,8 +95,10 @@ class Flow:
         """Whether a computation only moves and combines values elementwise (no matmul, no loop)."""
         simple = self._simple.get(computation)
         if simple is None:
-            lines = self.module.computations.lines.get(computation)  # read as text: not parsed
-            simple = lines is not None and not any(map(_MIXING_LINE.search, lines))
+            # Read from the text: a fusion body is not parsed for this.
+            simple = computation in self.module.computations and not self.module.has_opcode(
+                computation, _MIXING
+            )
             self._simple[computation] = simple
         return simple
 
@@ -137,9 +127,8 @@ class Flow:
             value = done[0]
         if not value.type.startswith("("):
             return value
-        wanted = str(index)
         for user in users.get(value.name, ()):
-            if user.opcode == "get-tuple-element" and user.attribute("index") == wanted:
+            if user.opcode == "get-tuple-element" and user.index == index:
                 return user
         return None
 
@@ -155,10 +144,10 @@ class Flow:
             if instruction is None:
                 return None
             if instruction.opcode == "parameter":
-                return int(instruction.operands[0]) if instruction.operands else None
-            if not self.passes(instruction, _THROUGH):
+                return instruction.parameter_number
+            if not self.passes(instruction, THROUGH):
                 return None
-            big = [o for o in instruction.operands if self._size(o) > 1]
+            big = [o for o in instruction.operands if self.size_of(o) > 1]
             if len(big) != 1:
                 return None
             name = big[0]
@@ -166,9 +155,10 @@ class Flow:
 
     def parameter_size(self, index: int) -> int:
         instruction = self.parameters.get(index)
-        return -1 if instruction is None else self._size(instruction.name)
+        return -1 if instruction is None else self.size_of(instruction.name)
 
-    def _size(self, name: str) -> int:
+    def size_of(self, name: str) -> int:
+        """How many elements value ``name`` has (0: unknown, or a tuple)."""
         instruction = self.all.get(name)
         if instruction is None:
             return 0
@@ -192,7 +182,7 @@ class Flow:
                     if operand in seen:
                         continue
                     parameter = self.parameter(operand)
-                    if parameter is not None and self._size(operand) in sizes:
+                    if parameter is not None and self.size_of(operand) in sizes:
                         candidates.append((depth, parameter))
                 if depth == 0 or self.passes(instruction, _ELEMENTWISE):
                     for user in self.users.get(instruction.name, ()):
@@ -228,9 +218,7 @@ class Flow:
         ):
             return None
         inside = {i.name: i for i in body}
-        numbers = {
-            i.name: int(i.operands[0]) for i in body if i.opcode == "parameter" and i.operands[0].isdigit()
-        }
+        numbers = {i.name: i.parameter_number for i in body if i.parameter_number is not None}
         slices = self._slices(instruction)
         out: list[Piece] = []
         offset = 0
@@ -242,7 +230,7 @@ class Flow:
             if number is None or number >= len(source.operands):
                 return None
             outer = source.operands[number]
-            flat = _operand_shape(self, outer)
+            flat = operand_shape(self, outer)
             if flat is None:
                 return None
             shape = self._unflattened(outer, flat)
@@ -267,11 +255,9 @@ class Flow:
         inside = self.module.computations[instruction.computation]
         if operand is not None:
             parameter = next((i for i in inside if i.name == operand and i.opcode == "parameter"), None)
-            number = parameter.operands[0] if parameter is not None else ""
+            number = parameter.parameter_number if parameter is not None else None
             operand = (
-                caller.operands[int(number)]
-                if number.isdigit() and int(number) < len(caller.operands)
-                else None
+                caller.operands[number] if number is not None and number < len(caller.operands) else None
             )
         root = instruction.root and not instruction.type.startswith("(")
         return operand, self.result(caller, 0) if root else None
@@ -282,11 +268,8 @@ class Flow:
             return None
         callers = self._callers.get(computation)
         if callers is None:
-            pattern = re.compile(r"calls=%?" + re.escape(computation) + r"(?![\w.\-])")
             callers = self._callers[computation] = [
-                i
-                for i in self.entry.values()
-                if ("calls", computation) in i.called and pattern.search(i.attributes)
+                i for i in self.module.callers(computation, "calls") if i.computation == self.module.entry
             ]
         if len(callers) != 1 or callers[0].opcode not in ("fusion", "fusion-start", "async-start"):
             return None
@@ -322,9 +305,9 @@ class Flow:
             root = next((i for i in inside if i.root), inside[-1])
             if root.opcode != "slice":
                 continue
-            bounds = re.fullmatch(r"\{\[(\d+):(\d+)(?::1)?\]\}", (root.attribute("slice") or "").strip())
-            if bounds is not None:
-                out[(int(bounds.group(1)), int(bounds.group(2)))] = user
+            bounds = root.slice_bounds
+            if bounds is not None and len(bounds) == 1:
+                out[bounds[0]] = user
         return out
 
     def _unflattened(self, name: str, flat: _hlo.Shape) -> _hlo.Shape:
@@ -333,7 +316,7 @@ class Flow:
         while (
             instruction is not None and instruction.opcode in ("bitcast", "reshape") and instruction.operands
         ):
-            before = _operand_shape(self, instruction.operands[0])
+            before = operand_shape(self, instruction.operands[0])
             if before is None or before.size != flat.size:
                 break
             flat = before
@@ -372,24 +355,14 @@ class Flow:
             if not indices or len(loops) != 1:
                 return []
             outside = self.users_in(loops[0].computation).get(loops[0].name, ())
-            start = [
-                u
-                for u in outside
-                if u.opcode == "get-tuple-element" and int(u.attribute("index") or -1) in indices
-            ]
+            start = [u for u in outside if u.opcode == "get-tuple-element" and u.index in indices]
         return []
 
     def _loops_of(self, body: str) -> list[_hlo.Instruction]:
         """The ``while`` instructions whose body is ``body`` (found in the text, then parsed)."""
         loops = self._loops.get(body)
         if loops is None:
-            pattern = re.compile(r"body=%?" + re.escape(body) + r"\b")
-            loops = self._loops[body] = [
-                instruction
-                for caller in self.module.containing(pattern)
-                for instruction in self.module.computations[caller]
-                if instruction.opcode == "while" and ("body", body) in instruction.called
-            ]
+            loops = self._loops[body] = [i for i in self.module.callers(body, "body") if i.opcode == "while"]
         return loops
 
     def updated_parameters(self) -> set[int]:
@@ -404,7 +377,7 @@ class Flow:
         outputs = list(root.operands) if root.opcode == "tuple" else [root.name]
         found: set[int] = set()
         for output in outputs:
-            size = self._size(output)
+            size = self.size_of(output)
             if size <= 1:
                 continue
             seen, frontier = {output}, [output]
@@ -416,9 +389,9 @@ class Flow:
                         continue
                     if instruction.opcode == "parameter":
                         # The same size, or a multiple: the update of this device's slice of it.
-                        number = instruction.operands[0] if instruction.operands else ""
-                        if number.isdigit() and self._size(name) % size == 0:
-                            found.add(int(number))
+                        number = instruction.parameter_number
+                        if number is not None and self.size_of(name) % size == 0:
+                            found.add(number)
                         continue
                     if not self.passes(instruction, _ELEMENTWISE):
                         continue
@@ -435,7 +408,8 @@ class Flow:
         """The parameters the forward or backward pass reads (through copies and gathers)."""
         out = set()
         for instruction in self.entry.values():
-            if instruction.opcode != "parameter" or not instruction.operands:
+            number = instruction.parameter_number
+            if number is None:
                 continue
             frontier, depth = [instruction], 0
             while frontier and depth < 4:
@@ -444,14 +418,14 @@ class Flow:
                     for user in self.users.get(value.name, ()):
                         op_name = self.module.source(user)[0]
                         if "jvp(" in op_name:  # forward or backward: not the optimizer's state
-                            out.add(int(instruction.operands[0]))
-                        if self.passes(user, _THROUGH | {"all-gather"}):
+                            out.add(number)
+                        if self.passes(user, THROUGH | {"all-gather"}):
                             following.append(user)
                 frontier, depth = following, depth + 1
         return out
 
 
-def _operand_shape(flow: Flow, name: str) -> _hlo.Shape | None:
+def operand_shape(flow: Flow, name: str) -> _hlo.Shape | None:
     instruction = flow.all.get(name)
     if instruction is None:
         return None

@@ -1,16 +1,20 @@
 """Reading a compiled XLA program's text (``compiled.as_text()``): collectives, loops, sources.
 
-Pure text processing: no JAX, so every format XLA prints is unit-tested on captured snippets
-(tests/test_step.py). What is read:
+The one reader of XLA's text: no other module of the cost model runs a regular expression on
+it (tests/test_layers.py holds them to it); they ask the parsed :class:`Module` and
+:class:`Instruction`. Pure text processing: no JAX, so every format XLA prints is unit-tested on
+captured snippets (tests/test_step.py). What is read:
 
-* computations and their instructions (name, result type, opcode, operands, attributes);
+* computations and their instructions (name, result type, opcode, operands, attributes, a
+  parameter's number, a slice's bounds), and who calls a computation in which role;
 * the collectives (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute; the
   ``-start`` of an async pair counts, its ``-done`` does not) with their device groups, in every
   form XLA prints them: explicit lists ``{{0,1},{2,3}}``, iota ``[2,4]<=[8]`` and
   ``[4,2]<=[2,4]T(1,0)``, and the named-mesh form ``mesh['a'=2,'b'=4] {'b'}`` of newer XLA;
 * how many times each computation runs per step (a ``while`` body: its ``known_trip_count``);
 * where an instruction came from: ``op_name`` and the source file and line, written inline
-  (``source_file=... source_line=...``) or through the stack-frame tables of newer XLA.
+  (``source_file=... source_line=...``) or through the stack-frame tables of newer XLA;
+* the shardings XLA prints, and its message of an involuntary full rematerialization.
 """
 
 from __future__ import annotations
@@ -29,30 +33,81 @@ __all__ = [
     "Collective",
     "Instruction",
     "Module",
+    "Remat",
     "Shape",
     "device_groups",
     "parse_module",
+    "parse_remat",
     "parse_replica_groups",
     "parse_shapes",
 ]
 
-# Opcode -> the collective's kind; the -start of an async pair stands for the pair.
-COLLECTIVES = {
+# --- the text's vocabulary: each opcode family and call role written once; the regexes read from it --
+
+# A collective's opcode -> its kind. Each also runs as an async pair, whose ``-start`` stands for
+# the pair (its ``-done`` carries nothing new).
+_COLLECTIVE_KINDS = {
     "all-reduce": "all-reduce",
-    "all-reduce-start": "all-reduce",
     "all-gather": "all-gather",
-    "all-gather-start": "all-gather",
     "reduce-scatter": "reduce-scatter",
-    "reduce-scatter-start": "reduce-scatter",
-    "all-to-all-start": "all-to-all",
     "all-to-all": "all-to-all",
     "ragged-all-to-all": "all-to-all",
     "collective-permute": "collective-permute",
-    "collective-permute-start": "collective-permute",
 }
+COLLECTIVES = {
+    opcode + suffix: kind for opcode, kind in _COLLECTIVE_KINDS.items() for suffix in ("", "-start")
+}
+# The attribute naming the computations an instruction calls -> the role it calls them in.
+_CALL_ROLES = {
+    "calls": "calls",
+    "body": "body",
+    "condition": "condition",
+    "to_apply": "to_apply",
+    "true_computation": "true_computation",
+    "false_computation": "false_computation",
+    "branch_computations": "branch",
+}
+_CALL_MARKS = tuple(f"{key}=" for key in _CALL_ROLES)  # a line calls no computation without one
 
-_CALL_ROLES = ("calls=", "body=", "condition=", "to_apply=", "_computation=", "branch_computations=")
+
+def _opcode_alternatives(opcodes: Iterable[str]) -> str:
+    """A regex alternation of opcodes, the longest first (``all-reduce-start`` before ``all-reduce``)."""
+    return "|".join(re.escape(opcode) for opcode in sorted(opcodes, key=len, reverse=True))
+
+
+@functools.lru_cache(maxsize=64)
+def _opcode_line(opcodes: frozenset[str]) -> re.Pattern[str]:
+    """Finds an instruction of one of ``opcodes`` in a line of text (without parsing it)."""
+    return re.compile(r"\s(?:" + _opcode_alternatives(opcodes) + r")\(")
+
+
+_SHAPE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,\s]*)\]")
+_TOKENS = re.compile(r'[{}\[\]()",\\]')
+_NAMES = re.compile(r"%?([\w.\-]+)")
+_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_OPCODE = re.compile(r"([\w\-]+)\(")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_ROLE = re.compile(r"(?:^|, )(" + "|".join(map(re.escape, _CALL_ROLES)) + r")=(?:%?([\w.\-]+)|\{([^{}]*)\})")
+_METADATA = re.compile(r'(\w+)=(?:"((?:[^"\\]|\\.)*)"|(\S+?))(?=[\s}]|$)')
+_ASYNC_DONE = re.compile(r"\s[\w\-]+-(?:done|update)\(")
+_TRIP = re.compile(r'"?known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)')
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_COLLECTIVE_LINE = _opcode_line(frozenset(COLLECTIVES))
+_COMPUTATION = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?.*\{\s*$")
+_SLICE = re.compile(r"\[(\d+):(\d+)(?::(\d+))?\]")
+_MESH_AXIS = re.compile(r"'?([^'=,\s\]]+)'?\s*=\s*(\d+)")
+_SUB_AXIS = re.compile(r"'([^']+)'(?::\((\d+)\)(\d+))?")
+_CHAIN = re.compile(r'chain_id="?(\d+)')
+_NAMED_SHARDING = re.compile(r"mesh\[(?P<mesh>[^\]]*)\][^\[]*\[(?P<dims>.*)\]")
+_REMAT = re.compile(
+    r"cannot go from sharding (?P<before>.*?) to (?P<after>.*?) efficiently for HLO operation "
+    r"(?P<op>.*?)(?:\. As the last resort|$)"
+)
+
 _BITS = {"pred": 8, "s4": 4, "u4": 4, "s2": 2, "u2": 2, "c64": 64, "c128": 128, "token": 0}
+
+# einshard's own files: an op made inside einshard is attributed to the user code that called it.
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _bits(dtype: str) -> int:
@@ -85,9 +140,6 @@ class Shape:
         return f"{self.dtype}[{','.join(map(str, self.dims))}]"
 
 
-_SHAPE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,\s]*)\]")
-
-
 def parse_shapes(text: str) -> tuple[Shape, ...]:
     """The array types in a (tuple) type: ``(f32[2]{0}, bf16[3,4]{1,0})`` -> two shapes."""
     return tuple(
@@ -98,7 +150,18 @@ def parse_shapes(text: str) -> tuple[Shape, ...]:
 
 @dataclasses.dataclass
 class Instruction:
-    """One HLO instruction; ``attributes`` is the text after the operand list."""
+    """One HLO instruction; ``attributes`` is the text after the operand list.
+
+    Attributes:
+        name: The value's name (without ``%``).
+        type: Its result type as printed (``f32[8,4]{1,0}``, or a tuple of such).
+        opcode: What it does (``all-reduce``, ``fusion``, ``parameter``...).
+        operands: The names of the values it reads (a parameter reads none).
+        attributes: The text after the operand list.
+        computation: The computation it is in.
+        root: Whether it is its computation's result.
+        parameter_number: A parameter's number in its computation (``parameter(3)``: 3), else ``None``.
+    """
 
     name: str
     type: str
@@ -107,6 +170,7 @@ class Instruction:
     attributes: str
     computation: str
     root: bool = False
+    parameter_number: int | None = None
 
     @functools.cached_property
     def shapes(self) -> tuple[Shape, ...]:
@@ -118,28 +182,48 @@ class Instruction:
 
     @functools.cached_property
     def called(self) -> tuple[tuple[str, str], ...]:
-        """``(role, computation)`` for every computation this instruction calls."""
-        if not any(role in self.attributes for role in _CALL_ROLES):
+        """``(role, computation)`` for every computation this instruction calls (roles: ``_CALL_ROLES``)."""
+        if not any(mark in self.attributes for mark in _CALL_MARKS):
             return ()  # most instructions
         out: list[tuple[str, str]] = []
-        for role in ("calls", "body", "condition", "to_apply", "true_computation", "false_computation"):
-            value = self.attribute(role)
+        for key, role in _CALL_ROLES.items():
+            value = self.attribute(key)
             if value:
                 out += [(role, name) for name in _NAMES.findall(value)]
-        branches = self.attribute("branch_computations")
-        if branches:
-            out += [("branch", name) for name in _NAMES.findall(branches)]
         return tuple(out)
+
+    @property
+    def index(self) -> int | None:
+        """The element a ``get-tuple-element`` takes (``index=2``), or ``None``."""
+        value = self.attribute("index")
+        return int(value) if value is not None and value.isdigit() else None
+
+    @property
+    def dimensions(self) -> tuple[int, ...]:
+        """The ``dimensions={...}`` an instruction works along (a gather's, a reduction's); ``()`` if none."""
+        value = self.attribute("dimensions")
+        return tuple(int(n) for n in value.strip("{}").split(",") if n.strip()) if value else ()
+
+    @property
+    def slice_bounds(self) -> tuple[tuple[int, int], ...] | None:
+        """A ``slice``'s ``(start, stop)`` per dimension (``slice={[0:4], [2:6]}``).
+
+        ``None`` without the attribute, or where a dimension is strided (a step other than 1).
+        """
+        value = self.attribute("slice")
+        if value is None:
+            return None
+        bounds = _SLICE.findall(value)
+        if not bounds or any(step not in ("", "1") for _, _, step in bounds):
+            return None
+        return tuple((int(start), int(stop)) for start, stop, _ in bounds)
 
     @functools.cached_property
     def metadata(self) -> dict[str, str]:
         value = self.attribute("metadata")
         if not value:
             return {}
-        return {
-            k: v1 if v1 else v2
-            for k, v1, v2 in re.findall(r'(\w+)=(?:"((?:[^"\\]|\\.)*)"|(\S+?))(?=[\s}]|$)', value)
-        }
+        return {k: v1 if v1 else v2 for k, v1, v2 in _METADATA.findall(value)}
 
     def trip_count(self) -> int | None:
         """The known trip count of a ``while``, from its backend config, or ``None``."""
@@ -149,14 +233,10 @@ class Instruction:
         try:
             value = json.loads(config)
         except ValueError:
-            match = re.search(r'"?known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)', config)
+            match = _TRIP.search(config)
             return int(match.group(1)) if match else None
         trip = value.get("known_trip_count") if isinstance(value, dict) else None
         return int(trip["n"]) if isinstance(trip, dict) and "n" in trip else None
-
-
-_TOKENS = re.compile(r'[{}\[\]()",\\]')
-_NAMES = re.compile(r"%?([\w.\-]+)")
 
 
 def _attribute(text: str, key: str) -> str | None:
@@ -245,7 +325,7 @@ class Module:
     entry: str
     num_partitions: int
     frames: dict[int, tuple[str, int]]  # stack frame id -> (file, line)
-    callers: dict[int, int] = dataclasses.field(default_factory=dict)  # stack frame id -> its caller's
+    frame_callers: dict[int, int] = dataclasses.field(default_factory=dict)  # stack frame id -> its caller's
 
     def instructions(self) -> dict[str, Instruction]:
         """Every instruction by name (parses the whole module)."""
@@ -274,6 +354,41 @@ class Module:
     @functools.cached_property
     def _by_name(self) -> dict[str, dict[str, Instruction]]:
         return {}
+
+    def callers(self, computation: str, role: str) -> list[Instruction]:
+        """The instructions calling ``computation`` in ``role`` (a role of :attr:`Instruction.called`).
+
+        Found in the text, then only the computations they are in are parsed.
+        """
+        return [
+            instruction
+            for caller in self._calling.get((role, computation), ())
+            for instruction in self.computations[caller]
+            if (role, computation) in instruction.called
+        ]
+
+    @functools.cached_property
+    def _calling(self) -> dict[tuple[str, str], list[str]]:
+        """``(role, callee)`` -> the computations with a line calling it in that role (from the text)."""
+        calling: dict[tuple[str, str], list[str]] = {}
+        for computation, lines in self.computations.lines.items():
+            for line in lines:
+                if not any(mark in line for mark in _CALL_MARKS):
+                    continue
+                for key, callee, branches in _ROLE.findall(line):
+                    for name in _NAMES.findall(branches) if branches else (callee,):
+                        found = calling.setdefault((_CALL_ROLES[key], name), [])
+                        if computation not in found:
+                            found.append(computation)
+        return calling
+
+    def has_opcode(self, computation: str, opcodes: frozenset[str]) -> bool:
+        """Whether ``computation`` has an instruction of one of ``opcodes`` (read from its text, unparsed)."""
+        return any(map(_opcode_line(opcodes).search, self.computations.lines[computation]))
+
+    def op_names_mention(self, text: str) -> bool:
+        """Whether some instruction's op name (JAX's metadata) contains ``text`` (read without parsing)."""
+        return self.mentions(re.compile(r'op_name="[^"]*' + re.escape(text)))
 
     def containing(self, pattern: re.Pattern[str]) -> list[str]:
         """The computations with a line ``pattern`` finds something in (without parsing them)."""
@@ -348,32 +463,13 @@ class Module:
         seen = {frame}
         while (
             file.startswith(_PACKAGE)
-            and self.callers.get(frame) in self.frames
-            and self.callers[frame] not in seen
+            and self.frame_callers.get(frame) in self.frames
+            and self.frame_callers[frame] not in seen
         ):
-            frame = self.callers[frame]
+            frame = self.frame_callers[frame]
             seen.add(frame)
             file, number = self.frames[frame]
         return file, number
-
-
-# einshard's own files: an op made inside einshard is attributed to the user code that called it.
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_OPCODE = re.compile(r"([\w\-]+)\(")
-_OPERAND = re.compile(r"%([\w.\-]+)")
-_ROLE = re.compile(
-    r"(?:^|, )(calls|body|condition|to_apply|true_computation|false_computation|branch_computations)="
-    r"(?:%?([\w.\-]+)|\{([^{}]*)\})"
-)
-_ASYNC_DONE = re.compile(r"\s[\w\-]+-(?:done|update)\(")
-_TRIP = re.compile(r'"?known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)')
-_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
-_COLLECTIVE_LINE = re.compile(
-    r"\s(?:all-reduce|all-gather|reduce-scatter|all-to-all|ragged-all-to-all|collective-permute)(?:-start)?\("
-)
-_COMPUTATION = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?.*\{\s*$")
 
 
 def _split_type(text: str) -> tuple[str, str]:
@@ -407,18 +503,47 @@ def _parse_instruction(line: str, computation: str) -> Instruction | None:
         end = _top_level_end(rest, start, ")")  # operands with tuple types or quotes: balanced
     operand_text = rest[start:end]
     operands = tuple(_OPERAND.findall(operand_text))
-    if opcode == "parameter":
-        operands = (operand_text.strip(),)  # its number
+    number = operand_text.strip() if opcode == "parameter" else ""
     if not operands and operand_text.strip() and opcode not in ("parameter", "constant", "iota"):
         # Printed without '%' sigils: names are the last word of each comma-separated operand.
         operands = tuple(part.split()[-1] for part in operand_text.split(",") if part.split())
     attributes = rest[end + 1 :].lstrip(", ")
-    return Instruction(name, type_, opcode, operands, attributes, computation, bool(root))
+    parameter_number = int(number) if number.isdigit() else None
+    return Instruction(name, type_, opcode, operands, attributes, computation, bool(root), parameter_number)
 
 
 def parse_instruction(text: str) -> Instruction | None:
     """One instruction as XLA prints it in a message (``%p = f32[8,4] parameter(0), ...``), or ``None``."""
     return _parse_instruction(text.strip(), "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Remat:
+    """XLA's message that it fell back to an involuntary full rematerialization of an array.
+
+    Attributes:
+        before: The sharding it could not move the array from, as printed.
+        after: The sharding it could not move it to, as printed.
+        before_splits: How many ways ``before`` splits each dimension (:func:`split_counts`), or ``None``.
+        after_splits: The same for ``after``.
+        operation: The instruction the message prints (its shape per device), or ``None``.
+    """
+
+    before: str
+    after: str
+    before_splits: list[int] | None
+    after_splits: list[int] | None
+    operation: Instruction | None
+
+
+def parse_remat(message: str) -> Remat | None:
+    """The rematerialization a compiler message reports (``cannot go from sharding ...``), or ``None``."""
+    match = _REMAT.search(message)
+    if match is None:
+        return None
+    before, after = match.group("before"), match.group("after")
+    operation = parse_instruction(match.group("op"))
+    return Remat(before, after, split_counts(before), split_counts(after), operation)
 
 
 def parse_module(text: str) -> Module:
@@ -511,9 +636,6 @@ def _transposed_iota(dims: Sequence[int], perm: Sequence[int]) -> list[int]:
     ]
 
 
-_MESH_AXIS = re.compile(r"'?([^'=,\s\]]+)'?\s*=\s*(\d+)")
-
-
 def _named_groups(text: str) -> list[list[int]]:
     """The groups of the named-mesh form ``mesh['a'=2,'b'=4] {'b'}``.
 
@@ -548,7 +670,7 @@ def _named_groups(text: str) -> list[list[int]]:
     # Split each axis into its sub-axes as named (pre-size, size), finest first within an axis.
     factors: list[tuple[str, int, int]] = []  # (axis, pre, size) for every piece, in mesh order
     chosen = []
-    for item in re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", match.group(3)):
+    for item in _SUB_AXIS.findall(match.group(3)):
         chosen.append((item[0], int(item[1]) if item[1] else None, int(item[2]) if item[2] else None))
     for name, size in axes:
         cuts = sorted(
@@ -652,9 +774,6 @@ class Collective:
     times_known: bool
 
 
-_CHAIN = re.compile(r'chain_id="?(\d+)')
-
-
 def collectives(module: Module) -> list[Collective]:
     """Every collective of the program that runs, with its groups and how often it runs.
 
@@ -686,9 +805,6 @@ def collectives(module: Module) -> list[Collective]:
 
 
 # --- shardings as XLA prints them -------------------------------------------------------------------
-
-_NAMED_SHARDING = re.compile(r"mesh\[(?P<mesh>[^\]]*)\][^\[]*\[(?P<dims>.*)\]")
-_SUB_AXIS = re.compile(r"'([^']+)'(?::\((\d+)\)(\d+))?")
 
 
 def split_counts(sharding: str) -> list[int] | None:

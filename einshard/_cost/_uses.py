@@ -142,9 +142,8 @@ def elements(instruction: _hlo.Instruction) -> int:
 
 
 def parameter_instruction(module: _hlo.Module, computation: str, position: int) -> _hlo.Instruction | None:
-    wanted = str(position)
     for instruction in module.computations.get(computation, ()):
-        if instruction.opcode == "parameter" and instruction.operands and instruction.operands[0] == wanted:
+        if instruction.parameter_number == position:
             return instruction
     return None
 
