@@ -96,9 +96,8 @@ class Flow:
         simple = self._simple.get(computation)
         if simple is None:
             # Read from the text: a fusion body is not parsed for this.
-            simple = computation in self.module.computations and not self.module.has_opcode(
-                computation, _MIXING
-            )
+            computations = self.module.computations
+            simple = computation in computations and not self.module.has_opcode(computation, _MIXING)
             self._simple[computation] = simple
         return simple
 

@@ -47,38 +47,26 @@ __all__ = [
 # A collective's opcode -> its kind. Each also runs as an async pair, whose ``-start`` stands for
 # the pair (its ``-done`` carries nothing new).
 _COLLECTIVE_KINDS = {
-    "all-reduce": "all-reduce",
-    "all-gather": "all-gather",
-    "reduce-scatter": "reduce-scatter",
-    "all-to-all": "all-to-all",
-    "ragged-all-to-all": "all-to-all",
-    "collective-permute": "collective-permute",
-}
+    "all-reduce": "all-reduce", "all-gather": "all-gather", "reduce-scatter": "reduce-scatter",
+    "all-to-all": "all-to-all", "ragged-all-to-all": "all-to-all", "collective-permute": "collective-permute",
+}  # fmt: skip
 COLLECTIVES = {
     opcode + suffix: kind for opcode, kind in _COLLECTIVE_KINDS.items() for suffix in ("", "-start")
 }
 # The attribute naming the computations an instruction calls -> the role it calls them in.
 _CALL_ROLES = {
-    "calls": "calls",
-    "body": "body",
-    "condition": "condition",
-    "to_apply": "to_apply",
-    "true_computation": "true_computation",
-    "false_computation": "false_computation",
+    "calls": "calls", "body": "body", "condition": "condition", "to_apply": "to_apply",
+    "true_computation": "true_computation", "false_computation": "false_computation",
     "branch_computations": "branch",
-}
+}  # fmt: skip
 _CALL_MARKS = tuple(f"{key}=" for key in _CALL_ROLES)  # a line calls no computation without one
-
-
-def _opcode_alternatives(opcodes: Iterable[str]) -> str:
-    """A regex alternation of opcodes, the longest first (``all-reduce-start`` before ``all-reduce``)."""
-    return "|".join(re.escape(opcode) for opcode in sorted(opcodes, key=len, reverse=True))
 
 
 @functools.lru_cache(maxsize=64)
 def _opcode_line(opcodes: frozenset[str]) -> re.Pattern[str]:
     """Finds an instruction of one of ``opcodes`` in a line of text (without parsing it)."""
-    return re.compile(r"\s(?:" + _opcode_alternatives(opcodes) + r")\(")
+    longest_first = sorted(opcodes, key=len, reverse=True)  # all-reduce-start before all-reduce
+    return re.compile(r"\s(?:" + "|".join(map(re.escape, longest_first)) + r")\(")
 
 
 _SHAPE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,\s]*)\]")
@@ -310,6 +298,9 @@ class Computations(Mapping[str, list[Instruction]]):
             self._parsed[name] = parsed
         return parsed
 
+    def __contains__(self, name: object) -> bool:
+        return name in self.lines  # without parsing it (Mapping's would)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.lines)
 
@@ -388,15 +379,12 @@ class Module:
 
     def op_names_mention(self, text: str) -> bool:
         """Whether some instruction's op name (JAX's metadata) contains ``text`` (read without parsing)."""
-        return self.mentions(re.compile(r'op_name="[^"]*' + re.escape(text)))
+        pattern = re.compile(r'op_name="[^"]*' + re.escape(text))
+        return any(any(map(pattern.search, lines)) for lines in self.computations.lines.values())
 
     def containing(self, pattern: re.Pattern[str]) -> list[str]:
         """The computations with a line ``pattern`` finds something in (without parsing them)."""
         return [name for name, lines in self.computations.lines.items() if any(map(pattern.search, lines))]
-
-    def mentions(self, pattern: re.Pattern[str]) -> bool:
-        """Whether ``pattern`` finds something in any line (without parsing)."""
-        return any(any(map(pattern.search, lines)) for lines in self.computations.lines.values())
 
     def times(self) -> dict[str, tuple[int, bool]]:
         """How many times each computation runs per call of the entry, and whether that is known.
