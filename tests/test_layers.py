@@ -362,3 +362,62 @@ def test_planted_violations_of_the_note_s_prose_fail():
     assert "the note names `_leaves.is_gone`, but einshard._arrays._leaves defines no is_gone" in problems
     assert "the note names `_place.never_called`, which nothing in the package uses" in problems
     assert not prose_violations(note, sources, rows)
+
+
+# --- XLA's text is read in _hlo alone ---------------------------------------------------------------
+
+# The cost model's modules that may run regular expressions: the reader of XLA's program text,
+# and the reader of XLA's GPU specs (parse_target).
+TEXT_READERS = {"einshard._cost._hlo", "einshard._cost._target"}
+
+
+def regex_violations(sources: dict[str, str]) -> list[str]:
+    """Each ``import re`` or ``re.`` use in a ``_cost`` module other than the readers of XLA's text."""
+    problems = []
+    for name, source in sources.items():
+        if not name.startswith("einshard._cost.") or name in TEXT_READERS:
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import) and any(alias.name == "re" for alias in node.names):
+                problems.append(f"{name}:{node.lineno}: imports re (XLA's text is read in _hlo alone)")
+            elif isinstance(node, ast.ImportFrom) and node.module == "re" and not node.level:
+                problems.append(f"{name}:{node.lineno}: imports from re (XLA's text is read in _hlo alone)")
+            elif (
+                isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "re"
+            ):
+                problems.append(f"{name}:{node.lineno}: re.{node.attr} (XLA's text is read in _hlo alone)")
+    return problems
+
+
+def test_xla_s_text_is_read_in_hlo_alone():
+    problems = regex_violations(package_sources())
+    assert not problems, (
+        "a regular expression outside _hlo (ask _hlo's Module or Instruction):\n" + "\n".join(problems)
+    )
+
+
+def test_a_planted_regex_in_the_cost_model_fails():
+    """A regex over XLA's text in another _cost module is seen, imported either way."""
+    sources = package_sources()
+    planted = dict(sources)
+    planted["einshard._cost._flow"] += '\nimport re\n\n_PLANTED = re.compile(r"body=%?(\\w+)")\n'
+    planted["einshard._cost._detect_remat"] += "\nfrom re import search\n"
+    problems = regex_violations(planted)
+    assert any(p.startswith("einshard._cost._flow:") and "imports re" in p for p in problems), problems
+    assert any(p.startswith("einshard._cost._flow:") and "re.compile" in p for p in problems), problems
+    assert any(p.startswith("einshard._cost._detect_remat:") and "imports from re" in p for p in problems)
+    assert not regex_violations(sources)
+
+
+def test_the_detectors_ask_the_data_flow_not_the_attribution():
+    """The uses and the detectors of waste import the program's data flow from _flow, never _attribution."""
+    sources = package_sources()
+    askers = [
+        name
+        for name in sources
+        if name.startswith(("einshard._cost._detect", "einshard._cost._uses", "einshard._cost._findings"))
+    ]
+    assert len(askers) >= 6
+    for name in askers:
+        inside, _ = imports_of(name, sources[name], set(sources))
+        assert "einshard._cost._attribution" not in inside, name

@@ -11,11 +11,12 @@ from collections.abc import Iterator
 from .._language._errors import EinshardError
 from .._language._expression import REPLICATE
 from .._trees._rules import Rules, RulesLike
-from . import _hlo, _timing
-from ._attribution import Flow, attributed_rows
+from . import _hlo, _hlo_kernels, _timing
+from ._attribution import attributed_rows
 from ._call import StepCall
 from ._compile import Compiled, compile_step
 from ._findings import find_waste
+from ._flow import Flow
 from ._report import StepReport, report_of
 from ._target import Target
 
@@ -28,7 +29,7 @@ def analyse(call: StepCall, rules: RulesLike | None, target: Target | None = Non
     With a GPU or TPU ``target``, the einshard device order is that target's compile-only devices
     (the child process sets it): every argument is laid out on them, by the rules or, without
     rules, replicated, so that no program of another platform is reported under the target's
-    name. Its flops are its own dots' (``_hlo.program_matmul_flops``): XLA's cost analysis of a
+    name. Its flops are its own dots' (``_hlo_kernels.program_matmul_flops``): XLA's cost analysis of a
     GPU program leaves most of them out, and a compile-only TPU program has none.
 
     Raises:
@@ -103,7 +104,7 @@ def _read(call: StepCall, compiled: Compiled, *, matmul_flops: bool = False) -> 
         table=call.table,
     )
     memory = compiled.memory()
-    flops = _hlo.program_matmul_flops(module) if matmul_flops else compiled.flops()
+    flops = _hlo_kernels.program_matmul_flops(module) if matmul_flops else compiled.flops()
     analysis_seconds = time.perf_counter() - start
     report = report_of(rows, n, mesh, memory, flops, compiled.seconds, analysis_seconds, findings)
     if matmul_flops:  # a target's program: the order its kernels run in, to simulate its time
@@ -144,9 +145,7 @@ def _parameter_paths(module: _hlo.Module, call: StepCall) -> list[str | None]:
     """
     paths = call.array_paths
     parameters = {
-        int(i.operands[0]): i
-        for i in module.computations[module.entry]
-        if i.opcode == "parameter" and i.operands and i.operands[0].isdigit()
+        i.parameter_number: i for i in module.computations[module.entry] if i.parameter_number is not None
     }
     if len(parameters) == len(paths):
         return list(paths)

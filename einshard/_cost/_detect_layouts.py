@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
 from .._arrays._leaves import nbytes
-from .._language._expression import split_expression
+from .._language._expression import parse, split_expression
 from .._language._text import size_text
+from .._trees._rules import ending_pattern
 from ._detect import (
     COPIED,
     RESHARD,
@@ -106,8 +106,7 @@ def _gathered(context: Context, position: int, fraction: Fraction) -> tuple[str,
     if value is None or n != context.n_devices:
         return "", ""
     gather = context.uses.flow.all.get(row.instruction)
-    dimension = (gather.attribute("dimensions") if gather is not None else None) or "{0}"
-    axis = int(dimension.strip("{}").split(",")[0] or 0)
+    axis = ((gather.dimensions if gather is not None else ()) or (0,))[0]
     sliced = slice_shape(context.uses, value)
     if sliced is None or len(sliced) != len(row.shape):
         return "", ""
@@ -229,8 +228,6 @@ def find_copied(context: Context) -> list[Finding]:
 
 def _splits(rule: Any) -> bool:
     """Whether a rule's expression splits an axis (a shape-dependent rule may)."""
-    from .._language._expression import parse
-
     if not isinstance(rule.expression, str):
         return True
     return any(
@@ -240,7 +237,6 @@ def _splits(rule: Any) -> bool:
 
 
 def _assignment_bytes(leaf: Any) -> int:
-
     return nbytes(leaf.shape, leaf.dtype)
 
 
@@ -268,9 +264,5 @@ def _suggested_rule(leaf: Any, ways: int, n_devices: int) -> str:
     for axis in order:
         if leaf.shape[axis] % ways == 0:
             counts = [ways if a == axis else 1 for a in range(len(leaf.shape))]
-            return f"({_anchored(leaf.path)!r}, {split_expression(counts, n_devices)!r})"
-    return f"({_anchored(leaf.path)!r}, ...) splitting an axis that {ways} divides (none does: pad one)"
-
-
-def _anchored(path: str) -> str:
-    return f"{re.escape(path.split('/', 1)[-1])}$"
+            return f"({ending_pattern(leaf.path)!r}, {split_expression(counts, n_devices)!r})"
+    return f"({ending_pattern(leaf.path)!r}, ...) splitting an axis that {ways} divides (none does: pad one)"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 
 from .._language._expression import split_expression
 from . import _hlo
@@ -15,22 +14,16 @@ from ._detect import (
 )
 from ._report import Finding
 
-_REMAT = re.compile(
-    r"cannot go from sharding (?P<before>.*?) to (?P<after>.*?) efficiently for HLO operation "
-    r"(?P<op>.*?)(?:\. As the last resort|$)"
-)
-
 
 def find_remats(context: Context, excluded: set[int]) -> tuple[list[Finding], set[int]]:
     rows = context.rows
     claimed: set[int] = set()
     by_place: dict[tuple, list[tuple[str, str, str | None, str | None, list[int], int]]] = {}
     for message in dict.fromkeys(context.messages):
-        match = _REMAT.search(message)
-        if match is None:
+        remat = _hlo.parse_remat(message)
+        if remat is None:
             continue
-        before, after = _hlo.split_counts(match.group("before")), _hlo.split_counts(match.group("after"))
-        operation = _hlo.parse_instruction(match.group("op"))
+        before, after, operation = remat.before_splits, remat.after_splits, remat.operation
         op_name, source, param = _described(context, operation)
         # The all-gather that replicates it (not counted yet): the same op name; else, as XLA
         # versions name them differently, a gather then slice of the same parameter or shape.
@@ -54,8 +47,8 @@ def find_remats(context: Context, excluded: set[int]) -> tuple[list[Finding], se
         else:
             traffic = _estimated_remat(operation, before)
         expressions = (
-            split_expression(before, context.n_devices) if before else match.group("before"),
-            split_expression(after, context.n_devices) if after else match.group("after"),
+            split_expression(before, context.n_devices) if before else remat.before,
+            split_expression(after, context.n_devices) if after else remat.after,
         )
         by_place.setdefault((expressions, source, param), []).append(
             (expressions[0], expressions[1], source, param, matched, traffic)
@@ -101,9 +94,9 @@ def _described(
     op_name, file, line = context.uses.module.source(operation)
     source = f"{file}:{line}" if file is not None and line is not None else None
     param = None
-    number = operation.operands[0] if operation.opcode == "parameter" and operation.operands else ""
-    if number.isdigit() and int(number) < len(context.parameter_paths):
-        param = context.parameter_paths[int(number)]
+    number = operation.parameter_number
+    if number is not None and number < len(context.parameter_paths):
+        param = context.parameter_paths[number]
     return op_name or None, source, param
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._attribution import Flow, Origin
 from ._detect import (
     FINDING_KINDS,
     Context,
@@ -29,6 +28,7 @@ from ._detect import (
 from ._detect_layouts import find_copied, find_reshards
 from ._detect_reductions import find_repeated, find_sliced, find_unsummed
 from ._detect_remat import find_remats
+from ._flow import Flow, Origin
 from ._report import Finding, StepRow
 from ._uses import (
     Uses,

@@ -1,16 +1,20 @@
 """Reading a compiled XLA program's text (``compiled.as_text()``): collectives, loops, sources.
 
-Pure text processing: no JAX, so every format XLA prints is unit-tested on captured snippets
-(tests/test_step.py). What is read:
+The one reader of XLA's text: no other module of the cost model runs a regular expression on
+it (tests/test_layers.py holds them to it); they ask the parsed :class:`Module` and
+:class:`Instruction`. Pure text processing: no JAX, so every format XLA prints is unit-tested on
+captured snippets (tests/test_step.py). What is read:
 
-* computations and their instructions (name, result type, opcode, operands, attributes);
+* computations and their instructions (name, result type, opcode, operands, attributes, a
+  parameter's number, a slice's bounds), and who calls a computation in which role;
 * the collectives (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute; the
   ``-start`` of an async pair counts, its ``-done`` does not) with their device groups, in every
   form XLA prints them: explicit lists ``{{0,1},{2,3}}``, iota ``[2,4]<=[8]`` and
   ``[4,2]<=[2,4]T(1,0)``, and the named-mesh form ``mesh['a'=2,'b'=4] {'b'}`` of newer XLA;
 * how many times each computation runs per step (a ``while`` body: its ``known_trip_count``);
 * where an instruction came from: ``op_name`` and the source file and line, written inline
-  (``source_file=... source_line=...``) or through the stack-frame tables of newer XLA.
+  (``source_file=... source_line=...``) or through the stack-frame tables of newer XLA;
+* the shardings XLA prints, and its message of an involuntary full rematerialization.
 """
 
 from __future__ import annotations
@@ -30,32 +34,71 @@ __all__ = [
     "Collective",
     "Instruction",
     "Module",
+    "Remat",
     "Shape",
     "device_groups",
     "parse_module",
+    "parse_remat",
     "parse_replica_groups",
     "parse_shapes",
 ]
 
-# Opcode -> the collective's kind; the -start of an async pair stands for the pair.
-COLLECTIVES = {
-    "all-reduce": "all-reduce",
-    "all-reduce-start": "all-reduce",
-    "all-gather": "all-gather",
-    "all-gather-start": "all-gather",
-    "reduce-scatter": "reduce-scatter",
-    "reduce-scatter-start": "reduce-scatter",
-    "all-to-all-start": "all-to-all",
-    "all-to-all": "all-to-all",
-    "ragged-all-to-all": "all-to-all",
-    "collective-permute": "collective-permute",
-    "collective-permute-start": "collective-permute",
-}
-KINDS = tuple(dict.fromkeys(COLLECTIVES.values()))
-"""The kinds of collective, in the order reports list them."""
+# --- the text's vocabulary: each opcode family and call role written once; the regexes read from it --
 
-_CALL_ROLES = ("calls=", "body=", "condition=", "to_apply=", "_computation=", "branch_computations=")
+# A collective's opcode -> its kind. Each also runs as an async pair, whose ``-start`` stands for
+# the pair (its ``-done`` carries nothing new).
+_COLLECTIVE_KINDS = {
+    "all-reduce": "all-reduce", "all-gather": "all-gather", "reduce-scatter": "reduce-scatter",
+    "all-to-all": "all-to-all", "ragged-all-to-all": "all-to-all", "collective-permute": "collective-permute",
+}  # fmt: skip
+COLLECTIVES = {
+    opcode + suffix: kind for opcode, kind in _COLLECTIVE_KINDS.items() for suffix in ("", "-start")
+}
+KINDS = tuple(dict.fromkeys(_COLLECTIVE_KINDS.values()))
+"""The kinds of collective, in the order reports list them."""
+# The attribute naming the computations an instruction calls -> the role it calls them in.
+_CALL_ROLES = {
+    "calls": "calls", "body": "body", "condition": "condition", "to_apply": "to_apply",
+    "true_computation": "true_computation", "false_computation": "false_computation",
+    "branch_computations": "branch",
+}  # fmt: skip
+_CALL_MARKS = tuple(f"{key}=" for key in _CALL_ROLES)  # a line calls no computation without one
+
+
+@functools.lru_cache(maxsize=64)
+def _opcode_line(opcodes: frozenset[str]) -> re.Pattern[str]:
+    """Finds an instruction of one of ``opcodes`` in a line of text (without parsing it)."""
+    longest_first = sorted(opcodes, key=len, reverse=True)  # all-reduce-start before all-reduce
+    return re.compile(r"\s(?:" + "|".join(map(re.escape, longest_first)) + r")\(")
+
+
+_SHAPE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,\s]*)\]")
+_TOKENS = re.compile(r'[{}\[\]()",\\]')
+_NAMES = re.compile(r"%?([\w.\-]+)")
+_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_OPCODE = re.compile(r"([\w\-]+)\(")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_ROLE = re.compile(r"(?:^|, )(" + "|".join(map(re.escape, _CALL_ROLES)) + r")=(?:%?([\w.\-]+)|\{([^{}]*)\})")
+_METADATA = re.compile(r'(\w+)=(?:"((?:[^"\\]|\\.)*)"|(\S+?))(?=[\s}]|$)')
+_ASYNC_DONE = re.compile(r"\s[\w\-]+-(?:done|update)\(")
+_TRIP = re.compile(r'"?known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)')
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_COLLECTIVE_LINE = _opcode_line(frozenset(COLLECTIVES))
+_COMPUTATION = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?.*\{\s*$")
+_SLICE = re.compile(r"\[(\d+):(\d+)(?::(\d+))?\]")
+_MESH_AXIS = re.compile(r"'?([^'=,\s\]]+)'?\s*=\s*(\d+)")
+_SUB_AXIS = re.compile(r"'([^']+)'(?::\((\d+)\)(\d+))?")
+_CHAIN = re.compile(r'chain_id="?(\d+)')
+_NAMED_SHARDING = re.compile(r"mesh\[(?P<mesh>[^\]]*)\][^\[]*\[(?P<dims>.*)\]")
+_REMAT = re.compile(
+    r"cannot go from sharding (?P<before>.*?) to (?P<after>.*?) efficiently for HLO operation "
+    r"(?P<op>.*?)(?:\. As the last resort|$)"
+)
+
 _BITS = {"pred": 8, "s4": 4, "u4": 4, "s2": 2, "u2": 2, "c64": 64, "c128": 128, "token": 0}
+
+# einshard's own files: an op made inside einshard is attributed to the user code that called it.
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _bits(dtype: str) -> int:
@@ -88,9 +131,6 @@ class Shape:
         return f"{self.dtype}[{','.join(map(str, self.dims))}]"
 
 
-_SHAPE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,\s]*)\]")
-
-
 def parse_shapes(text: str) -> tuple[Shape, ...]:
     """The array types in a (tuple) type: ``(f32[2]{0}, bf16[3,4]{1,0})`` -> two shapes."""
     return tuple(
@@ -101,7 +141,18 @@ def parse_shapes(text: str) -> tuple[Shape, ...]:
 
 @dataclasses.dataclass
 class Instruction:
-    """One HLO instruction; ``attributes`` is the text after the operand list."""
+    """One HLO instruction; ``attributes`` is the text after the operand list.
+
+    Attributes:
+        name: The value's name (without ``%``).
+        type: Its result type as printed (``f32[8,4]{1,0}``, or a tuple of such).
+        opcode: What it does (``all-reduce``, ``fusion``, ``parameter``...).
+        operands: The names of the values it reads (a parameter reads none).
+        attributes: The text after the operand list.
+        computation: The computation it is in.
+        root: Whether it is its computation's result.
+        parameter_number: A parameter's number in its computation (``parameter(3)``: 3), else ``None``.
+    """
 
     name: str
     type: str
@@ -110,6 +161,7 @@ class Instruction:
     attributes: str
     computation: str
     root: bool = False
+    parameter_number: int | None = None
 
     @functools.cached_property
     def shapes(self) -> tuple[Shape, ...]:
@@ -121,28 +173,61 @@ class Instruction:
 
     @functools.cached_property
     def called(self) -> tuple[tuple[str, str], ...]:
-        """``(role, computation)`` for every computation this instruction calls."""
-        if not any(role in self.attributes for role in _CALL_ROLES):
+        """``(role, computation)`` for every computation this instruction calls (roles: ``_CALL_ROLES``)."""
+        if not any(mark in self.attributes for mark in _CALL_MARKS):
             return ()  # most instructions
         out: list[tuple[str, str]] = []
-        for role in ("calls", "body", "condition", "to_apply", "true_computation", "false_computation"):
-            value = self.attribute(role)
+        for key, role in _CALL_ROLES.items():
+            value = self.attribute(key)
             if value:
                 out += [(role, name) for name in _NAMES.findall(value)]
-        branches = self.attribute("branch_computations")
-        if branches:
-            out += [("branch", name) for name in _NAMES.findall(branches)]
         return tuple(out)
+
+    @property
+    def index(self) -> int | None:
+        """The element a ``get-tuple-element`` takes (``index=2``), or ``None``."""
+        value = self.attribute("index")
+        return int(value) if value is not None and value.isdigit() else None
+
+    @property
+    def dimensions(self) -> tuple[int, ...]:
+        """The ``dimensions={...}`` an instruction works along (a gather's, a reduction's); ``()`` if none."""
+        return self.numbers("dimensions")
+
+    def numbers(self, key: str) -> tuple[int, ...]:
+        """The integers of a ``key={1,2}`` attribute (``lhs_contracting_dims``...); ``()`` if none."""
+        value = self.attribute(key)
+        return tuple(int(n) for n in value.strip("{}").split(",") if n.strip()) if value else ()
+
+    def backend_config(self) -> dict:
+        """The ``backend_config`` JSON as a dict (``{}`` when absent or not JSON)."""
+        config = self.attribute("backend_config")
+        try:
+            value = json.loads(config) if config else {}
+        except ValueError:
+            return {}
+        return value if isinstance(value, dict) else {}
+
+    @property
+    def slice_bounds(self) -> tuple[tuple[int, int], ...] | None:
+        """A ``slice``'s ``(start, stop)`` per dimension (``slice={[0:4], [2:6]}``).
+
+        ``None`` without the attribute, or where a dimension is strided (a step other than 1).
+        """
+        value = self.attribute("slice")
+        if value is None:
+            return None
+        bounds = _SLICE.findall(value)
+        if not bounds or any(step not in ("", "1") for _, _, step in bounds):
+            return None
+        return tuple((int(start), int(stop)) for start, stop, _ in bounds)
 
     @functools.cached_property
     def metadata(self) -> dict[str, str]:
         value = self.attribute("metadata")
         if not value:
             return {}
-        return {
-            k: v1 if v1 else v2
-            for k, v1, v2 in re.findall(r'(\w+)=(?:"((?:[^"\\]|\\.)*)"|(\S+?))(?=[\s}]|$)', value)
-        }
+        return {k: v1 if v1 else v2 for k, v1, v2 in _METADATA.findall(value)}
 
     def trip_count(self) -> int | None:
         """The known trip count of a ``while``, from its backend config, or ``None``."""
@@ -152,14 +237,10 @@ class Instruction:
         try:
             value = json.loads(config)
         except ValueError:
-            match = re.search(r'"?known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)', config)
+            match = _TRIP.search(config)
             return int(match.group(1)) if match else None
         trip = value.get("known_trip_count") if isinstance(value, dict) else None
         return int(trip["n"]) if isinstance(trip, dict) and "n" in trip else None
-
-
-_TOKENS = re.compile(r'[{}\[\]()",\\]')
-_NAMES = re.compile(r"%?([\w.\-]+)")
 
 
 def _attribute(text: str, key: str) -> str | None:
@@ -233,6 +314,9 @@ class Computations(Mapping[str, list[Instruction]]):
             self._parsed[name] = parsed
         return parsed
 
+    def __contains__(self, name: object) -> bool:
+        return name in self.lines  # without parsing it (Mapping's would)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.lines)
 
@@ -248,7 +332,7 @@ class Module:
     entry: str
     num_partitions: int
     frames: dict[int, tuple[str, int]]  # stack frame id -> (file, line)
-    callers: dict[int, int] = dataclasses.field(default_factory=dict)  # stack frame id -> its caller's
+    frame_callers: dict[int, int] = dataclasses.field(default_factory=dict)  # stack frame id -> its caller's
 
     def instructions(self) -> dict[str, Instruction]:
         """Every instruction by name (parses the whole module)."""
@@ -278,13 +362,45 @@ class Module:
     def _by_name(self) -> dict[str, dict[str, Instruction]]:
         return {}
 
+    def callers(self, computation: str, role: str) -> list[Instruction]:
+        """The instructions calling ``computation`` in ``role`` (a role of :attr:`Instruction.called`).
+
+        Found in the text, then only the computations they are in are parsed.
+        """
+        return [
+            instruction
+            for caller in self._calling.get((role, computation), ())
+            for instruction in self.computations[caller]
+            if (role, computation) in instruction.called
+        ]
+
+    @functools.cached_property
+    def _calling(self) -> dict[tuple[str, str], list[str]]:
+        """``(role, callee)`` -> the computations with a line calling it in that role (from the text)."""
+        calling: dict[tuple[str, str], list[str]] = {}
+        for computation, lines in self.computations.lines.items():
+            for line in lines:
+                if not any(mark in line for mark in _CALL_MARKS):
+                    continue
+                for key, callee, branches in _ROLE.findall(line):
+                    for name in _NAMES.findall(branches) if branches else (callee,):
+                        found = calling.setdefault((_CALL_ROLES[key], name), [])
+                        if computation not in found:
+                            found.append(computation)
+        return calling
+
+    def has_opcode(self, computation: str, opcodes: frozenset[str]) -> bool:
+        """Whether ``computation`` has an instruction of one of ``opcodes`` (read from its text, unparsed)."""
+        return any(map(_opcode_line(opcodes).search, self.computations.lines[computation]))
+
+    def op_names_mention(self, text: str) -> bool:
+        """Whether some instruction's op name (JAX's metadata) contains ``text`` (read without parsing)."""
+        pattern = re.compile(r'op_name="[^"]*' + re.escape(text))
+        return any(any(map(pattern.search, lines)) for lines in self.computations.lines.values())
+
     def containing(self, pattern: re.Pattern[str]) -> list[str]:
         """The computations with a line ``pattern`` finds something in (without parsing them)."""
         return [name for name, lines in self.computations.lines.items() if any(map(pattern.search, lines))]
-
-    def mentions(self, pattern: re.Pattern[str]) -> bool:
-        """Whether ``pattern`` finds something in any line (without parsing)."""
-        return any(any(map(pattern.search, lines)) for lines in self.computations.lines.values())
 
     def times(self) -> dict[str, tuple[int, bool]]:
         """How many times each computation runs per call of the entry, and whether that is known.
@@ -351,32 +467,13 @@ class Module:
         seen = {frame}
         while (
             file.startswith(_PACKAGE)
-            and self.callers.get(frame) in self.frames
-            and self.callers[frame] not in seen
+            and self.frame_callers.get(frame) in self.frames
+            and self.frame_callers[frame] not in seen
         ):
-            frame = self.callers[frame]
+            frame = self.frame_callers[frame]
             seen.add(frame)
             file, number = self.frames[frame]
         return file, number
-
-
-# einshard's own files: an op made inside einshard is attributed to the user code that called it.
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_OPCODE = re.compile(r"([\w\-]+)\(")
-_OPERAND = re.compile(r"%([\w.\-]+)")
-_ROLE = re.compile(
-    r"(?:^|, )(calls|body|condition|to_apply|true_computation|false_computation|branch_computations)="
-    r"(?:%?([\w.\-]+)|\{([^{}]*)\})"
-)
-_ASYNC_DONE = re.compile(r"\s[\w\-]+-(?:done|update)\(")
-_TRIP = re.compile(r'"?known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)')
-_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
-_COLLECTIVE_LINE = re.compile(
-    r"\s(?:all-reduce|all-gather|reduce-scatter|all-to-all|ragged-all-to-all|collective-permute)(?:-start)?\("
-)
-_COMPUTATION = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?.*\{\s*$")
 
 
 def _split_type(text: str) -> tuple[str, str]:
@@ -410,18 +507,47 @@ def _parse_instruction(line: str, computation: str) -> Instruction | None:
         end = _top_level_end(rest, start, ")")  # operands with tuple types or quotes: balanced
     operand_text = rest[start:end]
     operands = tuple(_OPERAND.findall(operand_text))
-    if opcode == "parameter":
-        operands = (operand_text.strip(),)  # its number
+    number = operand_text.strip() if opcode == "parameter" else ""
     if not operands and operand_text.strip() and opcode not in ("parameter", "constant", "iota"):
         # Printed without '%' sigils: names are the last word of each comma-separated operand.
         operands = tuple(part.split()[-1] for part in operand_text.split(",") if part.split())
     attributes = rest[end + 1 :].lstrip(", ")
-    return Instruction(name, type_, opcode, operands, attributes, computation, bool(root))
+    parameter_number = int(number) if number.isdigit() else None
+    return Instruction(name, type_, opcode, operands, attributes, computation, bool(root), parameter_number)
 
 
 def parse_instruction(text: str) -> Instruction | None:
     """One instruction as XLA prints it in a message (``%p = f32[8,4] parameter(0), ...``), or ``None``."""
     return _parse_instruction(text.strip(), "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Remat:
+    """XLA's message that it fell back to an involuntary full rematerialization of an array.
+
+    Attributes:
+        before: The sharding it could not move the array from, as printed.
+        after: The sharding it could not move it to, as printed.
+        before_splits: How many ways ``before`` splits each dimension (:func:`split_counts`), or ``None``.
+        after_splits: The same for ``after``.
+        operation: The instruction the message prints (its shape per device), or ``None``.
+    """
+
+    before: str
+    after: str
+    before_splits: list[int] | None
+    after_splits: list[int] | None
+    operation: Instruction | None
+
+
+def parse_remat(message: str) -> Remat | None:
+    """The rematerialization a compiler message reports (``cannot go from sharding ...``), or ``None``."""
+    match = _REMAT.search(message)
+    if match is None:
+        return None
+    before, after = match.group("before"), match.group("after")
+    operation = parse_instruction(match.group("op"))
+    return Remat(before, after, split_counts(before), split_counts(after), operation)
 
 
 def parse_module(text: str) -> Module:
@@ -514,9 +640,6 @@ def _transposed_iota(dims: Sequence[int], perm: Sequence[int]) -> list[int]:
     ]
 
 
-_MESH_AXIS = re.compile(r"'?([^'=,\s\]]+)'?\s*=\s*(\d+)")
-
-
 def _named_groups(text: str) -> list[list[int]]:
     """The groups of the named-mesh form ``mesh['a'=2,'b'=4] {'b'}``.
 
@@ -551,7 +674,7 @@ def _named_groups(text: str) -> list[list[int]]:
     # Split each axis into its sub-axes as named (pre-size, size), finest first within an axis.
     factors: list[tuple[str, int, int]] = []  # (axis, pre, size) for every piece, in mesh order
     chosen = []
-    for item in re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", match.group(3)):
+    for item in _SUB_AXIS.findall(match.group(3)):
         chosen.append((item[0], int(item[1]) if item[1] else None, int(item[2]) if item[2] else None))
     for name, size in axes:
         cuts = sorted(
@@ -655,9 +778,6 @@ class Collective:
     times_known: bool
 
 
-_CHAIN = re.compile(r'chain_id="?(\d+)')
-
-
 def collectives(module: Module) -> list[Collective]:
     """Every collective of the program that runs, with its groups and how often it runs.
 
@@ -690,9 +810,6 @@ def collectives(module: Module) -> list[Collective]:
 
 # --- shardings as XLA prints them -------------------------------------------------------------------
 
-_NAMED_SHARDING = re.compile(r"mesh\[(?P<mesh>[^\]]*)\][^\[]*\[(?P<dims>.*)\]")
-_SUB_AXIS = re.compile(r"'([^']+)'(?::\((\d+)\)(\d+))?")
-
 
 def split_counts(sharding: str) -> list[int] | None:
     """How many ways each dimension is split, from a sharding as XLA prints it, or ``None``."""
@@ -714,244 +831,3 @@ def split_counts(sharding: str) -> list[int] | None:
             counts = counts[:-1]
         return counts
     return None
-
-
-# --- kernels: what each instruction computes and moves ---------------------------------------------
-#
-# What a program costs to run is read from its instructions: each kernel's matrix flops (its dots,
-# convolutions and library gemms, with their dimension numbers), the element type and precision
-# its matrix units run at, and the bytes it reads and writes. XLA's own cost analysis is not used
-# for a GPU program: for a bf16 GPT step on one H200 it reported 1.05e12 flops where the step's
-# dots come to 4.52e12 (it leaves out the dots inside Triton gemm fusions), and a compile-only
-# TPU program has none at all.
-
-# Instructions that launch nothing: views, tuples, the halves of async pairs the walk reads apart.
-FREE_OPCODES = frozenset(
-    {
-        "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
-        "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain", "token",
-        "get-dimension-size", "set-dimension-size",
-    }
-)  # fmt: skip
-# Custom calls that are library matrix multiplications; their backend config has the dimension numbers.
-_GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8", "__cudnn$matmul")
-# A fused parameter read only through these reads only what they take.
-_SLICING = frozenset({"dynamic-slice", "slice", "gather"})
-_VIEWS = frozenset({"bitcast", "reshape"})
-
-
-@dataclasses.dataclass(frozen=True)
-class Kernel:
-    """What one instruction that launches work computes and moves, per run.
-
-    Attributes:
-        instruction: The instruction (a fusion, a library call, a copy ...).
-        flops: Its matrix flops (dots, convolutions, gemms: two per multiply-add).
-        matmul: The element type its matrix flops run at (``'bf16'``, ``'f8e4m3fn'``, ``'tf32'``
-            for f32 through TF32, ``'f32'`` at full precision), or ``''`` without any.
-        bytes: The bytes it reads and writes (an in-place update: the update; a sliced operand:
-            the slice).
-    """
-
-    instruction: Instruction
-    flops: float
-    matmul: str
-    bytes: int
-
-
-def _operand_shapes(module: Module, instruction: Instruction) -> list[Shape]:
-    shapes = []
-    for name in instruction.operands:
-        operand = module.instruction(name)
-        if operand is not None:
-            shapes += operand.shapes
-    return shapes
-
-
-def _gemm_config(instruction: Instruction) -> dict:
-    config = instruction.attribute("backend_config")
-    try:
-        value = json.loads(config) if config else {}
-    except ValueError:
-        return {}
-    return value.get("gemm_backend_config", {}) if isinstance(value, dict) else {}
-
-
-def _dims(text: str | None) -> list[int]:
-    return [int(d) for d in re.findall(r"\d+", text or "")]
-
-
-def matmul_flops(module: Module, instruction: Instruction) -> float:
-    """The matrix flops of one dot, convolution or library gemm (0 for anything else)."""
-    if instruction.opcode == "dot":
-        lhs = _operand_shapes(module, instruction)[:1]
-        if not lhs or not instruction.shapes:
-            return 0.0
-        contracted = math.prod(lhs[0].dims[d] for d in _dims(instruction.attribute("lhs_contracting_dims")))
-        return 2.0 * instruction.shapes[0].size * contracted
-    if instruction.opcode == "convolution":
-        shapes = _operand_shapes(module, instruction)
-        labels = instruction.attribute("dim_labels") or ""
-        kernel_labels = labels.partition("_")[2].partition("->")[0]
-        if len(shapes) < 2 or "o" not in kernel_labels or not instruction.shapes:
-            return 0.0
-        kernel = shapes[1]
-        outputs = kernel.dims[kernel_labels.index("o")] if len(kernel.dims) == len(kernel_labels) else 1
-        return 2.0 * instruction.shapes[0].size * kernel.size / max(outputs, 1)
-    if instruction.opcode == "custom-call" and _gemm_target(instruction):
-        numbers = _gemm_config(instruction).get("dot_dimension_numbers", {})
-        lhs = _operand_shapes(module, instruction)[:1]
-        if not lhs or not instruction.shapes:
-            return 0.0
-        contracted = math.prod(lhs[0].dims[int(d)] for d in numbers.get("lhs_contracting_dimensions", []))
-        return 2.0 * instruction.shapes[0].size * contracted
-    return 0.0
-
-
-def _gemm_target(instruction: Instruction) -> bool:
-    target = (instruction.attribute("custom_call_target") or "").strip('"')
-    return target in _GEMM_TARGETS
-
-
-def matmul_type(module: Module, instruction: Instruction) -> str:
-    """The element type a dot's matrix units run at: its operands', f32 split by precision.
-
-    An f32 dot at the default precision runs through TF32 on a GPU (JAX's default); at
-    ``highest`` (or XLA's ``dot_f32_f32_f32`` algorithm) it does not.
-    """
-    shapes = _operand_shapes(module, instruction)
-    dtype = shapes[0].dtype if shapes else (instruction.shapes[0].dtype if instruction.shapes else "")
-    if dtype != "f32":
-        return dtype
-    precision = instruction.attribute("operand_precision") or ""
-    precision += instruction.attribute("algorithm") or ""
-    if instruction.opcode == "custom-call":
-        config = _gemm_config(instruction).get("precision_config", {})
-        precision = json.dumps(config)
-    precision = precision.lower()
-    if "tf32" in precision:
-        return "tf32"
-    if "highest" in precision or "f32_f32_f32" in precision:
-        return "f32"
-    return "tf32"
-
-
-def _called(instruction: Instruction, role: str = "calls") -> str | None:
-    return next((name for r, name in instruction.called if r == role), None)
-
-
-def _matmuls(module: Module, computation: str) -> tuple[float, str]:
-    """The matrix flops of a computation and those it calls (a fusion's body), and their type."""
-    flops, kind = 0.0, ""
-    for instruction in module.computations.get(computation, ()):
-        f = matmul_flops(module, instruction)
-        if f:
-            flops += f
-            kind = kind or matmul_type(module, instruction)
-        for role, callee in instruction.called:
-            if role == "calls":
-                inner, inner_kind = _matmuls(module, callee)
-                flops += inner
-                kind = kind or inner_kind
-    return flops, kind
-
-
-def _fusion_bytes(module: Module, computation: str) -> int:
-    """What a fusion reads and writes: a parameter only sliced, its slices; an updated one, the update."""
-    instructions = module.computations.get(computation, [])
-    users: dict[str, list[Instruction]] = {}
-    for instruction in instructions:
-        for operand in instruction.operands:
-            users.setdefault(operand, []).append(instruction)
-    root = next((i for i in instructions if i.root), None)
-    if root is None:
-        return 0
-    by_name = {i.name: i for i in instructions}
-    outputs = [by_name[o] for o in root.operands if o in by_name] if root.opcode == "tuple" else [root]
-    in_place: set[str] = set()
-    written = 0
-    for output in outputs:
-        if output.opcode == "dynamic-update-slice" and len(output.operands) > 1:
-            target = output.operands[0]
-            while target in by_name and by_name[target].opcode in _VIEWS:
-                target = by_name[target].operands[0]
-            in_place.add(target)
-            update = by_name.get(output.operands[1])
-            written += sum(s.bytes for s in update.shapes) if update is not None else 0
-        else:
-            written += sum(s.bytes for s in output.shapes)
-
-    def read(name: str, whole: int) -> int:
-        taken = 0
-        for user in users.get(name, ()):
-            if user.opcode in _VIEWS:
-                taken += read(user.name, whole)
-            elif user.opcode in _SLICING and user.operands and user.operands[0] == name:
-                taken += sum(s.bytes for s in user.shapes)
-            elif user.opcode == "dynamic-update-slice" and user.operands and user.operands[0] == name:
-                continue
-            else:
-                return whole
-        return min(taken, whole)
-
-    reads = 0
-    for instruction in instructions:
-        if instruction.opcode == "parameter" and instruction.name not in in_place:
-            reads += read(instruction.name, sum(s.bytes for s in instruction.shapes))
-    return reads + written
-
-
-def kernel(module: Module, instruction: Instruction) -> Kernel:
-    """What an instruction that launches work computes and moves (see :class:`Kernel`)."""
-    opcode = instruction.opcode
-    if opcode == "fusion":
-        body = _called(instruction)
-        flops, kind = _matmuls(module, body) if body else (0.0, "")
-        return Kernel(instruction, flops, kind, _fusion_bytes(module, body) if body else 0)
-    flops = matmul_flops(module, instruction)
-    kind = matmul_type(module, instruction) if flops else ""
-    result = instruction.shapes
-    if opcode == "custom-call" and _gemm_target(instruction):
-        result = result[:1]  # the rest is the library's workspace
-    if opcode == "dynamic-update-slice":
-        update = _operand_shapes(module, instruction)[1:2]
-        return Kernel(instruction, flops, kind, 2 * sum(s.bytes for s in update))
-    if opcode in ("dynamic-slice", "slice", "gather"):
-        return Kernel(instruction, flops, kind, 2 * sum(s.bytes for s in result))
-    moved = sum(s.bytes for s in _operand_shapes(module, instruction)) + sum(s.bytes for s in result)
-    return Kernel(instruction, flops, kind, moved)
-
-
-def program_matmul_flops(module: Module) -> float:
-    """The matrix flops of one run of the program.
-
-    Every dot, convolution and library gemm, in whatever computation it is (fusion bodies
-    included), times how often that computation runs.
-    """
-    runs = module.times()
-    total = 0.0
-    for name in module.computations:
-        times = runs.get(name, (0, True))[0]
-        if not times:
-            continue
-        for instruction in module.computations[name]:
-            if instruction.opcode in ("dot", "convolution", "custom-call"):
-                total += times * matmul_flops(module, instruction)
-    return total
-
-
-def async_collective(module: Module, instruction: Instruction) -> Instruction | None:
-    """The collective an async ``-start`` (or a generic ``async-start``) begins, or ``None``."""
-    if instruction.opcode in COLLECTIVES and instruction.opcode.endswith("-start"):
-        return instruction
-    if instruction.opcode == "async-start":
-        body = _called(instruction)
-        for inner in module.computations.get(body, ()) if body else ():
-            if inner.opcode in COLLECTIVES:
-                return inner
-    return None
-
-
-def is_async_done(instruction: Instruction) -> bool:
-    """Whether the instruction waits for an async ``-start`` (its first operand)."""
-    return instruction.opcode.endswith("-done") or instruction.opcode == "async-done"

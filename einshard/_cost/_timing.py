@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from . import _hlo
+from . import _hlo, _hlo_kernels
 
 __all__ = [
     "Done",
@@ -96,13 +96,13 @@ def _walk(module: _hlo.Module, computation: str, seen: frozenset[str]) -> Schedu
     starts: dict[str, str] = {}  # an async start's name -> its collective's
     for instruction in module.computations.get(computation, ()):
         opcode = instruction.opcode
-        if opcode in _hlo.FREE_OPCODES:
+        if opcode in _hlo_kernels.FREE_OPCODES:
             continue
-        collective = _hlo.async_collective(module, instruction)
+        collective = _hlo_kernels.async_collective(module, instruction)
         if collective is not None:
             starts[instruction.name] = collective.name
             items.append(Start(collective.name))
-        elif _hlo.is_async_done(instruction):
+        elif _hlo_kernels.is_async_done(instruction):
             started = starts.get(instruction.operands[0]) if instruction.operands else None
             if started is not None:
                 items.append(Done(started))
@@ -118,7 +118,7 @@ def _walk(module: _hlo.Module, computation: str, seen: frozenset[str]) -> Schedu
             if branches:
                 items += max(branches, key=len)
         else:
-            kernel = _hlo.kernel(module, instruction)
+            kernel = _hlo_kernels.kernel(module, instruction)
             _, file, line = module.source(instruction)
             source = f"{file}:{line}" if file is not None else None
             items.append(KernelRun(instruction.name, kernel.flops, kernel.matmul, kernel.bytes, source))

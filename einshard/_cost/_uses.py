@@ -1,6 +1,6 @@
 """What a collective's result is used for: slices, sums, the arrays its chunks are cut from.
 
-Data-flow queries over a compiled program, on top of :class:`~einshard._cost._attribution.Flow`,
+Data-flow queries over a compiled program, on top of :class:`~einshard._cost._flow.Flow`,
 that the detectors ask.
 """
 
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 
 from . import _hlo
-from ._attribution import Flow
+from ._flow import Flow
 
 SAME = {"bitcast", "reshape", "copy", "transpose", "convert"}
 # Ops a value passes through unchanged in content (to a slice, to a sum).
@@ -142,9 +142,8 @@ def elements(instruction: _hlo.Instruction) -> int:
 
 
 def parameter_instruction(module: _hlo.Module, computation: str, position: int) -> _hlo.Instruction | None:
-    wanted = str(position)
     for instruction in module.computations.get(computation, ()):
-        if instruction.opcode == "parameter" and instruction.operands and instruction.operands[0] == wanted:
+        if instruction.parameter_number == position:
             return instruction
     return None
 

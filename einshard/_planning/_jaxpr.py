@@ -76,7 +76,8 @@ class Reader:
         count = len(self.node_leaf)
         self.parent = list(range(count))
         self.limit = [shapes[leaf][axis] for leaf, axis in zip(self.node_leaf, self.node_axis, strict=True)]
-        self.roles: list[set[str]] = [set() for _ in range(count)]
+        # Per parameter axis (node): words for what it was seen doing ('contraction', 'heads'...).
+        self.words: list[set[str]] = [set() for _ in range(count)]
         self.size = list(self.limit)
         self.why: dict[int, str] = {}
         self.bound: dict[int, int] = {}
@@ -84,7 +85,7 @@ class Reader:
         self.costs: dict[tuple, float] = {}
         self.uses: list[set[str]] = [set() for _ in shapes]
         self.stops: dict[str, str] = {}
-        self.path: tuple[int, ...] = ()
+        self.call_sites: tuple[int, ...] = ()  # the calls (id of each eqn) the walk is inside
         self.scale = 1.0
 
     # --- the groups ---------------------------------------------------------------------------
@@ -133,11 +134,12 @@ class Reader:
     def cost(self, eqn: Any, nodes: Iterable[int], amount: float) -> None:
         """A collective of ``amount`` bytes per run, if the nodes' axes were split, at this site."""
         for node in nodes:
-            self.costs[(self.path, id(eqn), node)] = amount * self.scale
+            self.costs[(self.call_sites, id(eqn), node)] = amount * self.scale
 
-    def role(self, tags: Iterable[tuple[int, int, int]], word: str) -> None:
+    def mark(self, tags: Iterable[tuple[int, int, int]], word: str) -> None:
+        """Notes what the tagged parameter axes were seen doing (``'contraction'``, ``'heads'``...)."""
         for node, _, _ in tags:
-            self.roles[node].add(word)
+            self.words[node].add(word)
 
     # --- walking ------------------------------------------------------------------------------
 
@@ -190,12 +192,12 @@ class Reader:
         return self.opaque(eqn, ins, f"{name}, which the reading does not follow")
 
     def call(self, eqn: Any, jaxpr: Any, ins: list[Value], scale: float = 1.0) -> list[Value]:
-        path, old_scale = self.path, self.scale
-        self.path, self.scale = (*path, id(eqn)), old_scale * scale
+        sites, old_scale = self.call_sites, self.scale
+        self.call_sites, self.scale = (*sites, id(eqn)), old_scale * scale
         try:
             return self.run(jaxpr, ins)
         finally:
-            self.path, self.scale = path, old_scale
+            self.call_sites, self.scale = sites, old_scale
 
     def opaque(self, eqn: Any, ins: list[Value], what: str) -> list[Value]:
         kind = max((v.kind for v in ins), default=CONST)
@@ -203,7 +205,7 @@ class Reader:
             for tags in value.axes:
                 self.brk(tags, f"read by {what}")
                 if value.kind == PARAM:
-                    self.role(tags, "opaque")
+                    self.mark(tags, "opaque")
             for leaf in value.leaves:
                 self.uses[leaf].add("opaque")
         if any(value.kind in (PARAM, ACT) for value in ins):
@@ -236,7 +238,7 @@ class Reader:
                     for leaf in value.leaves:
                         self.uses[leaf].add("elementwise")
                     for tags in value.axes:
-                        self.role(tags, "elementwise")
+                        self.mark(tags, "elementwise")
             leaves = EMPTY
         value = Value(kind, tuple(axes), leaves)
         return [value if var_rank(v) == rank else plain(kind, var_rank(v)) for v in outs]
@@ -345,7 +347,7 @@ class Reader:
                     else:
                         merged = merged | value.axes[axis]
                         if kind == ACT and value.kind == PARAM:
-                            self.role(value.axes[axis], "elementwise")
+                            self.mark(value.axes[axis], "elementwise")
             if len(merged) > 1:
                 self.join(node for node, _, _ in merged)
             out.append(merged)
@@ -384,7 +386,7 @@ class Reader:
                 axes.append(value.axes[i])
                 continue
             if value.kind == PARAM:
-                self.role(value.axes[i], "layer" if size == 1 else "sliced")
+                self.mark(value.axes[i], "layer" if size == 1 else "sliced")
                 reason = "indexed (a layer axis)" if size == 1 else "sliced into parts"
             else:
                 reason = "sliced into parts"
@@ -402,7 +404,7 @@ class Reader:
         value = ins[0]
         axis = eqn.params["axis"]
         if value.kind == PARAM:
-            self.role(value.axes[axis], "sliced")
+            self.mark(value.axes[axis], "sliced")
         self.brk(
             value.axes[axis],
             "split into parts (as q, k and v one after another: a contiguous split cuts across them)",
@@ -415,7 +417,7 @@ class Reader:
         value = ins[0]
         axis = eqn.params["axis"] % max(len(value.axes), 1)
         if value.kind == PARAM:
-            self.role(value.axes[axis], "sliced")
+            self.mark(value.axes[axis], "sliced")
         self.brk(value.axes[axis], "taken apart into its parts (as k and v)")
         axes = tuple(t for i, t in enumerate(value.axes) if i != axis)
         return [Value(value.kind, axes, value.leaves) for _ in eqn.outvars]
@@ -490,13 +492,13 @@ class Reader:
         if kind == CONST:
             return [plain(CONST, var_rank(eqn.outvars[0]))]
         if lhs.kind == PARAM and rhs.kind == ACT:
-            batch, _ = self.weight(eqn, lhs, rhs, lc, rc, lb, rb)
+            batch = self.weight(eqn, lhs, rhs, lc, rc, lb, rb)
             axes = batch + [lhs.axes[i] for i in lfree] + [rhs.axes[i] for i in rfree]
-            self.role((t for i in lfree for t in lhs.axes[i]), "free")
+            self.mark((t for i in lfree for t in lhs.axes[i]), "free")
             return [Value(ACT, tuple(axes))]
         if rhs.kind == PARAM and lhs.kind == ACT:
-            batch, _ = self.weight(eqn, rhs, lhs, rc, lc, rb, lb)
-            self.role((t for i in rfree for t in rhs.axes[i]), "free")
+            batch = self.weight(eqn, rhs, lhs, rc, lc, rb, lb)
+            self.mark((t for i in rfree for t in rhs.axes[i]), "free")
             axes = batch + [lhs.axes[i] for i in lfree] + [rhs.axes[i] for i in rfree]
             return [Value(ACT, tuple(axes))]
         if kind == PARAM:  # weights only: a weight computed from others (LoRA, a tied transpose)
@@ -516,7 +518,7 @@ class Reader:
         for i, j in zip(lb, rb, strict=True):
             merged = lhs.axes[i] | rhs.axes[j]
             self.join(node for node, _, _ in merged)
-            self.role(merged, "heads")
+            self.mark(merged, "heads")
             batch.append(merged)
         axes = batch + [lhs.axes[i] for i in lfree] + [rhs.axes[i] for i in rfree]
         return [Value(ACT, tuple(axes))]
@@ -530,14 +532,14 @@ class Reader:
         ac: Sequence[int],
         pb: Sequence[int],
         ab: Sequence[int],
-    ) -> tuple[list[frozenset], None]:
-        """A weight meets an activation in a ``dot_general``: contraction and batch axes."""
+    ) -> list[frozenset]:
+        """A weight meets an activation in a ``dot_general``: its contraction axes paired, its batch axes."""
         for leaf in param.leaves:
             self.uses[leaf].add("dot_general")
         amount = var_nbytes(eqn.outvars[0])
         for i, j in zip(pc, ac, strict=True):
             mine, theirs = param.axes[i], act.axes[j]
-            self.role(mine, "contraction")
+            self.mark(mine, "contraction")
             self.cost(eqn, (node for node, _, _ in mine), amount)
             if not mine:
                 self.brk(theirs, "contracted with a weight on an axis einshard cannot trace")
@@ -546,10 +548,10 @@ class Reader:
         batch = []
         for i, j in zip(pb, ab, strict=True):
             merged = param.axes[i] | act.axes[j]
-            self.role(param.axes[i], "batch")
+            self.mark(param.axes[i], "batch")
             self.join(node for node, _, _ in merged)
             batch.append(merged)
-        return batch, None
+        return batch
 
     def conv_general_dilated(self, eqn: Any, ins: list[Value]) -> list[Value]:
         lhs, rhs = ins
@@ -567,14 +569,14 @@ class Reader:
         axes[out_spec[0]] = lhs.axes[lhs_spec[0]]
         out_features, in_features = rhs.axes[rhs_spec[0]], rhs.axes[rhs_spec[1]]
         features = lhs.axes[lhs_spec[1]]
-        self.role(out_features, "conv-out")
+        self.mark(out_features, "conv-out")
         for axis in rhs_spec[2:]:
-            self.role(rhs.axes[axis], "window")
+            self.mark(rhs.axes[axis], "window")
             self.brk(rhs.axes[axis], "a convolution window")
         for axis in lhs_spec[2:]:
             self.brk(lhs.axes[axis], "run along by a convolution's window")
         if groups == 1:
-            self.role(in_features, "conv-in")
+            self.mark(in_features, "conv-in")
             self.cost(eqn, (node for node, _, _ in in_features), var_nbytes(eqn.outvars[0]))
             self.pair(features, in_features)
             axes[out_spec[1]] = out_features
@@ -610,19 +612,19 @@ class Reader:
             if sizes[axis] == shape[axis]:
                 axes[position] = operand.axes[axis]
                 if lookup:
-                    self.role(operand.axes[axis], "free")
+                    self.mark(operand.axes[axis], "free")
         for axis in range(len(shape)):
             if sizes[axis] == shape[axis] or axis in batching:
                 continue
             tags = operand.axes[axis]
             if lookup:
-                self.role(tags, "gathered")
+                self.mark(tags, "gathered")
                 self.cost(eqn, (node for node, _, _ in tags), amount)
             elif indexing and math.prod(var_shape(eqn.invars[1])[:-1]) > 1:  # a table read by fixed indices
-                self.role(tags, "indexed")
+                self.mark(tags, "indexed")
                 self.brk(tags, "looked up by indices the step computes, not from the batch")
             elif indexing:
-                self.role(tags, "layer" if sizes[axis] == 1 else "sliced")
+                self.mark(tags, "layer" if sizes[axis] == 1 else "sliced")
                 self.brk(tags, "indexed (a layer axis)" if sizes[axis] == 1 else "sliced into parts")
             elif sizes[axis] == 1:  # a pick along the axis (take_along_axis): partial picks add up
                 self.cost(eqn, (node for node, _, _ in tags), amount)
@@ -660,7 +662,7 @@ class Reader:
         slices = []
         for value in xs:
             if value.kind == PARAM:
-                self.role(value.axes[0], "layer")
+                self.mark(value.axes[0], "layer")
             self.brk(value.axes[0], "the axis a scan steps along (a layer axis)")
             slices.append(Value(value.kind, value.axes[1:], value.leaves))
         carry, outs = self.loop(eqn, body, head, carry, slices, length)

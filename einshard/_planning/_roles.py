@@ -133,7 +133,7 @@ def read_call(call: StepCall) -> Reading:
         node_axis=tuple(reader.node_axis),
         group=tuple(reader.find(n) for n in range(len(reader.node_leaf))),
         limit=tuple(reader.limit),
-        roles=tuple(frozenset(r) for r in reader.roles),
+        roles=tuple(frozenset(r) for r in reader.words),
         why=dict(reader.why),
         cost=tuple(cost),
         feeds=frozenset(reader.feeds),

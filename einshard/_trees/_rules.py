@@ -18,13 +18,22 @@ from typing import Any, Literal, Union
 from .._language._errors import EinshardError, EinshardWarning
 from .._language._expression import parse
 
-__all__ = ["ByShape", "Indivisible", "Rule", "Rules", "RulesLike", "Unmatched"]
+__all__ = ["ByShape", "Indivisible", "Rule", "Rules", "RulesLike", "Unmatched", "ending_pattern"]
 
 Unmatched = Literal["error", "replicate"]
 """What to do with an array leaf no rule matches."""
 
 Indivisible = Literal["error", "replicate", "next"]
 """What to do with a leaf whose axis does not divide by its rule's shard count."""
+
+
+def ending_pattern(path: str) -> str:
+    r"""A rule pattern for one leaf: its path below the argument's name, anchored at the end.
+
+    >>> ending_pattern('params/layers/0/w.kernel')
+    'layers/0/w\\.kernel$'
+    """
+    return f"{re.escape(path.split('/', 1)[-1])}$"
 
 
 class ByShape:
