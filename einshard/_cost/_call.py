@@ -171,6 +171,15 @@ class StepCall:
         return range(inside[0], inside[-1] + 1) if inside else range(0)
 
     @property
+    def batch_name(self) -> str | None:
+        """The name of the step's batch argument: its second (``step(params, batch)``), or ``None``.
+
+        Positional arguments come first, then keyword ones: ``explain_step(step, params,
+        batch=b)`` names ``batch`` too. A step of one argument has no batch.
+        """
+        return self.names[1] if len(self.names) > 1 else None
+
+    @property
     def array_paths(self) -> list[str]:
         """The paths of the array leaves, in the program's parameter order."""
         return [self.paths[i] for i in self.arrays]

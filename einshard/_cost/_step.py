@@ -32,6 +32,7 @@ from .._language._errors import EinshardWarning
 from .._language._numbers import checked_count
 from .._trees._assign import as_rules
 from .._trees._rules import Rules, RulesLike
+from .._trees._strategy import with_batch
 from ._analysis import Answer, analyse, answer
 from ._call import StepCall
 from ._child import child_error, in_child
@@ -93,7 +94,12 @@ def explain_step(
             (``fn`` and the arguments must pickle; shardings come from ``rules``, see the page),
             or this many devices of the ``target``.
         rules: A rule table giving the arguments their shardings, by the paths
-            ``name/key/...`` of ``fn``'s parameter names (``params/layers/0/kernel``).
+            ``name/key/...`` of ``fn``'s parameter names (``params/layers/0/kernel``). A
+            :class:`~einshard.strategies.Strategy` (``plan(...).best``) also lays out the batch
+            by its ``.batch``, as :func:`~einshard.plan` does, so the report is the plan's row:
+            the batch is the step's second argument (``step(params, batch)``; positional
+            arguments first, then keyword ones), every leaf of it. With a single argument
+            there is no batch, and the strategy is a table like any other.
         target: What to compile for: ``'cpu'`` (simulated CPU devices, the default), a GPU
             (``'a100'``, ``'h100'``, ``'h200'``, ``'b200'``: needs ``einshard[gpu-target]``)
             or a TPU generation (``'v5e'``, ``'v5p'``, ``'v6e'``, or a slice ``'v5e:2x4'``:
@@ -129,20 +135,22 @@ def explain_step(
         _check_devices(n_devices)
     chosen = parse_target(target, n_devices)
     figures = hardware_of(chosen, hardware)
-    if chosen.platform != "cpu" or n_devices is not None:
-        StepCall.of(fn, args, kwargs)  # named here too: its checks (a float64 argument) speak in this process
+    # Named here in every case: its checks (a float64 argument) speak in this process, and a
+    # strategy's batch rule needs the batch argument's name.
+    call = StepCall.of(fn, args, kwargs)
+    table = with_batch(rules, call.batch_name) if rules is not None else None
     if chosen.platform != "cpu":
-        (result,) = in_child(fn, args, kwargs, chosen.n_devices, [rules], chosen)
+        (result,) = in_child(fn, args, kwargs, chosen.n_devices, [table], chosen)
         if result.report is None:
             raise child_error(result.error or "no report", chosen.n_devices, chosen)
         report = result.report
     elif n_devices is not None:
-        (result,) = in_child(fn, args, kwargs, n_devices, [rules])
+        (result,) = in_child(fn, args, kwargs, n_devices, [table])
         if result.report is None:
             raise child_error(result.error or "no report", n_devices)
         report = result.report
     else:
-        report = analyse(StepCall.of(fn, args, kwargs), rules)
+        report = analyse(call, table)
     if rules is not None:
         warn_if_only_catch_all(as_rules(rules), report, "explain_step")
     return on_hardware(report, figures, bandwidth, latency, flops_per_second)

@@ -10,7 +10,6 @@ process with simulated CPU devices for all candidates). Ranking needs no recompi
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -22,8 +21,7 @@ from .._cost._target import Hardware, hardware_of, parse_target
 from .._language._errors import EinshardError
 from .._language._expression import parse
 from .._language._text import size_text
-from .._trees._rules import Rules
-from .._trees._strategy import DEFAULT_MIN_BYTES, Strategy
+from .._trees._strategy import DEFAULT_MIN_BYTES, Strategy, with_batch
 from ._plan_text import plan_text
 from ._roles import read_call
 from ._strategies import derived_defaults
@@ -310,7 +308,7 @@ def plan(
     call = StepCall.of(step, (params, batch), {})
     if strategies is None:
         strategies = derived_defaults(read_call(call), count, min_bytes)
-    tables = [_with_batch(strategy, call.names[1]) for strategy in strategies]
+    tables = [with_batch(strategy, call.batch_name) for strategy in strategies]
     network = None
     if figures is not None:
         answers = reports(call, tables, count, chosen)
@@ -334,12 +332,6 @@ def plan(
     return _ranked(
         rows, count, memory_per_device, bandwidth, latency, flops_per_second, network, chosen.name, figures
     )
-
-
-def _with_batch(strategy: Strategy, batch_name: str) -> Rules:
-    """The strategy's table with the batch rule in front, for the step's argument paths."""
-    batch_rule = (rf"^{re.escape(batch_name)}(/|$)", strategy.batch)
-    return Rules([batch_rule, *strategy.pairs()], **strategy._policies())
 
 
 def _split_share(
