@@ -4,6 +4,7 @@ compiler's messages; the headline; the planner's findings column."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 
@@ -202,10 +203,24 @@ def test_at_does_not_recompile(monkeypatch):
 def test_accelerator_is_gone_and_its_error_names_target():
     with pytest.raises(einshard.EinshardError, match=r"accelerator='gpu' is gone: give target= instead"):
         einshard.explain_step(lambda x: x * 2, jnp.ones(4), accelerator="gpu")
-    with pytest.raises(einshard.EinshardError, match="target='h100'"):
+    with pytest.raises(einshard.EinshardError, match="'h100'") as raised:
         _fsdp_report().at(accelerator="gpu")
+    assert "pip install '.[gpu-target]'" in raised.value.hint  # from the source at hand
     with pytest.raises(einshard.EinshardError, match="give target= instead"):
         einshard.plan(sgd(mlp_loss), FSDP_PARAMS, FSDP_BATCH, accelerator="gpu")
+    # A dead parameter no more: no signature lists it.
+    for function in (einshard.explain_step, einshard.plan, einshard.StepReport.at, einshard.Plan.at):
+        assert "accelerator" not in inspect.signature(function).parameters, function
+
+
+def test_a_step_that_takes_accelerator_gets_it_from_explain_step():
+    """explain_step's keywords go to the step: one that takes accelerator= is not refused."""
+
+    def step(x, accelerator="none"):
+        return x * 2 if accelerator == "gpu" else x
+
+    report = einshard.explain_step(step, jnp.ones(4), accelerator="gpu")
+    assert report.rows == ()
 
 
 # --- a large parameter copied on every device under a table meant to split it -------------------

@@ -39,7 +39,7 @@ from ._child import child_error, in_child
 from ._report import Finding as Finding
 from ._report import StepReport as StepReport
 from ._report import StepRow as StepRow
-from ._report import check_no_accelerator, estimated
+from ._report import estimated, refuses_accelerator
 from ._target import Hardware as Hardware
 from ._target import Target, hardware_of, parse_target
 
@@ -54,6 +54,7 @@ __all__ = [
 ]
 
 
+@refuses_accelerator(step_kwargs=True)
 def explain_step(
     fn: Callable[..., Any] | str,
     *args: Any,
@@ -64,7 +65,6 @@ def explain_step(
     bandwidth: float | None = None,
     latency: float = 0.0,
     flops_per_second: float | None = None,
-    accelerator: Any = None,
     **kwargs: Any,
 ) -> StepReport:
     """Compiles ``fn(*args, **kwargs)`` for its arguments' shardings and reports what it costs.
@@ -101,9 +101,9 @@ def explain_step(
             arguments first, then keyword ones), every leaf of it. With a single argument
             there is no batch, and the strategy is a table like any other.
         target: What to compile for: ``'cpu'`` (simulated CPU devices, the default), a GPU
-            (``'a100'``, ``'h100'``, ``'h200'``, ``'b200'``: needs ``einshard[gpu-target]``)
+            (``'a100'``, ``'h100'``, ``'h200'``, ``'b200'``: needs the ``gpu-target`` extra)
             or a TPU generation (``'v5e'``, ``'v5p'``, ``'v6e'``, or a slice ``'v5e:2x4'``:
-            needs ``einshard[tpu-target]``). A target other than ``'cpu'`` is always compiled
+            needs ``tpu-target``). A target other than ``'cpu'`` is always compiled
             in a child process.
         hardware: Figures of the target to use instead of its own, by name
             (``{'efficiency': 0.3, 'network_bandwidth': 25e9}``; see :class:`~einshard.Hardware`).
@@ -113,8 +113,8 @@ def explain_step(
         latency: Seconds per step of a ring algorithm.
         flops_per_second: FLOP/s per device the compute estimate assumes (default with a
             target: its peak times its efficiency).
-        accelerator: Removed: give ``target=`` instead (an ``EinshardError`` says so).
-        **kwargs: Keyword arguments of ``fn``.
+        **kwargs: Keyword arguments of ``fn``. (``accelerator=``, removed, raises an
+            ``EinshardError`` naming ``target=``, unless ``fn`` takes an ``accelerator`` itself.)
 
     Returns:
         A :class:`StepReport`.
@@ -130,7 +130,6 @@ def explain_step(
     >>> [(row.kind, row.bytes, row.group_size) for row in report.rows]
     [('all-reduce', 128, 8)]
     """
-    check_no_accelerator(accelerator)
     if n_devices is not None:
         _check_devices(n_devices)
     chosen = parse_target(target, n_devices)

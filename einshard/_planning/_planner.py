@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from .._arrays._leaves import nbytes
 from .._cost._call import StepCall
-from .._cost._report import StepReport, check_no_accelerator, estimated
+from .._cost._report import StepReport, estimated, refuses_accelerator
 from .._cost._step import reports, warn_if_only_catch_all
 from .._cost._target import Hardware, hardware_of, parse_target
 from .._language._errors import EinshardError
@@ -176,6 +176,7 @@ class Plan:
             )
         return usable[0].strategy
 
+    @refuses_accelerator()
     def at(
         self,
         *,
@@ -183,14 +184,12 @@ class Plan:
         bandwidth: float | None = None,
         latency: float | None = None,
         flops_per_second: float | None = None,
-        accelerator: Any = None,
     ) -> Plan:
         """The same candidates ranked at other figures; no recompile.
 
         The figures not given are kept; a bandwidth given is every collective's (the target's
         network figure is dropped). Another target is another compile: ``plan(..., target=...)``.
         """
-        check_no_accelerator(accelerator)
         return _ranked(
             [dataclasses.replace(row, rejected=_unfit(row.rejected)) for row in self.rows],
             self.n_devices,
@@ -207,6 +206,7 @@ class Plan:
         return plan_text(self)
 
 
+@refuses_accelerator()
 def plan(
     step: Callable[..., Any] | str,
     params: Any,
@@ -221,7 +221,6 @@ def plan(
     min_bytes: int = DEFAULT_MIN_BYTES,
     target: str = "cpu",
     hardware: Mapping[str, float] | None = None,
-    accelerator: Any = None,
     isolate: bool = False,
 ) -> Plan:
     """Compiles ``step(params, batch)`` under each candidate strategy and ranks them.
@@ -260,7 +259,6 @@ def plan(
             the candidates rank by estimated time at its figures.
         hardware: Figures of the target to use instead of its own, by name (see
             :class:`~einshard.Hardware`).
-        accelerator: Removed: give ``target=`` instead (an ``EinshardError`` says so).
         isolate: Compile the candidates in a child process for this machine's device count
             too. XLA aborts the process on some layouts (a failed check in its partitioner, not
             an exception); in a child, such a candidate is rejected ("XLA aborted the process
@@ -297,7 +295,6 @@ def plan(
                     hint="Use einshard.strategies.fsdp() and friends, or wrap a table: "
                     "einshard.strategies.Strategy(rules, batch='b ... -> b* ...', name='mine').",
                 )
-    check_no_accelerator(accelerator)
     given = count_to_plan(n_devices, hint="Give the device count to plan for, e.g. n_devices=64.")
     chosen = parse_target(target, n_devices)
     figures = hardware_of(chosen, hardware)

@@ -42,7 +42,7 @@ except ModuleNotFoundError as error:
         raise  # optax is installed but something it imports is not: its own error says what
     raise ImportError(
         "einshard.integrations.optax needs optax, which is not installed; "
-        "install it with: pip install 'einshard[optax]'"
+        "install it with: pip install optax (or pip install '.[optax]' in einshard's source folder)"
     ) from error
 
 import dataclasses
