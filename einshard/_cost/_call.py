@@ -172,12 +172,16 @@ class StepCall:
 
     @property
     def batch_name(self) -> str | None:
-        """The name of the step's batch argument: its second (``step(params, batch)``), or ``None``.
+        """The name of the step's batch argument, or ``None``.
 
-        Positional arguments come first, then keyword ones: ``explain_step(step, params,
-        batch=b)`` names ``batch`` too. A step of one argument has no batch.
+        The argument named ``batch`` (by position or keyword), else the last positional one
+        when there are two or more: ``step(params, batch)`` as ``plan`` calls it, and
+        ``step(params, opt_state, tokens)``. A step of one argument has no batch.
         """
-        return self.names[1] if len(self.names) > 1 else None
+        if "batch" in self.names:
+            return "batch"
+        positional = self.names[: len(self.args)]
+        return positional[-1] if len(positional) > 1 else None
 
     @property
     def array_paths(self) -> list[str]:

@@ -142,7 +142,8 @@ class Finding:
 
     Attributes:
         kind: ``'repeated'``, ``'unsummed'``, ``'sliced all-reduce'``, ``'copied'``,
-            ``'reshard'`` or ``'rematerialization'`` (see the "What does my table cost?" page).
+            ``'reshard'``, ``'rematerialization'`` or ``'activations gathered over the batch'``
+            (see the "What does my table cost?" page).
         bytes: The bytes each device sends per step beyond the better program (ring formulas).
         memory_bytes: The bytes each device holds beyond the better program (``'copied'``).
         params: The parameter paths concerned (where the data flow names them).

@@ -97,9 +97,10 @@ def explain_step(
             ``name/key/...`` of ``fn``'s parameter names (``params/layers/0/kernel``). A
             :class:`~einshard.strategies.Strategy` (``plan(...).best``) also lays out the batch
             by its ``.batch``, as :func:`~einshard.plan` does, so the report is the plan's row:
-            the batch is the step's second argument (``step(params, batch)``; positional
-            arguments first, then keyword ones), every leaf of it. With a single argument
-            there is no batch, and the strategy is a table like any other.
+            the batch is the argument named ``batch`` (by position or keyword), else the last
+            positional one (``step(params, batch)``, ``step(params, opt_state, tokens)``), every
+            leaf of it. With a single argument there is no batch, and the strategy is a table
+            like any other.
         target: What to compile for: ``'cpu'`` (simulated CPU devices, the default), a GPU
             (``'a100'``, ``'h100'``, ``'h200'``, ``'b200'``: needs the ``gpu-target`` extra)
             or a TPU generation (``'v5e'``, ``'v5p'``, ``'v6e'``, or a slice ``'v5e:2x4'``:
