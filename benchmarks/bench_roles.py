@@ -7,8 +7,9 @@ projections, a gated MLP, LM head, cross-entropy, plain SGD), with its layers un
 parameter tree of 291 leaves, the layers under ``layers/0`` to ``layers/31``) and with its
 layers stacked and run by ``jax.lax.scan`` (12 leaves with a leading layer axis). For each:
 
-* **derive**: ``einshard.strategies.tensor_parallel(step, params, batch)``: tracing the step on
-  abstract inputs (``jax.make_jaxpr``), reading every weight's role and building the table;
+* **derive**: ``einshard.strategies.tensor_parallel(step=step, params=params, batch=batch)``:
+  tracing the step on abstract inputs (``jax.make_jaxpr``), reading every weight's role and
+  building the table;
 * **compile**: ``jax.jit(step).lower(params, batch).compile()`` for the parameters laid out by
   that table, as ``einshard.plan`` compiles each candidate (tracing included).
 
@@ -111,7 +112,7 @@ def _child(what: str, stacked: bool) -> dict[str, Any]:
     step, params, batch = _model(stacked)
     if what == "derive":
         start = time.perf_counter()
-        table = einshard.strategies.tensor_parallel(step, params, batch)
+        table = einshard.strategies.tensor_parallel(step=step, params=params, batch=batch)
         seconds = time.perf_counter() - start
         split = einshard.strategies.roles(step, params, batch).split_share
         return {
@@ -121,7 +122,7 @@ def _child(what: str, stacked: bool) -> dict[str, Any]:
             "split": split,
         }
     # The table the compile is for: derived in this process too, outside the clock.
-    table = einshard.strategies.tensor_parallel(step, params, batch)
+    table = einshard.strategies.tensor_parallel(step=step, params=params, batch=batch)
     shardings = einshard.pytree_shardings(params, table)
     args = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), params, shardings)
 

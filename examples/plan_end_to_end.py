@@ -4,8 +4,10 @@
 tensor parallel and hybrids, the last two read from the step's dataflow) and ranks them by
 estimated step time. `plan.best` is the winning `einshard.strategies.Strategy`: an ordinary rule
 table for the parameters (`shard_pytree(params, plan.best)`) that also carries the expression for
-the batch (`einshard(batch, plan.best.batch)`). Then the step trains as any jitted step does, and
-gives the values of the same steps on one device.
+the batch (`einshard(batch, plan.best.batch)`). Then the step trains as any jitted step does: after
+three steps its loss is the loss of the same three steps on one device to float32 rounding
+(`np.allclose`, rtol 1e-5: the sharded program adds in another order), and the parameters keep the
+plan's layouts.
 
 Run it on 8 simulated CPU devices (no accelerator needed):
 
@@ -53,7 +55,8 @@ def main():
     reference = jax.jit(step)
     for _ in range(3):
         sharded, params = train(sharded, data), reference(params, batch)
-    print(np.allclose(loss(sharded, data), loss(params, batch), rtol=1e-5))  # the one-device values
+    # The one-device values to float32 rounding: the sharded program adds in another order.
+    print(np.allclose(loss(sharded, data), loss(params, batch), rtol=1e-5))
     print(sharded["up"]["kernel"].sharding == einshard.shard_pytree(params, best)["up"]["kernel"].sharding)
 
 

@@ -59,7 +59,10 @@ def main() -> None:
     params = jax.tree.map(lambda s: jnp.full(s.shape, 0.01, s.dtype), llama_step.abstract_params())
     params = einshard.shard_pytree(params, best)
     tokens = einshard.einshard(jnp.ones(llama_step.abstract_batch().shape, jnp.int32), best.batch)
-    params = jax.jit(llama_step.train_step)(params, tokens)
+    # out_shardings: the updated parameters keep the plan's layouts (the docs' advice), so the
+    # next step compiles for the same shardings.
+    train = jax.jit(llama_step.train_step, out_shardings=einshard.shardings_of(params))
+    params = train(params, tokens)
     print("one step done; loss", float(llama_step.loss(params, tokens)))
 
 

@@ -100,7 +100,9 @@ TP = einshard.Rules(
 
 def cases(n_devices: int = 8) -> dict[str, tuple[dict, einshard.Rules, str]]:
     """Each step's ``(params, table, batch expression)``; the derived ones for ``n_devices``."""
-    derived_tp = einshard.strategies.tensor_parallel(step, gpt_params(), TOKENS, n_devices=n_devices)
+    derived_tp = einshard.strategies.tensor_parallel(
+        step=step, params=gpt_params(), batch=TOKENS, n_devices=n_devices
+    )
     derived_hy = einshard.strategies.hybrid(
         4, step=step, params=gpt_params(), batch=TOKENS, n_devices=n_devices
     )

@@ -343,6 +343,33 @@ def test_a_rematerialization_goes_when_the_two_layouts_agree():
     assert "less, not nothing" in finding.fix
 
 
+# --- activations gathered over the batch: FSDP's rules without its batch rule -----------------------
+
+
+def test_a_batch_left_whole_under_fsdp_split_as_the_finding_says():
+    import gpt_steps
+
+    tx = optax.adamw(1e-3)
+    params = gpt_steps.gpt_params()
+    train = (params, jax.eval_shape(tx.init, params))
+
+    def adamw_step(train, tokens):
+        params, opt = train
+        grads = jax.grad(gpt_steps.loss)(params, tokens)
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt
+
+    fsdp = einshard.Rules([("ln", "... -> * ...")]) + strategies.fsdp(min_bytes=0)  # norms whole
+    tokens = gpt_steps.TOKENS
+    before = einshard.explain_step(adamw_step, train, tokens, rules=einshard.Rules(fsdp.pairs()))
+    finding = the(before, "activations gathered over the batch")
+    # The fix as printed: the batch rule in front of the table.
+    rule = ast.literal_eval(re.search(r"put (\(.*?\)) in front", finding.fix).group(1))
+    after = einshard.explain_step(adamw_step, train, tokens, rules=einshard.Rules([rule, *fsdp.pairs()]))
+    check_fixed("activations gathered over the batch", finding, before, after)
+    assert after.rows == einshard.explain_step(adamw_step, train, tokens, rules=fsdp).rows  # = the Strategy
+
+
 def test_the_cost_pages_table_is_these_numbers():
     if len(FIXED) < 8:
         pytest.skip("run with the tests above")

@@ -4,6 +4,7 @@ compiler's messages; the headline; the planner's findings column."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 
@@ -202,10 +203,24 @@ def test_at_does_not_recompile(monkeypatch):
 def test_accelerator_is_gone_and_its_error_names_target():
     with pytest.raises(einshard.EinshardError, match=r"accelerator='gpu' is gone: give target= instead"):
         einshard.explain_step(lambda x: x * 2, jnp.ones(4), accelerator="gpu")
-    with pytest.raises(einshard.EinshardError, match="target='h100'"):
+    with pytest.raises(einshard.EinshardError, match="'h100'") as raised:
         _fsdp_report().at(accelerator="gpu")
+    assert "pip install '.[gpu-target]'" in raised.value.hint  # from the source at hand
     with pytest.raises(einshard.EinshardError, match="give target= instead"):
         einshard.plan(sgd(mlp_loss), FSDP_PARAMS, FSDP_BATCH, accelerator="gpu")
+    # A dead parameter no more: no signature lists it.
+    for function in (einshard.explain_step, einshard.plan, einshard.StepReport.at, einshard.Plan.at):
+        assert "accelerator" not in inspect.signature(function).parameters, function
+
+
+def test_a_step_that_takes_accelerator_gets_it_from_explain_step():
+    """explain_step's keywords go to the step: one that takes accelerator= is not refused."""
+
+    def step(x, accelerator="none"):
+        return x * 2 if accelerator == "gpu" else x
+
+    report = einshard.explain_step(step, jnp.ones(4), accelerator="gpu")
+    assert report.rows == ()
 
 
 # --- a large parameter copied on every device under a table meant to split it -------------------
@@ -375,3 +390,53 @@ def test_the_planner_shows_each_candidates_findings():
     assert math.isclose(fsdp.communication_seconds, fsdp.traffic / 1e9)
     with pytest.raises(einshard.EinshardError, match="give target= instead"):
         plan.at(accelerator="gpu")
+
+
+# --- a batch left whole under FSDP: activations moved instead of weights ----------------------------
+
+GPT_DIVIDES = pytest.mark.skipif(
+    N < 2 or 256 % N, reason="the GPT's widths (256) split over 2, 4, 8 or 16 devices"
+)
+
+
+@GPT_DIVIDES
+def test_a_batch_left_to_the_catch_all_under_fsdp_moves_activations_and_is_named():
+    """tests/gpt_steps.py's GPT with AdamW under FSDP given as a plain table (the Strategy's rules
+    without its batch rule): the batch falls to the catch-all, and the partitioner moves
+    activations. The finding names it; with the batch split (the Strategy itself), it is gone,
+    and the bytes drop by what it said."""
+    optax = pytest.importorskip("optax")
+    import gpt_steps
+
+    tx = optax.adamw(1e-3)
+    params = gpt_steps.gpt_params()
+    train = (params, jax.eval_shape(tx.init, params))
+
+    def adamw_step(train, tokens):
+        params, opt = train
+        grads = jax.grad(gpt_steps.loss)(params, tokens)
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt
+
+    tokens = jax.ShapeDtypeStruct((2 * N, gpt_steps.S), jnp.int32)
+    fsdp = strategies.fsdp(min_bytes=0)
+    mistaken = einshard.explain_step(adamw_step, train, tokens, rules=einshard.Rules(fsdp.pairs()))
+    finding = only(mistaken, "activations gathered over the batch")
+    assert finding.params == () and finding.bytes > 0.3 * mistaken.traffic
+    assert "The batch (tokens) is" in finding.cause and "serve no parameter" in finding.cause
+    assert "('^tokens(/|$)', 'b ... -> b* ...')" in finding.fix and "rules=" in finding.fix
+    assert all(mistaken.rows[p].param is None for p in finding.rows)
+    split = einshard.explain_step(adamw_step, train, tokens, rules=fsdp)
+    assert "activations gathered over the batch" not in kinds(split)
+    assert mistaken.traffic - split.traffic >= 0.9 * finding.bytes
+
+
+@GPT_DIVIDES
+def test_tensor_parallel_keeps_its_batch_whole_on_purpose_and_is_not_named():
+    """Megatron's all-reduces of activations serve no parameter either, by design: no parameter is
+    gathered, so the batch left whole is not this finding."""
+    import gpt_steps
+
+    tokens = jax.ShapeDtypeStruct((2 * N, gpt_steps.S), jnp.int32)
+    report = einshard.explain_step(gpt_steps.step, gpt_steps.gpt_params(), tokens, rules=gpt_steps.TP)
+    assert report.rows and "activations gathered over the batch" not in kinds(report)

@@ -250,3 +250,57 @@ def test_explain_shows_rules_as_written_not_as_markup():
     lines = text.splitlines()
     assert "unused rules: ('[bold]x', 'x -> x*')" in lines
     assert lines[-1] == "1 rule matches no path of this tree (a layer name it does not have?): '[bold]x'"
+
+
+# --- one word: a plan is what einshard.plan returns ---------------------------------------------------
+
+
+def _code_blocks(text: str) -> list[str]:
+    """The Python in a page's code blocks: doctest lines (>>> and ...) and ```python blocks."""
+    blocks, current, fenced = [], [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if fenced and current:
+                blocks.append("\n".join(current))
+            fenced, current = line.strip() == "```python", []
+            continue
+        stripped = line.lstrip()
+        if stripped.startswith((">>> ", "... ")) or stripped in (">>>", "..."):
+            current.append(stripped[4:])
+        elif fenced and not any(s.startswith(">>>") for s in current):
+            current.append(line)
+    return blocks
+
+
+def _plans_bound_to_other_things(source: str) -> list[str]:
+    """Each ``plan = ...`` whose value is not a call of einshard.plan (or plan) itself."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if not any(isinstance(t, ast.Name) and t.id == "plan" for t in targets):
+                continue
+            value = node.value
+            called = value.func if isinstance(value, ast.Call) else None
+            name = called.attr if isinstance(called, ast.Attribute) else getattr(called, "id", None)
+            if name != "plan":
+                found.append(ast.unparse(node))
+    return found
+
+
+def test_the_word_plan_names_only_what_einshard_plan_returns():
+    """explain's result is a layout report (Report), not a plan: no example binds `plan` to it."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    wrong = []
+    for page in pages:
+        for block in _code_blocks(page.read_text()):
+            wrong += [f"{page.name}: {line}" for line in _plans_bound_to_other_things(block)]
+    for example in sorted((ROOT / "examples").glob("*.py")):
+        wrong += [f"{example.name}: {line}" for line in _plans_bound_to_other_things(example.read_text())]
+    assert not wrong, wrong

@@ -295,7 +295,7 @@ def test_optimizer_state_paths_leave_out_nnx_value_everywhere():
 
     params = einshard.shard_pytree(nnx.state(MLP(rngs=nnx.Rngs(0)), nnx.Param), NNX_RULES)
     state = optax.adam(1e-3).init(params)  # its moments hold NNX variables, as the params do
-    rows = explain_opt_state(state, params).rows
+    rows = explain_opt_state(state, params=params).rows
     paths = {f"{layer}/{name}" for layer in ("linear1", "linear2") for name in ("kernel", "bias")}
     assert {row.path for row in einshard.explain(params, NNX_RULES).rows} == paths
     assert {row.path for row in rows} >= {"0/mu/linear1/kernel", "0/nu/linear2/kernel"}

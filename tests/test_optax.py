@@ -220,7 +220,7 @@ class TestOptimizers:
 
     def test_every_row_explained(self, name, sharded):
         state = init_opt_state(OPTIMIZERS[name](), sharded)
-        report = explain_opt_state(state, sharded)
+        report = explain_opt_state(state, params=sharded)
         assert len(report.rows) == len(jax.tree.leaves(state))
         assert all(row.note for row in report.rows)
         assert report.n_devices == N_DEVICES
@@ -258,7 +258,7 @@ class TestAdafactor:
 
     def test_report(self, sharded):
         state = init_opt_state(self.tx(), sharded)
-        notes = {row.path: row.note for row in explain_opt_state(state, sharded).rows}
+        notes = {row.path: row.note for row in explain_opt_state(state, params=sharded).rows}
         assert notes["0/count"] == "scalar"
         assert notes["0/v_row/hidden/w"] == "adafactor v_row of hidden/w (axis 1 reduced): replicated"
         assert notes["0/v_col/hidden/w"] == "adafactor v_col of hidden/w (axis 0 reduced)"
@@ -267,16 +267,16 @@ class TestAdafactor:
         assert notes["0/v/hidden/b"] == "mirrors hidden/b"
         assert notes["0/v/hidden/w"] == "adafactor placeholder beside hidden/w: replicated"
         assert notes["0/v_row/hidden/b"] == "adafactor placeholder beside hidden/b: replicated"
-        rows = {row.path: row for row in explain_opt_state(state, sharded).rows}
+        rows = {row.path: row for row in explain_opt_state(state, params=sharded).rows}
         assert rows["0/v_col/hidden/w"].expression == f"a -> a{N_DEVICES}"
         assert rows["0/v_row/hidden/w"].expression == REPLICATE
         assert rows["0/v/hidden/b"].shard_shape == (8,)
-        assert "adafactor v_row of hidden/w" in str(explain_opt_state(state, sharded))
+        assert "adafactor v_row of hidden/w" in str(explain_opt_state(state, params=sharded))
 
     def test_report_plans_for_any_device_count(self, params):
         abstract = jax.eval_shape(lambda: params)
         state = jax.eval_shape(self.tx().init, abstract)
-        report = explain_opt_state(state, abstract, RULES, n_devices=2 * N_DEVICES)
+        report = explain_opt_state(state, RULES, abstract, n_devices=2 * N_DEVICES)
         rows = {row.path: row for row in report.rows}
         assert report.n_devices == 2 * N_DEVICES
         assert rows["0/v_col/hidden/w"].expression == "y -> y*"
@@ -313,7 +313,7 @@ class TestMatching:
             "y -> y*", stat.shape, jax.devices()
         )
         assert placed["step"].sharding.is_fully_replicated
-        notes = [row.note for row in explain_opt_state(state, params).rows]
+        notes = [row.note for row in explain_opt_state(state, params=params).rows]
         assert notes == ["reduces w (axis 0 reduced)", "scalar"]
 
     def test_ambiguous_reduction_is_replicated(self):
@@ -321,7 +321,7 @@ class TestMatching:
         params = einshard.shard_pytree({"w": jnp.ones((size, size))}, {"w": "x y -> x y*"})
         state = {"stat": {"w": jnp.zeros(size)}}
         assert shard_opt_state(state, params)["stat"]["w"].sharding.is_fully_replicated
-        (row,) = explain_opt_state(state, params).rows
+        (row,) = explain_opt_state(state, params=params).rows
         assert row.note == "reduces w, axis 0 or 1 (ambiguous): replicated"
 
     def test_reduction_of_a_replicated_axis_is_not_ambiguous(self):
@@ -338,14 +338,14 @@ class TestMatching:
         assert placed["other"].sharding.is_fully_replicated
         # A lone array of a parameter's shape is not a copy of the parameter tree.
         assert placed["hidden"]["w"].sharding.is_fully_replicated
-        notes = {row.path: row.note for row in explain_opt_state(state, sharded).rows}
+        notes = {row.path: row.note for row in explain_opt_state(state, params=sharded).rows}
         assert notes["other"] == "mirrors no parameter: replicated"
 
     def test_wrong_shape_inside_a_param_shaped_tree(self, sharded):
         state = jax.tree.map(lambda p: jnp.zeros((2, 3)), sharded)
         placed = shard_opt_state(state, sharded)
         assert all(leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(placed))
-        notes = {row.path: row.note for row in explain_opt_state(state, sharded).rows}
+        notes = {row.path: row.note for row in explain_opt_state(state, params=sharded).rows}
         assert notes["hidden/w"] == "shape (2, 3) beside hidden/w: replicated"
 
     def test_non_array_leaves_pass_through(self, sharded):
@@ -361,7 +361,7 @@ class TestMatching:
         state = optax.adam(1e-3).init(numpy_params)
         placed = shard_opt_state(state, numpy_params)
         assert all(leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(placed))
-        notes = {row.path: row.note for row in explain_opt_state(state, numpy_params).rows}
+        notes = {row.path: row.note for row in explain_opt_state(state, params=numpy_params).rows}
         assert notes["0/mu/hidden/w"] == "mirrors hidden/w, which is not placed: replicated"
 
     def test_params_on_a_device_subset(self, params):
@@ -371,7 +371,7 @@ class TestMatching:
         state = init_opt_state(optax.adam(1e-3), placed)
         for leaf in jax.tree.leaves(state):
             assert leaf.sharding.device_set == set(devices)
-        assert explain_opt_state(state, placed).n_devices == 2
+        assert explain_opt_state(state, params=placed).n_devices == 2
 
     def test_ambient_mesh(self, params):
         mesh = jax.make_mesh((2, N_DEVICES // 2), ("data", "model"))
@@ -381,7 +381,7 @@ class TestMatching:
         assert state[0].v_col["hidden"]["w"].sharding.mesh == mesh
         assert state[0].v_col["hidden"]["w"].sharding.spec == jax.sharding.PartitionSpec(("data", "model"))
         assert state[0].count.sharding.mesh == mesh
-        rows = {row.path: row for row in explain_opt_state(state, placed).rows}
+        rows = {row.path: row for row in explain_opt_state(state, params=placed).rows}
         assert rows["0/v_col/hidden/w"].expression == f"a -> a{N_DEVICES}"
 
     def test_multi_transform(self, params, sharded):
@@ -413,7 +413,7 @@ class TestMatching:
         state = {"mu": {"w": OptVariable(jnp.zeros((4, 8 * N_DEVICES)))}}
         placed = shard_opt_state(state, params)
         assert placed["mu"]["w"].value.sharding == params["w"].value.sharding
-        assert [row.note for row in explain_opt_state(state, params).rows] == ["mirrors w/value"]
+        assert [row.note for row in explain_opt_state(state, params=params).rows] == ["mirrors w/value"]
 
     def test_traced_params_are_an_error(self, sharded):
         state = optax.adam(1e-3).init(sharded)
@@ -447,8 +447,8 @@ class TestMatching:
     def test_explain_device_count_must_match_placed_params(self, sharded):
         state = init_opt_state(optax.adam(1e-3), sharded)
         with pytest.raises(EinshardError, match="pass the rule table"):
-            explain_opt_state(state, sharded, n_devices=2 * N_DEVICES)
-        assert explain_opt_state(state, sharded, n_devices=N_DEVICES).n_devices == N_DEVICES
+            explain_opt_state(state, params=sharded, n_devices=2 * N_DEVICES)
+        assert explain_opt_state(state, params=sharded, n_devices=N_DEVICES).n_devices == N_DEVICES
 
     def test_jit_with_out_shardings_does_not_recompile(self, sharded):
         tx = optax.adam(1e-2)
@@ -476,7 +476,7 @@ def test_a_param_left_on_one_device_gets_its_state_replicated_beside_placed_ones
         leaf = mu[path[0]][path[1]]
         assert leaf.sharding.is_fully_replicated
         assert leaf.sharding.device_set == params["hidden"]["w"].sharding.device_set
-    notes = {row.path: row.note for row in explain_opt_state(state, params).rows}
+    notes = {row.path: row.note for row in explain_opt_state(state, params=params).rows}
     assert notes["0/mu/hidden/b"] == "mirrors hidden/b, which is on one device: replicated"
     # The step runs with the mixed params, and matches plain optax.
     x, y = make_batch()
@@ -607,7 +607,7 @@ def test_lookahead_fast_state_follows_the_fast_params_not_the_slow(params):
     slow = einshard.shard_pytree(params, [(r".*", REPLICATE)])
     state = init_opt_state(optax.lookahead(optax.adam(1e-2), 2, 0.5), optax.LookaheadParams(fast, slow))
     assert state.fast_state[0].mu["hidden"]["w"].sharding == fast["hidden"]["w"].sharding
-    report = explain_opt_state(state, optax.LookaheadParams(fast, slow))
+    report = explain_opt_state(state, params=optax.LookaheadParams(fast, slow))
     assert {row.note for row in report.rows if "/mu/" in row.path} == {
         f"mirrors fast/{p}" for p in ("hidden/w", "hidden/b", "out/w", "out/b")
     }
@@ -646,7 +646,7 @@ def test_a_restored_lookahead_state_follows_the_fast_params_by_structure(params)
     # Planned for another device count from shapes alone: the same derivations.
     abstract = jax.eval_shape(lambda: optax.LookaheadParams(params, params))
     state = jax.eval_shape(tx.init, abstract)
-    rows = {row.path: row for row in explain_opt_state(state, abstract, RULES, n_devices=4 * N_DEVICES).rows}
+    rows = {row.path: row for row in explain_opt_state(state, RULES, abstract, n_devices=4 * N_DEVICES).rows}
     assert rows["fast_state/0/mu/hidden/w"].note == "mirrors fast/hidden/w"
     assert rows["fast_state/0/mu/hidden/w"].shard_shape == (D_IN, HIDDEN // (4 * N_DEVICES))
 
@@ -666,7 +666,7 @@ def test_leading_axes_keep_tuple_spec_entries_on_an_ambient_mesh(params):
 def test_derived_layouts_planned_by_rules(params):
     abstract = jax.eval_shape(lambda: params)
     state = jax.eval_shape(optax.chain(optax.sm3(1e-2), optax.lbfgs(linesearch=None)).init, abstract)
-    rows = {row.path: row for row in explain_opt_state(state, abstract, RULES, n_devices=2 * N_DEVICES).rows}
+    rows = {row.path: row for row in explain_opt_state(state, RULES, abstract, n_devices=2 * N_DEVICES).rows}
     assert rows["1/0/diff_params_memory/hidden/w"].expression == "a x y -> a x y*"
     assert rows["1/0/diff_params_memory/hidden/w"].shard_shape == (10, D_IN, HIDDEN // (2 * N_DEVICES))
     assert rows["1/0/diff_params_memory/hidden/w"].note == "stacks hidden/w (1 leading axis)"
@@ -687,7 +687,7 @@ def test_optax_says_where_the_parameter_copies_are_when_the_optimizer_is_at_hand
     born = init_opt_state(tx, sharded)
     assert born["copy"]["hidden"]["w"].sharding == sharded["hidden"]["w"].sharding
     assert born["table"]["hidden"]["w"].sharding.is_fully_replicated  # optax: not a parameter copy
-    notes = {row.path: row.note for row in explain_opt_state(born, sharded, tx=tx).rows}
+    notes = {row.path: row.note for row in explain_opt_state(born, params=sharded, tx=tx).rows}
     assert notes["table/hidden/w"] == "mirrors no parameter: replicated"
     # Without the optimizer, structure alone cannot tell them apart.
     assert shard_opt_state(born, sharded)["table"]["hidden"]["w"].sharding == sharded["hidden"]["w"].sharding
@@ -721,16 +721,33 @@ def test_large_state_no_layout_follows_for_warns(sharded):
     assert placed["stat"].sharding.is_fully_replicated
     small = {"stat": jnp.zeros((4, 4)), "mu": jax.tree.map(jnp.zeros_like, sharded)}
     shard_opt_state(small, sharded)  # below the bar: no warning (warnings are errors here)
-    notes = {row.path: row.note for row in explain_opt_state(big, sharded).rows}
+    notes = {row.path: row.note for row in explain_opt_state(big, params=sharded).rows}
     assert notes["stat"] == "mirrors no parameter: replicated"
 
 
 def test_derived_expressions_spell_out_an_ellipsis():
     params = {"w": jax.ShapeDtypeStruct((3, 8 * N_DEVICES, 16), jnp.float32)}
     state = jax.eval_shape(optax.chain(optax.sm3(1e-2), optax.lbfgs(linesearch=None)).init, params)
-    rows = {row.path: row for row in explain_opt_state(state, params, {"w": "... o i -> ... o* i"}).rows}
+    rows = {row.path: row for row in explain_opt_state(state, {"w": "... o i -> ... o* i"}, params).rows}
     assert rows["1/0/diff_params_memory/w"].expression == "b a o i -> b a o* i"
     assert rows["1/0/diff_params_memory/w"].shard_shape == (10, 3, 8, 16)
     assert rows["0/0/mu/w/1"].expression == "o -> o*"
     assert rows["0/0/mu/w/1"].note == "reduces w (axes 0, 2 reduced)"
     assert rows["0/0/mu/w/2"].expression == "i -> * i"
+
+
+def test_explain_opt_state_takes_the_rules_second_and_the_earlier_order_still_works():
+    """One order: rules second. The earlier order (params second) warns and gives the same rows."""
+    params = {"w": jax.ShapeDtypeStruct((16, 8 * N_DEVICES), jnp.float32)}
+    state = jax.eval_shape(optax.adam(1e-3).init, params)
+    rules = [("w", "x y -> x y*")]
+    new = explain_opt_state(state, rules, params, n_devices=N_DEVICES)
+    with pytest.warns(einshard.EinshardDeprecationWarning, match="takes the rules second now"):
+        old = explain_opt_state(state, params, rules, n_devices=N_DEVICES)
+    assert old == new
+    strategy = einshard.strategies.fsdp(min_bytes=0)  # a Strategy is a table too
+    assert explain_opt_state(state, strategy, params, n_devices=N_DEVICES).rows
+    with pytest.warns(einshard.EinshardDeprecationWarning, match="takes the rules second now"):
+        assert explain_opt_state(state, params, strategy, n_devices=N_DEVICES).rows
+    with pytest.raises(EinshardError, match="needs the parameters the optimizer state belongs to"):
+        explain_opt_state(state, einshard.Rules(rules), n_devices=N_DEVICES)

@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 
 import einshard
 from einshard import strategies
-from einshard._planning._planner import _with_batch
 
 N = jax.device_count()
 D, HIDDEN = 32, 16 * N  # every split axis divides by the device count
@@ -61,7 +60,7 @@ def test_a_fast_link_ranks_data_parallel_first(planned):
         sgd_step,
         mlp_params(),
         batch,
-        rules=_with_batch(plan.best, "batch"),
+        rules=plan.best,  # a Strategy: its .batch lays out the batch, as in the plan
         bandwidth=1e15,
         flops_per_second=1e12,
     )
@@ -554,9 +553,15 @@ def _gpt():
     return gpt_step(), params, jax.ShapeDtypeStruct(tokens(batch=2 * N).shape, jnp.int32)
 
 
-def test_plan_reads_the_tensor_parallel_tables_from_the_step():
+@pytest.fixture(scope="module")
+def gpt_plan() -> einshard.Plan:
+    """The GPT's plan over the default candidates, compiled once for the tests below."""
     step, params, batch = _gpt()
-    plan = einshard.plan(step, params, batch, min_bytes=0, bandwidth=1e10)
+    return einshard.plan(step, params, batch, min_bytes=0, bandwidth=1e10)
+
+
+def test_plan_reads_the_tensor_parallel_tables_from_the_step(gpt_plan):
+    plan = gpt_plan
     rows = {row.name: row for row in plan.rows}
     models = [m for m in range(2, N) if N % m == 0]
     assert set(rows) == {"data parallel", "fsdp", "tensor parallel", *(f"hybrid model={m}" for m in models)}
@@ -570,6 +575,32 @@ def test_plan_reads_the_tensor_parallel_tables_from_the_step():
     assert rows["fsdp"].split_share > 0.9  # FSDP splits over all devices (no model axis)
     text = str(plan)
     assert " split " in text.splitlines()[0] and "splits only" not in text
+
+
+def test_explain_step_given_a_candidate_reports_its_plan_row_byte_for_byte(gpt_plan):
+    """One program per strategy: a Strategy given as rules= lays out the batch by its .batch,
+    as the plan did, so explain_step's report of every default candidate is the plan's row."""
+    step, params, batch = _gpt()
+    for row in gpt_plan.rows:
+        if row.report is None:
+            continue
+        report = einshard.explain_step(step, params, batch, rules=row.strategy, bandwidth=1e10)
+        assert report.rows == row.report.rows, row.name
+        assert report.bytes_by_kind == row.report.bytes_by_kind, row.name
+        assert report.peak_bytes == row.report.peak_bytes, row.name
+        assert [f.kind for f in report.findings] == [f.kind for f in row.report.findings], row.name
+
+
+def test_a_strategy_for_a_step_of_one_argument_is_a_table_like_any_other():
+    """No batch argument: the strategy's rules lay out the one argument; its .batch is not used."""
+    w = jax.ShapeDtypeStruct((8 * N, 4), jnp.float32)
+
+    def total(w):
+        return w.sum(0)
+
+    by_strategy = einshard.explain_step(total, w, rules=strategies.fsdp(min_bytes=0))
+    by_table = einshard.explain_step(total, w, rules=strategies.fsdp(min_bytes=0).pairs())
+    assert by_strategy.rows == by_table.rows and by_strategy.rows
 
 
 def test_a_model_parallel_candidate_that_splits_little_says_so():

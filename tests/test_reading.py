@@ -183,7 +183,7 @@ def test_gptj_rotary_attention_keeps_q_and_k_split_by_heads():
         out = found[f"h/{layer}/attn/out_proj/kernel"]
         assert (out.role, out.axis, out.parts) == ("heads", 0, math.gcd(N, D))
         assert "k_proj" in out.note and "q_proj" in out.note
-    table = tensor_parallel(sgd_step(gptj_loss), params, batch)
+    table = tensor_parallel(step=sgd_step(gptj_loss), params=params, batch=batch)
     for name in ("q_proj", "k_proj"):
         rule = table.match(f"h/1/attn/{name}/kernel")
         assert rule.expression == heads_expression("i h"), rule.expression
@@ -195,7 +195,7 @@ def test_gptj_rotary_attention_keeps_q_and_k_split_by_heads():
 def test_gptj_trains_like_one_device_with_its_layouts_kept():
     params, batch = gptj_params(), tokens()
     step = sgd_step(gptj_loss)
-    table = tensor_parallel(step, params, batch)
+    table = tensor_parallel(step=step, params=params, batch=batch)
     placed = trains_like_one_device(step, params, batch, table)
     k = heads_split()
     for layer in range(LAYERS):
@@ -247,7 +247,7 @@ def test_a_class_token_concatenated_into_the_activations_is_read():
     assert cls.axes == ("-", "-", "elem")
     assert found["pos"].role == cls.role  # the class token reads like the position embedding beside it
     assert (found["fc1/kernel"].role, found["fc2/kernel"].role) == ("column", "row")
-    table = tensor_parallel(step, params, patches)
+    table = tensor_parallel(step=step, params=params, batch=patches)
     assert "not read" not in table.match("cls_token").note
     trains_like_one_device(step, params, patches, table)
 
@@ -301,6 +301,6 @@ def test_the_note_names_the_break_that_stopped_the_split(stop, words):
 @STOPS
 def test_the_derived_rule_of_a_weight_left_whole_carries_that_note(stop, words):
     loss, params, x = _stopped_attention(stop)
-    rule = tensor_parallel(loss, params, x).match("q")
+    rule = tensor_parallel(step=loss, params=params, batch=x).match("q")
     assert rule.expression.endswith("-> * ...") or "*" not in rule.expression.split("->")[1], rule
     assert f"axis 1 is {words}" in rule.note and "sliced" not in rule.note, rule.note

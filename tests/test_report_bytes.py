@@ -51,7 +51,7 @@ def assert_report_is_what_devices_hold(report, tree):
 
 def test_adafactor_state_planned_for_256_devices():
     state = jax.eval_shape(optax.adafactor(1e-3).init, PARAMS)
-    report = explain_opt_state(state, PARAMS, RULES, n_devices=256)
+    report = explain_opt_state(state, RULES, PARAMS, n_devices=256)
     assert rows_of(report) == {
         "0/count": ((), "int32", (), 4, 4),
         # b is not factored: one-element placeholders beside it, replicated (2 bytes of bfloat16)
@@ -71,7 +71,7 @@ def test_adafactor_state_planned_for_256_devices():
 
 def test_adam_state_planned_for_256_devices():
     state = jax.eval_shape(optax.adam(1e-3).init, PARAMS)
-    report = explain_opt_state(state, PARAMS, RULES, n_devices=256)
+    report = explain_opt_state(state, RULES, PARAMS, n_devices=256)
     w1 = ((512, 1024), "float32", (512, 4), 512 * 1024 * 4, 512 * 4 * 4)
     b = ((1024,), "bfloat16", (1024,), 2048, 2048)
     assert rows_of(report) == {
@@ -92,7 +92,7 @@ def test_adafactor_statistics_of_a_square_kernel_planned_for_256_devices(split):
     expression = "x y -> x* y" if split == 0 else "x y -> x y*"
     params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
     state = jax.eval_shape(optax.adafactor(1e-3).init, params)
-    rows = rows_of(explain_opt_state(state, params, [("w", expression)], n_devices=256))
+    rows = rows_of(explain_opt_state(state, [("w", expression)], params, n_devices=256))
     kept = {"0/v_row/w": 0, "0/v_col/w": 1}
     for path, axis in kept.items():
         per_device = 4 * 4 if axis == split else 1024 * 4
@@ -105,7 +105,7 @@ def test_opt_state_report_is_what_the_devices_hold(tx):
         {"w1": jnp.ones((128, 32 * N_DEVICES)), "b": jnp.ones(4 * N_DEVICES)}, RULES
     )
     state = init_opt_state(tx, params)
-    report = explain_opt_state(state, params)
+    report = explain_opt_state(state, params=params)
     assert report.n_devices == N_DEVICES
     assert_report_is_what_devices_hold(report, state)
     by_path = rows_of(report)

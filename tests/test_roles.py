@@ -1,7 +1,7 @@
 """Tensor-parallel roles read from the step's dataflow, on models whose layer names mean nothing.
 
 Each model (plain JAX with arbitrary names, unrolled and ``scan``-stacked; Flax linen; Flax NNX;
-Equinox) is read by ``einshard.strategies.tensor_parallel(step, params, batch)``: the roles
+Equinox) is read by ``einshard.strategies.tensor_parallel(step=step, params=params, batch=batch)``: the roles
 found are checked against what the model does, and the derived table (and a hybrid) trains
 three steps with one device's losses, every leaf keeping its layout through the step. The
 sizes are chosen so that 8, 16 and 6 devices decide differently: 24 heads split 8 ways on 8
@@ -184,7 +184,7 @@ def test_plain_jax_gpt_roles_come_from_the_dataflow(stacked):
 def test_plain_jax_gpt_trains_under_the_derived_tables(stacked):
     params = gpt_params(jax.random.key(0), stacked=stacked)
     step = gpt_step(stacked)
-    table = tensor_parallel(step, params, tokens())
+    table = tensor_parallel(step=step, params=params, batch=tokens())
     assert table.name == "tensor parallel" and table.batch == "... -> * ..." and table.model == N
     placed = trains_like_one_device(step, params, tokens(), table)
     w1 = placed["blocks"]["w1"] if stacked else placed["blocks"][0]["w1"]
@@ -202,7 +202,7 @@ def test_plain_jax_gpt_trains_under_the_derived_tables(stacked):
 
 def test_the_table_is_readable_and_matches_with_or_without_the_parameter_name():
     params = gpt_params(jax.random.key(0), layers=4)
-    table = tensor_parallel(gpt_step(), params, tokens())
+    table = tensor_parallel(step=gpt_step(), params=params, batch=tokens())
     text = repr(table)
     assert (
         r"(^|/)blocks/\\d+/w1$" in text
@@ -285,7 +285,7 @@ def assert_split(array, axis, parts, model=N):
 def test_kv_heads_split_what_divides_and_copy_the_rest(heads, kv_heads):
     step, params = gqa(heads, kv_heads)
     x = np.asarray(jax.random.normal(jax.random.key(1), (BATCH, SEQ, D)))
-    table = tensor_parallel(step, params, x)
+    table = tensor_parallel(step=step, params=params, batch=x)
     kv, q = math.gcd(N, kv_heads), math.gcd(N, heads)
     expected = f"o h{kv} i p {N // kv}" if kv < N else "o h* i p"
     assert table.match("kv").expression == f"o h i p -> {expected}"
@@ -314,7 +314,7 @@ def test_heads_split_by_the_largest_divisor_of_every_model_axis(heads, kv_heads)
         rows = {
             row.path: row.shard_shape
             for row in einshard.explain(
-                params, tensor_parallel(step, params, x, n_devices=model), n_devices=model
+                params, tensor_parallel(step=step, params=params, batch=x, n_devices=model), n_devices=model
             ).rows
         }
         assert rows == {
@@ -352,7 +352,7 @@ def test_axes_that_do_not_divide_are_split_as_far_as_they_do():
     assert found["up"].parts == math.gcd(N, ffn) and found["down"].parts == math.gcd(N, ffn)
     if math.gcd(N, heads) < N:
         assert f"{N // math.gcd(N, heads)} copies" in found["wq"].note
-    trains_like_one_device(step, params, x, tensor_parallel(step, params, x))
+    trains_like_one_device(step, params, x, tensor_parallel(step=step, params=params, batch=x))
 
 
 # --- the derived rules: each leaf's own, however alike the names --------------------------------------
@@ -392,7 +392,7 @@ def test_each_leaf_gets_its_own_rule_when_names_end_or_start_alike(kind):
         "ba": ("row", 0),
     }
     if kind == "tensor parallel":
-        table = tensor_parallel(step, params, batch)
+        table = tensor_parallel(step=step, params=params, batch=batch)
     else:
         table = einshard.strategies.hybrid(2, step=step, params=params, batch=batch)
     placed = einshard.shard_pytree(params, table)
@@ -428,10 +428,10 @@ def test_a_step_that_cannot_be_traced_is_an_einshard_error():
         return params
 
     with pytest.raises(einshard.EinshardError, match="cannot read the step's dataflow") as caught:
-        tensor_parallel(step, {"w": jnp.ones((4, 4))}, jnp.ones((2, 4)))
+        tensor_parallel(step=step, params={"w": jnp.ones((4, 4))}, batch=jnp.ones((2, 4)))
     assert "make_jaxpr" in str(caught.value)
     with pytest.raises(einshard.EinshardError, match="needs the step's params and a batch"):
-        tensor_parallel(lambda p, b: p)
+        tensor_parallel(step=lambda p, b: p)
     with pytest.raises(einshard.EinshardError, match="n_devices"):
         roles(lambda p, b: p, {}, jnp.ones(2), n_devices=0)
 
@@ -501,7 +501,7 @@ def test_flax_linen_dense_einsum_attention_and_scan():
     assert not any(
         path.startswith("1/") and row.axis is not None for path, row in found.items()
     )  # Adam's state
-    table = tensor_parallel(step, state, batch)
+    table = tensor_parallel(step=step, params=state, batch=batch)
     placed = trains_like_one_device(step, state, batch, table)
     # Adam's moments follow their parameters: the table's rules match them by their path's end.
     params_placed, opt_placed = placed
@@ -549,7 +549,7 @@ def test_flax_nnx_linear_and_attention():
         )
         assert found[f"{block}/first/bias"].role == "follows"
         assert found[f"{block}/norm/scale"].axis is None
-    trains_like_one_device(step, state, x, tensor_parallel(step, state, x))
+    trains_like_one_device(step, state, x, tensor_parallel(step=step, params=state, batch=x))
 
 
 def test_equinox_linear_attention_conv_and_a_vmapped_stack():
@@ -605,7 +605,7 @@ def test_equinox_linear_attention_conv_and_a_vmapped_stack():
     assert found["blocks/first/weight"].axes[0] == "layer"
     assert found["patches/weight"].axes == ("out", "in", "window", "window")
     assert found["head/weight"].role == "vocabulary"
-    table = tensor_parallel(step, model, images)
+    table = tensor_parallel(step=step, params=model, batch=images)
     trains_like_one_device(step, model, images, table)
 
 
@@ -657,7 +657,7 @@ def test_megatron_bytes_equal_the_textbook():
     b, s, d, layers = 2, 8, 96, 2
     x = jax.ShapeDtypeStruct((b, s, d), jnp.float32)
     step, params = _megatron_layers(fused=True, layers=layers, d=d)
-    table = tensor_parallel(step, params, x)
+    table = tensor_parallel(step=step, params=params, batch=x)
     assert all(table.match(f"layers/0/{n}").expression != "... -> * ..." for n in ("qkv", "o", "up", "down"))
     report = _traffic(step, params, x, table)
     t = N
@@ -666,7 +666,9 @@ def test_megatron_bytes_equal_the_textbook():
     assert set(report.bytes_by_kind) == {"all-reduce"}
     # Unfused q, k and v: each column's input gradient is its own partial sum to reduce.
     unfused_step, unfused_params = _megatron_layers(fused=False, layers=layers, d=d)
-    unfused = _traffic(unfused_step, unfused_params, x, tensor_parallel(unfused_step, unfused_params, x))
+    unfused = _traffic(
+        unfused_step, unfused_params, x, tensor_parallel(step=unfused_step, params=unfused_params, batch=x)
+    )
     assert unfused.traffic > report.traffic * 1.1
     assert len(unfused.rows) > len(report.rows)
 
@@ -686,7 +688,7 @@ def test_a_derived_table_serves_init_sharded_and_optax_state():
     from einshard.integrations.optax import init_opt_state
 
     params = gpt_params(jax.random.key(0))
-    table = tensor_parallel(gpt_step(), params, tokens())
+    table = tensor_parallel(step=gpt_step(), params=params, batch=tokens())
     born = einshard.init_sharded(lambda key: gpt_params(key), table, jax.random.key(0))
     placed = einshard.shard_pytree(params, table)
     for a, b in zip(jax.tree.leaves(born), jax.tree.leaves(placed), strict=True):

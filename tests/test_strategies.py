@@ -325,3 +325,36 @@ def test_defaults_read_the_step_once_for_every_derived_table(monkeypatch):
     derived = candidates[2]
     assert derived.match("a").expression == "i o -> i o*" and "column" in derived.match("a").note
     assert derived.match("b").expression == "i o -> i* o" and "row" in derived.match("b").note
+
+
+def test_every_strategy_constructor_takes_the_step_by_keyword_and_the_positional_form_warns():
+    """One way: step=, params=, batch= are keyword-only in tensor_parallel, hybrid and defaults.
+    The earlier tensor_parallel(step, params, batch) still works, with a deprecation warning."""
+    import inspect
+
+    for constructor in (
+        einshard.strategies.tensor_parallel,
+        einshard.strategies.hybrid,
+        einshard.strategies.defaults,
+    ):
+        parameters = inspect.signature(constructor).parameters
+        for name in ("step", "params", "batch"):
+            assert parameters[name].kind is inspect.Parameter.KEYWORD_ONLY, (constructor, name)
+
+    def step(params, x):
+        return jax.numpy.mean((jax.nn.relu(x @ params["w1"]) @ params["w2"]) ** 2)
+
+    params = {"w1": jax.ShapeDtypeStruct((16, 64), F32), "w2": jax.ShapeDtypeStruct((64, 16), F32)}
+    batch = jax.ShapeDtypeStruct((8, 16), F32)
+    keyword = einshard.strategies.tensor_parallel(step=step, params=params, batch=batch, n_devices=8)
+    with pytest.warns(einshard.EinshardDeprecationWarning, match="takes the step by keyword now"):
+        positional = einshard.strategies.tensor_parallel(step, params, batch, n_devices=8)
+    assert positional == keyword and positional.name == keyword.name
+    with (
+        pytest.warns(einshard.EinshardDeprecationWarning),
+        pytest.raises(einshard.EinshardError, match="got params both by position and by keyword"),
+    ):
+        einshard.strategies.tensor_parallel(step, params, params=params, batch=batch)
+    # The name-based table's column and row stay positional.
+    by_names = einshard.strategies.tensor_parallel(["w1"], ["w2"])
+    assert by_names == einshard.strategies.tensor_parallel(column=["w1"], row=["w2"])

@@ -54,11 +54,11 @@ needs_shared = pytest.mark.skipif(
 )
 needs_gpu = pytest.mark.skipif(
     not HAS_GPU_COMPILER and not REQUIRED,
-    reason="XLA's GPU compiler is not installed: pip install 'einshard[gpu-target]' (nox -s targets does)",
+    reason="XLA's GPU compiler is not installed: pip install '.[gpu-target]' (nox -s targets does)",
 )
 needs_tpu = pytest.mark.skipif(
     not HAS_TPU_COMPILER and not REQUIRED,
-    reason="TPU's compiler is not installed: pip install 'einshard[tpu-target]' (nox -s targets does)",
+    reason="TPU's compiler is not installed: pip install '.[tpu-target]' (nox -s targets does)",
 )
 
 
@@ -378,15 +378,28 @@ def test_figures_can_be_given_and_say_so():
         _target.hardware_of(_target.parse_target("v5e", 8), {"efficiency": 0})
 
 
+def test_no_message_installs_einshard_from_the_package_index():
+    """Every install line in the package's messages installs from the source at hand."""
+    package = Path(__file__).resolve().parents[1] / "einshard"
+    for path in package.rglob("*.py"):
+        text = path.read_text()
+        assert "install 'einshard[" not in text and 'install "einshard[' not in text, path
+
+
 def test_without_the_compilers_a_target_names_its_extra_and_nothing_else_breaks(monkeypatch):
     real = importlib.util.find_spec
     hidden = {"jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12", "libtpu"}
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name in hidden else real(name, *a)
     )
-    with pytest.raises(einshard.EinshardError, match=re.escape("pip install 'einshard[gpu-target]'")):
+    # From the source at hand: the package index has only an older einshard.
+    with pytest.raises(
+        einshard.EinshardError, match=re.escape("pip install '.[gpu-target]' in einshard's source")
+    ):
         einshard.explain_step(lambda x: x * 2, jnp.zeros(8), target="h100", n_devices=8)
-    with pytest.raises(einshard.EinshardError, match=re.escape("pip install 'einshard[tpu-target]'")):
+    with pytest.raises(
+        einshard.EinshardError, match=re.escape("pip install '.[tpu-target]' in einshard's source")
+    ):
         _target.check_compiler(_target.parse_target("v5e", 8))
     w = einshard.einshard(jnp.ones((8 * jax.device_count(), 32)), "x y -> x* y")
     report = einshard.explain_step(lambda w: w.sum(0), w)  # the CPU report is untouched

@@ -174,6 +174,19 @@ class StepCall:
         return range(inside[0], inside[-1] + 1) if inside else range(0)
 
     @property
+    def batch_name(self) -> str | None:
+        """The name of the step's batch argument, or ``None``.
+
+        The argument named ``batch`` (by position or keyword), else the last positional one
+        when there are two or more: ``step(params, batch)`` as ``plan`` calls it, and
+        ``step(params, opt_state, tokens)``. A step of one argument has no batch.
+        """
+        if "batch" in self.names:
+            return "batch"
+        positional = self.names[: len(self.args)]
+        return positional[-1] if len(positional) > 1 else None
+
+    @property
     def array_paths(self) -> list[str]:
         """The paths of the array leaves, in the program's parameter order."""
         return [self.paths[i] for i in self.arrays]

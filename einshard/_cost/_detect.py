@@ -19,7 +19,8 @@ SLICED = "sliced all-reduce"
 COPIED = "copied"
 RESHARD = "reshard"
 REMAT = "rematerialization"
-FINDING_KINDS = (REPEATED, UNSUMMED, SLICED, COPIED, RESHARD, REMAT)
+BATCH = "activations gathered over the batch"
+FINDING_KINDS = (REPEATED, UNSUMMED, SLICED, COPIED, RESHARD, REMAT, BATCH)
 
 REDUCTIONS = ("all-reduce", "reduce-scatter")
 # Names of JAX's collective primitives: a collective the user wrote (shard_map), not a reshard.

@@ -14,6 +14,9 @@ printed while compiling it); its bytes are measured against the program without 
   collective-permute, or all-gather then slice); a better program keeps one layout.
 * ``rematerialization``: XLA's "involuntary full rematerialization": it could not change an
   array's layout efficiently, so it gathered the whole array on every device and sliced it.
+* ``activations gathered over the batch``: the batch replicated (left to the catch-all) while
+  the parameters are split and gathered (FSDP): the partitioner moves activations with
+  collectives that serve no parameter; a split batch moves none.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from ._detect import (
     FINDING_KINDS,
     Context,
 )
+from ._detect_batch import find_batch_gathers
 from ._detect_layouts import find_copied, find_reshards
 from ._detect_reductions import find_repeated, find_sliced, find_unsummed
 from ._detect_remat import find_remats
@@ -66,6 +70,7 @@ def find_waste(
     )
     extra: set[int] = set()  # rows whose whole traffic a finding counts already
     found: list[Finding] = []
+    found += find_batch_gathers(context, extra)  # first: the rows it claims are no other's waste
     found += find_repeated(context, extra)
     found += find_unsummed(context, extra)
     found += find_sliced(context, extra)

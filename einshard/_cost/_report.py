@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, TypeVar
 
 from .._language._errors import EinshardError
 from ._hlo import KINDS
 from ._report_text import finding_headline, findings_text, report_text
-from ._target import Figures, Hardware
+from ._target import FROM_SOURCE, GPU_EXTRA, GPUS, TPU_EXTRA, TPUS, Figures, Hardware
 from ._timing import Rates, Schedule, simulate
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 __all__ = [
     "KINDS",
@@ -18,8 +22,8 @@ __all__ = [
     "Finding",
     "StepReport",
     "StepRow",
-    "check_no_accelerator",
     "estimated",
+    "refuses_accelerator",
     "report_of",
 ]
 
@@ -33,6 +37,53 @@ RING = {
     "collective-permute": (lambda n: 1.0, lambda n: 1),
 }
 assert set(RING) == set(KINDS)  # a ring formula for every kind the reader knows
+
+
+def refuses_accelerator(*, step_kwargs: bool = False) -> Callable[[_F], _F]:
+    """A decorator: ``accelerator=``, which ``target=`` replaced, raises the error saying so.
+
+    The parameter is gone from the signature (``functools.wraps``: ``inspect.signature`` shows
+    the function's own); an old call still learns what to write instead. With ``step_kwargs``
+    (``explain_step``, whose other keywords go to the step, its first argument) the keyword is
+    refused only when the step takes no ``accelerator`` of its own.
+    """
+
+    def decorator(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if "accelerator" in kwargs and not (step_kwargs and args and _takes_accelerator(args[0])):
+                _accelerator_error(kwargs["accelerator"])
+            return fn(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorator
+
+
+def _takes_accelerator(step: Any) -> bool:
+    """Whether a step takes an ``accelerator`` keyword (by name, or any keyword)."""
+    if isinstance(step, str):
+        from ._call import resolve_step  # a 'module:function' step, imported to be asked
+
+        try:
+            step = resolve_step(step)
+        except EinshardError:
+            return False
+    try:
+        parameters = inspect.signature(getattr(step, "__wrapped__", step)).parameters.values()
+    except (TypeError, ValueError):
+        return True  # cannot tell: the keyword goes to the step, as any other
+    return any(p.name == "accelerator" or p.kind == p.VAR_KEYWORD for p in parameters)
+
+
+def _accelerator_error(accelerator: Any) -> NoReturn:
+    names = ", ".join(repr(name) for name in (*GPUS, *TPUS))
+    raise EinshardError(
+        f"accelerator={accelerator!r} is gone: give target= instead",
+        hint=f"target= with n_devices= compiles the step with that hardware's own XLA compiler, on this "
+        f"machine; the targets: {names}. Their compilers: pip install '{GPU_EXTRA}' or '{TPU_EXTRA}' "
+        f"{FROM_SOURCE}.",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +143,8 @@ class Finding:
 
     Attributes:
         kind: ``'repeated'``, ``'unsummed'``, ``'sliced all-reduce'``, ``'copied'``,
-            ``'reshard'`` or ``'rematerialization'`` (see the "What does my table cost?" page).
+            ``'reshard'``, ``'rematerialization'`` or ``'activations gathered over the batch'``
+            (see the "What does my table cost?" page).
         bytes: The bytes each device sends per step beyond the better program (ring formulas).
         memory_bytes: The bytes each device holds beyond the better program (``'copied'``).
         params: The parameter paths concerned (where the data flow names them).
@@ -249,13 +301,13 @@ class StepReport:
             return None
         return self.communication_seconds > self.compute_seconds
 
+    @refuses_accelerator()
     def at(
         self,
         *,
         bandwidth: float | None = None,
         latency: float | None = None,
         flops_per_second: float | None = None,
-        accelerator: Any = None,
     ) -> StepReport:
         """The same report at other figures; no recompile.
 
@@ -263,7 +315,6 @@ class StepReport:
         bandwidth given is every collective's (the target's network figure is dropped). Another
         target is another compile: ``explain_step(..., target=...)``.
         """
-        check_no_accelerator(accelerator)
         figures = self.figures or Figures(self.target, self.hardware)
         return estimated(
             self, figures.at(bandwidth=bandwidth, latency=latency, flops_per_second=flops_per_second)
@@ -320,17 +371,6 @@ def _totals(rows: Sequence[StepRow]) -> dict[str, Any]:
         "bytes_by_kind": by_kind,
         "traffic": sum(row.traffic for row in rows),
     }
-
-
-def check_no_accelerator(accelerator: Any) -> None:
-    """Raises the error for ``accelerator=``, which ``target=`` replaced."""
-    if accelerator is not None:
-        raise EinshardError(
-            f"accelerator={accelerator!r} is gone: give target= instead",
-            hint="target='h100' (or 'a100', 'h200', 'b200', 'v5e', 'v5p', 'v6e') with n_devices= compiles "
-            "the step with that hardware's own XLA compiler, on this machine: pip install "
-            "'einshard[gpu-target]' or 'einshard[tpu-target]'.",
-        )
 
 
 def estimated(report: StepReport, figures: Figures) -> StepReport:

@@ -23,6 +23,7 @@ from .._language._errors import EinshardWarning
 from .._language._numbers import checked_count
 from .._trees._assign import as_rules
 from .._trees._rules import Rules, RulesLike
+from .._trees._strategy import with_batch
 from ._analysis import Answer, analyse, answer
 from ._call import StepCall
 from ._child import child_error, in_child
@@ -30,7 +31,7 @@ from ._progress import Progress
 from ._report import Finding as Finding
 from ._report import StepReport as StepReport
 from ._report import StepRow as StepRow
-from ._report import check_no_accelerator, estimated
+from ._report import estimated, refuses_accelerator
 from ._target import Hardware as Hardware
 from ._target import Target, parse_target, resolve_figures
 
@@ -45,6 +46,7 @@ __all__ = [
 ]
 
 
+@refuses_accelerator(step_kwargs=True)
 def explain_step(
     fn: Callable[..., Any] | str,
     *args: Any,
@@ -55,7 +57,6 @@ def explain_step(
     bandwidth: float | None = None,
     latency: float | None = None,
     flops_per_second: float | None = None,
-    accelerator: Any = None,
     quiet: bool = False,
     **kwargs: Any,
 ) -> StepReport:
@@ -89,11 +90,17 @@ def explain_step(
             (``fn`` and the arguments must pickle; shardings come from ``rules``, see the page),
             or this many devices of the ``target``.
         rules: A rule table giving the arguments their shardings, by the paths
-            ``name/key/...`` of ``fn``'s parameter names (``params/layers/0/kernel``).
+            ``name/key/...`` of ``fn``'s parameter names (``params/layers/0/kernel``). A
+            :class:`~einshard.strategies.Strategy` (``plan(...).best``) also lays out the batch
+            by its ``.batch``, as :func:`~einshard.plan` does, so the report is the plan's row:
+            the batch is the argument named ``batch`` (by position or keyword), else the last
+            positional one (``step(params, batch)``, ``step(params, opt_state, tokens)``), every
+            leaf of it. With a single argument there is no batch, and the strategy is a table
+            like any other.
         target: What to compile for: ``'cpu'`` (simulated CPU devices, the default), a GPU
-            (``'a100'``, ``'h100'``, ``'h200'``, ``'b200'``: needs ``einshard[gpu-target]``)
+            (``'a100'``, ``'h100'``, ``'h200'``, ``'b200'``: needs the ``gpu-target`` extra)
             or a TPU generation (``'v5e'``, ``'v5p'``, ``'v6e'``, or a slice ``'v5e:2x4'``:
-            needs ``einshard[tpu-target]``). A target other than ``'cpu'`` is always compiled
+            needs ``tpu-target``). A target other than ``'cpu'`` is always compiled
             in a child process.
         hardware: Figures of the target to use instead of its own, by name
             (``{'efficiency': 0.6, 'network_bandwidth': 25e9}``; see :class:`~einshard.Hardware`).
@@ -104,10 +111,10 @@ def explain_step(
             link: NVLink, its network, ICI).
         flops_per_second: FLOP/s per device the compute estimate assumes; with a target, the
             rate every dot runs at instead of its matrix units' per element type.
-        accelerator: Removed: give ``target=`` instead (an ``EinshardError`` says so).
         quiet: Show no progress. A compile in a child process that runs over 10 seconds says
             so on standard error (``rich``'s bar on a terminal, else plain lines).
-        **kwargs: Keyword arguments of ``fn``.
+        **kwargs: Keyword arguments of ``fn``. (``accelerator=``, removed, raises an
+            ``EinshardError`` naming ``target=``, unless ``fn`` takes an ``accelerator`` itself.)
 
     Returns:
         A :class:`StepReport`.
@@ -123,29 +130,30 @@ def explain_step(
     >>> [(row.kind, row.bytes, row.group_size) for row in report.rows]
     [('all-reduce', 128, 8)]
     """
-    check_no_accelerator(accelerator)
     if n_devices is not None:
         _check_devices(n_devices)
     chosen = parse_target(target, n_devices)
     figures = resolve_figures(
         chosen, hardware, bandwidth=bandwidth, latency=latency, flops_per_second=flops_per_second
     )
-    if chosen.platform != "cpu" or n_devices is not None:
-        StepCall.of(fn, args, kwargs)  # named here too: its checks (a float64 argument) speak in this process
+    # Named here in every case: its checks (a float64 argument) speak in this process, and a
+    # strategy's batch rule needs the batch argument's name.
+    call = StepCall.of(fn, args, kwargs)
+    table = with_batch(rules, call.batch_name) if rules is not None else None
     if chosen.platform != "cpu":
         with Progress("explain_step", [chosen.label], quiet=quiet) as progress:
-            (result,) = in_child(fn, args, kwargs, chosen.n_devices, [rules], chosen, progress)
+            (result,) = in_child(fn, args, kwargs, chosen.n_devices, [table], chosen, progress)
         if result.report is None:
             raise child_error(result.error or "no report", chosen.n_devices, chosen)
         report = result.report
     elif n_devices is not None:
         with Progress("explain_step", [f"{n_devices} CPU devices"], quiet=quiet) as progress:
-            (result,) = in_child(fn, args, kwargs, n_devices, [rules], None, progress)
+            (result,) = in_child(fn, args, kwargs, n_devices, [table], None, progress)
         if result.report is None:
             raise child_error(result.error or "no report", n_devices)
         report = result.report
     else:
-        report = analyse(StepCall.of(fn, args, kwargs), rules)
+        report = analyse(call, table)
     if rules is not None:
         warn_if_only_catch_all(as_rules(rules), report, "explain_step")
     return estimated(report, figures)

@@ -52,8 +52,11 @@ GPUS = {
 TPUS = {"v5e": 2, "v5p": 3, "v6e": 2}
 """TPU generations and the dimensions of their slices' torus."""
 
-GPU_EXTRA = "einshard[gpu-target]"
-TPU_EXTRA = "einshard[tpu-target]"
+# The extras install from the source at hand (the package index has only an older einshard), or
+# as what they stand for.
+FROM_SOURCE = "in einshard's source folder (the git clone or unpacked archive it was installed from)"
+GPU_EXTRA = ".[gpu-target]"
+TPU_EXTRA = ".[tpu-target]"
 GPUS_PER_HOST = 8  # an HGX / DGX board: NVLink joins the 8 GPUs of a host
 
 # The figures a simulated step time assumes (_timing), each stated with where it comes from.
@@ -326,12 +329,14 @@ def missing_compiler(platform: str) -> EinshardError:
     if platform == "gpu":
         return EinshardError(
             "a GPU target needs XLA's GPU compiler, which is not installed",
-            hint=f"pip install '{GPU_EXTRA}' (jax-cuda13-plugin and jax-cuda13-pjrt at the installed "
-            "JAX's version, about 140 MB; no GPU or NVIDIA library is needed).",
+            hint=f"pip install '{GPU_EXTRA}' {FROM_SOURCE}, or pip install 'jax[cuda13-local]', the same: "
+            "jax-cuda13-plugin and jax-cuda13-pjrt at the installed JAX's version, about 140 MB; no GPU or "
+            "NVIDIA library is needed.",
         )
     return EinshardError(
         "a TPU target needs TPU's compiler (libtpu), which is not installed",
-        hint=f"pip install '{TPU_EXTRA}' (libtpu at the version the installed JAX names, about 200 MB).",
+        hint=f"pip install '{TPU_EXTRA}' {FROM_SOURCE}, or pip install 'jax[tpu]', the same: libtpu at the "
+        "version the installed JAX names, about 200 MB.",
     )
 
 
@@ -352,7 +357,7 @@ def check_compiler(target: Target) -> None:
             raise EinshardError(
                 f"XLA's GPU compiler is at version {plugin}, the installed JAX at {jaxlib}",
                 hint=f"pip install 'jax-cuda13-plugin=={jaxlib}' 'jax-cuda13-pjrt=={jaxlib}' "
-                f"(or reinstall '{GPU_EXTRA}'): JAX loads only its own version's plugin.",
+                f"(or pip install '{GPU_EXTRA}' {FROM_SOURCE}): JAX loads only its own version's plugin.",
             )
     elif target.platform == "tpu":
         try:
@@ -390,7 +395,8 @@ def gpu_spec_text(name: str) -> str:
     if description not in specs:
         raise EinshardError(
             f"XLA's GPU compiler at {plugin} carries no spec of {description!r} (target={name!r})",
-            hint=f"Reinstall '{GPU_EXTRA}'; its specs: {', '.join(sorted(specs)) or 'none'}.",
+            hint=f"Reinstall it: pip install '{GPU_EXTRA}' {FROM_SOURCE}; its specs: "
+            f"{', '.join(sorted(specs)) or 'none'}.",
         )
     return specs[description]
 

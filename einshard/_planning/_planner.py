@@ -10,7 +10,6 @@ process with simulated CPU devices for all candidates). Ranking needs no recompi
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -18,14 +17,14 @@ from .._arrays._leaves import nbytes
 from .._cost._call import StepCall
 from .._cost._child import KILLED
 from .._cost._progress import Progress
-from .._cost._report import StepReport, check_no_accelerator, estimated
+from .._cost._report import StepReport, estimated, refuses_accelerator
 from .._cost._step import reports, warn_if_only_catch_all
 from .._cost._target import Figures, Hardware, parse_target, resolve_figures
 from .._language._errors import EinshardError
 from .._language._expression import parse
 from .._language._text import size_text
 from .._trees._rules import Rules
-from .._trees._strategy import DEFAULT_MIN_BYTES, Strategy
+from .._trees._strategy import DEFAULT_MIN_BYTES, Strategy, with_batch
 from ._plan_text import plan_text
 from ._roles import read_call
 from ._strategies import derived_defaults
@@ -186,6 +185,7 @@ class Plan:
             )
         return usable[0].strategy
 
+    @refuses_accelerator()
     def at(
         self,
         *,
@@ -193,14 +193,12 @@ class Plan:
         bandwidth: float | None = None,
         latency: float | None = None,
         flops_per_second: float | None = None,
-        accelerator: Any = None,
     ) -> Plan:
         """The same candidates ranked at other figures; no recompile.
 
         The figures not given are kept; a bandwidth given is every collective's (the target's
         network figure is dropped). Another target is another compile: ``plan(..., target=...)``.
         """
-        check_no_accelerator(accelerator)
         figures = self.figures.at(
             bandwidth=bandwidth,
             latency=latency,
@@ -214,6 +212,7 @@ class Plan:
         return plan_text(self)
 
 
+@refuses_accelerator()
 def plan(
     step: Callable[..., Any] | str,
     params: Any,
@@ -228,7 +227,6 @@ def plan(
     min_bytes: int = DEFAULT_MIN_BYTES,
     target: str = "cpu",
     hardware: Mapping[str, float] | None = None,
-    accelerator: Any = None,
     isolate: bool = False,
     quiet: bool = False,
 ) -> Plan:
@@ -268,7 +266,6 @@ def plan(
             the candidates rank by the step time simulated from each one's program.
         hardware: Figures of the target to use instead of its own, by name (see
             :class:`~einshard.Hardware`).
-        accelerator: Removed: give ``target=`` instead (an ``EinshardError`` says so).
         isolate: Compile the candidates in a child process for this machine's device count
             too. XLA aborts the process on some layouts (a failed check in its partitioner, not
             an exception); in a child, such a candidate is rejected ("XLA aborted the process
@@ -308,7 +305,6 @@ def plan(
                     hint="Use einshard.strategies.fsdp() and friends, or wrap a table: "
                     "einshard.strategies.Strategy(rules, batch='b ... -> b* ...', name='mine').",
                 )
-    check_no_accelerator(accelerator)
     given = count_to_plan(n_devices, hint="Give the device count to plan for, e.g. n_devices=64.")
     chosen = parse_target(target, n_devices)
     figures = resolve_figures(
@@ -326,7 +322,7 @@ def plan(
     call = StepCall.of(step, (params, batch), {})
     if strategies is None:
         strategies = derived_defaults(read_call(call), count, min_bytes)
-    tables = [_with_batch(strategy, call.names[1]) for strategy in strategies]
+    tables = [with_batch(strategy, call.batch_name) for strategy in strategies]
     with Progress("plan", [strategy.name for strategy in strategies], quiet=quiet) as progress:
         if figures.hardware is not None:
             answers = reports(call, tables, count, chosen, progress)
@@ -343,12 +339,6 @@ def plan(
             caller = f"plan (candidate {strategy.name!r})"
             warn_if_only_catch_all(strategy, answer.report, caller, relative_only=True)
     return _ranked(rows, count, figures)
-
-
-def _with_batch(strategy: Strategy, batch_name: str) -> Rules:
-    """The strategy's table with the batch rule in front, for the step's argument paths."""
-    batch_rule = (rf"^{re.escape(batch_name)}(/|$)", strategy.batch)
-    return Rules([batch_rule, *strategy.pairs()], **strategy._policies())
 
 
 def _split_share(strategy: Strategy, call: StepCall, table: Rules, n_devices: int) -> float | None:

@@ -8,11 +8,13 @@ rule: the same resolution path as every other rule, so Flax, Equinox and optax s
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from .._arrays._leaves import nbytes
-from .._language._errors import EinshardError
+from .._language._errors import EinshardDeprecationWarning, EinshardError
 from .._language._expression import REPLICATE
 from .._language._numbers import checked_count
 from .._sharding._devices import count_to_plan
@@ -104,13 +106,48 @@ def _tensor_rules(column: Sequence[str], row: Sequence[str], model: int | None) 
     ]
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _step_by_keyword(fn: _F) -> _F:
+    """The earlier ``tensor_parallel(step, params, batch)`` still works, with a deprecation warning.
+
+    The step is keyword-only in every strategy constructor (``step=, params=, batch=``, as in
+    :func:`hybrid`); a callable or a ``'module:function'`` string given first is that earlier
+    form. ``functools.wraps``: the signature shown is the function's own.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if args and (callable(args[0]) or isinstance(args[0], str)) and len(args) <= 3:
+            warnings.warn(
+                f"{fn.__name__} takes the step by keyword now: call {fn.__name__}(step=step, "
+                "params=params, batch=batch) (the positional step goes in a future release)",
+                EinshardDeprecationWarning,
+                stacklevel=2,
+            )
+            given = dict(zip(("step", "params", "batch"), args, strict=False))
+            twice = sorted(set(given) & set(kwargs))
+            if twice:
+                raise EinshardError(
+                    f"{fn.__name__} got {twice[0]} both by position and by keyword",
+                    hint=f"Give the step's arguments by keyword only: {fn.__name__}(step=step, "
+                    "params=params, batch=batch).",
+                )
+            return fn(**given, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+@_step_by_keyword
 def tensor_parallel(
-    step: Callable[..., Any] | str | Sequence[str] | None = None,
-    params: Any = None,
-    batch: Any = None,
-    *,
     column: Sequence[str] = COLUMN,
     row: Sequence[str] = ROW,
+    *,
+    step: Callable[..., Any] | str | None = None,
+    params: Any = None,
+    batch: Any = None,
     n_devices: int | None = None,
 ) -> Strategy:
     """Tensor parallelism over all devices: Megatron column / row pairs, everything else replicated.
@@ -134,19 +171,26 @@ def tensor_parallel(
 
     The batch is replicated: every device sees all of it.
 
+    The step comes by keyword, as in :func:`hybrid` and :func:`defaults`
+    (``tensor_parallel(step=step, params=params, batch=batch)``); the earlier positional form,
+    ``tensor_parallel(step, params, batch)``, still works with an ``EinshardDeprecationWarning``.
+
     Args:
+        column: Without a step: column-parallel layer names, regexes for the path part before
+            the leaf name (a ``_proj`` suffix is allowed, so ``'q'`` matches ``q_proj/kernel``).
+        row: Without a step: row-parallel layer names, likewise.
         step: The training step, ``step(params, batch)``, or an importable
             ``'module:function'``; ``None`` for the table by layer names.
         params: The step's parameters (arrays or ``jax.ShapeDtypeStruct`` leaves).
         batch: A batch (arrays or ``jax.ShapeDtypeStruct`` leaves).
-        column: Without a step: column-parallel layer names, regexes for the path part before
-            the leaf name (a ``_proj`` suffix is allowed, so ``'q'`` matches ``q_proj/kernel``).
-        row: Without a step: row-parallel layer names, likewise.
         n_devices: With a step: the device count to derive the table for.
 
     Raises:
         EinshardError: If the step cannot be traced on abstract inputs, or ``params`` or
             ``batch`` is missing.
+
+    Warns:
+        EinshardDeprecationWarning: The step given by position (the earlier form).
 
     >>> import jax, jax.numpy as jnp, einshard
     >>> def step(params, x):
@@ -154,7 +198,7 @@ def tensor_parallel(
     >>> params = {'w1': jax.ShapeDtypeStruct((64, 256), jnp.float32),
     ...           'w2': jax.ShapeDtypeStruct((256, 64), jnp.float32)}
     >>> batch = jax.ShapeDtypeStruct((32, 64), jnp.float32)
-    >>> print(einshard.strategies.tensor_parallel(step, params, batch))
+    >>> print(einshard.strategies.tensor_parallel(step=step, params=params, batch=batch))
     Strategy('tensor parallel', batch='... -> * ...', Rules([
         ('(^|/)w1$', 'i o -> i o*'),  # column: its output feeds w2's contraction axis
         ('(^|/)w2$', 'i o -> i* o'),  # row: contracts the output of w1 (one all-reduce)
@@ -167,14 +211,9 @@ def tensor_parallel(
     >>> [row.shard_shape for row in einshard.explain(tree, einshard.strategies.tensor_parallel()).rows]
     [(32, 64), (64, 32)]
     """
-    if step is not None and not _is_names(step):
+    if step is not None:
         count = _device_count(n_devices)
-        reading = _read(step, params, batch)  # type: ignore[arg-type]  # not names: a step
-        return _derived_table(reading, count, count, DEFAULT_MIN_BYTES)
-    if step is not None:  # the name-based table's first argument, given by position
-        column = step  # type: ignore[assignment]
-        if params is not None:
-            row = params
+        return _derived_table(_read(step, params, batch), count, count, DEFAULT_MIN_BYTES)
     rules = [*_tensor_rules(column, row, None), (r".*", REPLICATE)]
     return Strategy(rules, batch=REPLICATE, name="tensor parallel", model=0)
 
@@ -274,16 +313,6 @@ def roles(
 roles.__doc__ = _roles.roles.__doc__
 
 
-def _is_names(value: Any) -> bool:
-    """Whether a first argument is the name-based table's ``column`` (a list of names), not a step."""
-    return (
-        not callable(value)
-        and not isinstance(value, str)
-        and isinstance(value, Sequence)
-        and all(isinstance(v, str) for v in value)
-    )
-
-
 def _check_model(model: Any) -> None:
     checked_count(
         model,
@@ -300,7 +329,8 @@ def _read(step: Callable[..., Any] | str, params: Any, batch: Any) -> _roles.Rea
     if params is None or batch is None:
         raise EinshardError(
             "a table read from the step needs the step's params and a batch",
-            hint="Call it as tensor_parallel(step, params, batch) (ShapeDtypeStructs will do), or "
+            hint="Call it as tensor_parallel(step=step, params=params, batch=batch) (ShapeDtypeStructs "
+            "will do), or "
             "give layer names instead: tensor_parallel(column=['q', 'k', 'v'], row=['o']).",
         )
     return _roles.read(step, params, batch)

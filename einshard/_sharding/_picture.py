@@ -6,7 +6,7 @@ same ``CPU 0,8`` labels), but needs no array and no devices: with
 ``n_devices=`` it is computed from the pure :class:`~einshard.Layout`, so a
 laptop can draw the layout of a 256-device run.
 
-``rich`` is an optional dependency (``pip install 'einshard[pictures]'``),
+``rich`` is an optional dependency (``pip install rich``),
 imported only when a picture is drawn.
 """
 
@@ -26,7 +26,7 @@ from ._devices import Devices, call_devices, device_order
 
 __all__ = ["picture", "visualize"]
 
-_INSTALL_HINT = "pip install 'einshard[pictures]'"
+_INSTALL_HINT = "pip install rich (or pip install '.[pictures]' in einshard's source folder)"
 
 # JAX's constants (jax._src.debugging.visualize_sharding).
 _HEIGHT_TO_WIDTH_RATIO = 2.5

@@ -6,6 +6,7 @@ Pure: no step is read here. The ready-made tables that use them are in ``_planni
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from .._arrays._leaves import nbytes
@@ -15,7 +16,7 @@ from .._language._numbers import checked_count
 from .._language._text import size_text
 from ._rules import ByShape, Indivisible, Rules, RulesLike, Unmatched
 
-__all__ = ["DEFAULT_MIN_BYTES", "SplitLargest", "Strategy"]
+__all__ = ["DEFAULT_MIN_BYTES", "SplitLargest", "Strategy", "batch_pattern", "with_batch"]
 
 DEFAULT_MIN_BYTES = 1 << 20
 """FSDP's default: leaves smaller than this are replicated."""
@@ -97,6 +98,30 @@ class Strategy(Rules):
         defaults = {"unmatched": "error", "indivisible": "error", "strict": False}
         policies = "".join(f", {k}={v!r}" for k, v in self._policies().items() if v != defaults[k])
         return f"Strategy({self.name!r}, batch={self.batch!r}, {Rules.__repr__(self)}{policies})"
+
+
+def with_batch(rules: RulesLike, batch_name: str | None) -> RulesLike:
+    """The table that lays out a step's arguments: a strategy's rules with its batch rule in front.
+
+    One function for every verb that takes a strategy and a step (``plan``, ``explain_step``), so
+    that one strategy gives one program wherever it goes. The batch rule matches the argument
+    ``batch_name`` (a path ``batch`` or ``batch/...``) and gives it ``.batch``. A table that is not
+    a :class:`Strategy`, or a step without a batch argument (``batch_name`` ``None``), is returned
+    as it is.
+    """
+    if not isinstance(rules, Strategy) or batch_name is None:
+        return rules
+    batch_rule = (batch_pattern(batch_name), rules.batch)
+    return Rules([batch_rule, *rules.pairs()], **rules._policies())
+
+
+def batch_pattern(batch_name: str) -> str:
+    """The pattern of a step's batch rule: the argument ``batch_name`` and every path below it.
+
+    >>> batch_pattern('batch')
+    '^batch(/|$)'
+    """
+    return rf"^{re.escape(batch_name)}(/|$)"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,7 +58,7 @@ except ModuleNotFoundError as error:
         raise  # Equinox is installed but something it imports is not: its own error says what
     raise ImportError(
         "einshard.integrations.equinox needs Equinox, which is not installed; "
-        "install it with: pip install 'einshard[equinox]'"
+        "install it with: pip install equinox (or pip install '.[equinox]' in einshard's source folder)"
     ) from error
 
 import dataclasses

@@ -54,7 +54,7 @@ except ModuleNotFoundError as error:
         raise  # Flax is installed but something it imports is not: its own error says what
     raise ImportError(
         "einshard.integrations.flax needs Flax, which is not installed; "
-        "install it with: pip install 'einshard[flax]'"
+        "install it with: pip install flax (or pip install '.[flax]' in einshard's source folder)"
     ) from error
 
 import contextlib

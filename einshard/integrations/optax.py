@@ -42,7 +42,7 @@ except ModuleNotFoundError as error:
         raise  # optax is installed but something it imports is not: its own error says what
     raise ImportError(
         "einshard.integrations.optax needs optax, which is not installed; "
-        "install it with: pip install 'einshard[optax]'"
+        "install it with: pip install optax (or pip install '.[optax]' in einshard's source folder)"
     ) from error
 
 import dataclasses
@@ -69,6 +69,7 @@ from .._language._text import size_text
 from .._sharding._devices import Devices, call_devices
 from .._sharding._mesh import spec_entries, spec_expression, spec_split
 from .._trees._assign import as_rules, assign_leaves
+from .._trees._calls import is_table
 from .._trees._explain import Report, report_row
 from .._trees._paths import flatten_or_explain, flatten_with_key_paths, flatten_with_paths
 from .._trees._rules import RulesLike
@@ -703,10 +704,35 @@ def init_sharded(tx: Initable, params: Any) -> Any:
     return init_opt_state(tx, params)
 
 
+def _rules_second(rules: Any, params: Any) -> tuple[Any, Any]:
+    """``explain_opt_state``'s rules and params, from the earlier order too (with a warning).
+
+    The old order, ``(opt_state, params[, rules])``, is told by type: the second argument is not
+    a rule table (:func:`~einshard._trees._calls.is_table`), and the third is one or missing.
+    """
+    old = rules is not None and not is_table(rules) and (params is None or is_table(params))
+    if old:
+        warnings.warn(
+            "explain_opt_state takes the rules second now: call explain_opt_state(opt_state, rules, "
+            "params), or explain_opt_state(opt_state, params=params) without rules (the old order goes "
+            "in a future release)",
+            EinshardDeprecationWarning,
+            stacklevel=3,
+        )
+        rules, params = params, rules
+    if params is None:
+        raise EinshardError(
+            "explain_opt_state needs the parameters the optimizer state belongs to",
+            hint="Call explain_opt_state(opt_state, rules, params), or explain_opt_state(opt_state, "
+            "params=params) to read their layouts.",
+        )
+    return rules, params
+
+
 def explain_opt_state(
     opt_state: Any,
-    params: Any,
     rules: RulesLike | None = None,
+    params: Any = None,
     *,
     n_devices: int | None = None,
     devices: Devices | None = None,
@@ -719,6 +745,13 @@ def explain_opt_state(
     w1 (axis 1 reduced): replicated'``, ``'stacks w1 (1 leading axis)'``,
     ``'adafactor placeholder beside w1: replicated'``, ``'scalar'``,
     ``'mirrors no parameter: replicated'``.
+
+    Like every verb that takes a tree and rules, it takes the rules second:
+    ``explain_opt_state(opt_state, rules, params)``, and
+    ``explain_opt_state(opt_state, params=params)`` without them. (The order
+    of einshard 0.2, ``explain_opt_state(opt_state, params[, rules])``, still
+    works, with an ``EinshardDeprecationWarning``: a table is told from the
+    parameters by its type.)
 
     Two modes:
 
@@ -734,9 +767,9 @@ def explain_opt_state(
 
     Args:
         opt_state: An optax state, concrete or abstract.
-        params: The parameters the state belongs to.
         rules: A rule table to plan the parameters by (see
             :func:`einshard.shard_pytree`), or ``None`` to read their shardings.
+        params: The parameters the state belongs to (required).
         n_devices: With ``rules``, the device count to plan for (defaults to
             that of ``devices`` or of the einshard device order). Without
             ``rules``, it must be the parameters' device count if given.
@@ -748,14 +781,18 @@ def explain_opt_state(
 
     Raises:
         EinshardError: As :func:`einshard.explain` would with ``rules``; without
-            them, if ``n_devices`` differs from the parameters' device count.
+            them, if ``n_devices`` differs from the parameters' device count;
+            without ``params``.
+
+    Warns:
+        EinshardDeprecationWarning: Called in the earlier order (params second).
 
     >>> import jax, jax.numpy as jnp, optax
     >>> from einshard.integrations.optax import explain_opt_state
     >>> params = {'w1': jax.ShapeDtypeStruct((512, 1024), jnp.float32)}
     >>> tx = optax.adafactor(1e-3)
     >>> state = jax.eval_shape(tx.init, params)
-    >>> report = explain_opt_state(state, params, [('w1', 'x y -> x y*')], n_devices=256)
+    >>> report = explain_opt_state(state, [('w1', 'x y -> x y*')], params, n_devices=256)
     >>> for row in report.rows[1:3]:
     ...     print(row.path, '|', row.expression, '|', row.shard_shape, '|', row.note)
     0/v_row/w1 | x -> x * | (512,) | adafactor v_row of w1 (axis 1 reduced): replicated
@@ -763,6 +800,7 @@ def explain_opt_state(
     >>> report.rows[0].note, report.rows[3].note
     ('scalar', 'adafactor placeholder beside w1: replicated')
     """
+    rules, params = _rules_second(rules, params)
     if rules is None:
         placed = _Placed(params)
         sources = placed.sources
@@ -801,7 +839,7 @@ def explain_opt_state(
             raise EinshardError(
                 f"the parameters are placed on {count} devices, not n_devices={n_devices}",
                 hint="To plan for another device count, pass the rule table: "
-                "explain_opt_state(opt_state, params, rules, n_devices=...).",
+                "explain_opt_state(opt_state, rules, params, n_devices=...).",
             )
     return Report(
         rows=tuple(rows),

@@ -39,7 +39,8 @@ except ModuleNotFoundError as error:
         raise  # orbax-checkpoint is installed but something it imports is not: its own error says what
     raise ImportError(
         "einshard.integrations.orbax needs orbax-checkpoint, which is not installed; "
-        "install it with: pip install 'einshard[orbax]'"
+        "install it with: pip install orbax-checkpoint "
+        "(or pip install '.[orbax]' in einshard's source folder)"
     ) from error
 
 import os

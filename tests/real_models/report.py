@@ -67,7 +67,7 @@ def data_parallel(real) -> None:
 
 
 def derived(real) -> None:
-    table = strategies.tensor_parallel(real.step, real.abstract_params, real.abstract_batch)
+    table = strategies.tensor_parallel(step=real.step, params=real.abstract_params, batch=real.abstract_batch)
     print(table)
     print(einshard.explain(real.abstract_params, table))
     print()

@@ -146,7 +146,7 @@ def test_fsdp_trains_like_one_device(name):
 @pytest.mark.parametrize("name", MODELS)
 def test_derived_tensor_parallel_trains_like_one_device(name):
     real = model(name)
-    strategy = strategies.tensor_parallel(real.step, real.params, real.batch)
+    strategy = strategies.tensor_parallel(step=real.step, params=real.params, batch=real.batch)
     assert isinstance(strategy, strategies.Strategy)
     assert_trains_like_one_device(name, strategy)
 
@@ -166,7 +166,7 @@ def test_derived_tables_split_half_and_say_why_not_more(name):
     the ViT), and every big leaf they leave whole has a rule whose note says why."""
     real = model(name)
     abstract = real.abstract_params
-    tables = [strategies.tensor_parallel(real.step, abstract, real.abstract_batch)]
+    tables = [strategies.tensor_parallel(step=real.step, params=abstract, batch=real.abstract_batch)]
     tables += [
         strategies.hybrid(m, step=real.step, params=abstract, batch=real.abstract_batch) for m in MODEL_AXES
     ]
