@@ -23,7 +23,7 @@ from .._cost._target import Figures, Hardware, parse_target, resolve_figures
 from .._language._errors import EinshardError
 from .._language._expression import parse
 from .._language._text import size_text
-from .._trees._rules import Rules
+from .._trees._rules import RulesLike
 from .._trees._strategy import DEFAULT_MIN_BYTES, Strategy, with_batch
 from ._plan_text import plan_text
 from ._roles import read_call
@@ -341,7 +341,7 @@ def plan(
     return _ranked(rows, count, figures)
 
 
-def _split_share(strategy: Strategy, call: StepCall, table: Rules, n_devices: int) -> float | None:
+def _split_share(strategy: Strategy, call: StepCall, table: RulesLike, n_devices: int) -> float | None:
     """The share of ``params``' bytes the strategy splits over its model axis (as ``table``: with the batch).
 
     A leaf counts when the devices of one model group (``model`` neighbours in the device
