@@ -397,7 +397,8 @@ def block_rich(monkeypatch):
 
 def test_missing_rich_says_how_to_install_it(monkeypatch):
     block_rich(monkeypatch)
-    with pytest.raises(ImportError, match=r"pip install 'einshard\[pictures\]'") as info:
+    # From the source at hand: 'einshard[pictures]' would fetch the index's older einshard.
+    with pytest.raises(ImportError, match=r"pip install rich \(or pip install '\.\[pictures\]'") as info:
         picture("x -> x*", (4,), n_devices=2)
     assert "rich" in str(info.value)
     # Expression errors still come first, as EinshardError.
@@ -410,7 +411,8 @@ def test_missing_rich_in_the_command_line(monkeypatch, capsys):
     assert main(["x -> x*", "--shape", "4", "--devices", "2"]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert "pip install 'einshard[pictures]'" in captured.err
+    assert "pip install '.[pictures]' in einshard's source folder" in captured.err
+    assert "einshard[" not in captured.err
 
 
 # --- the command line -----------------------------------------------------------------------
