@@ -126,3 +126,44 @@ def test_when_every_candidate_is_bounded_out_nothing_is_compiled(compiles):
     assert "3 candidates not compiled" in str(plan)
     with pytest.raises(einshard.EinshardError, match="no candidate strategy fits"):
         _ = plan.best
+
+
+def _has_gpu_compiler() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@pytest.mark.skipif(not _has_gpu_compiler(), reason="XLA's GPU compiler is not installed")
+@pytest.mark.parametrize("name", ["dp", "fsdp", "tp_unfused", "derived_hybrid4"])
+def test_the_compile_only_gpu_options_leave_the_program_s_figures_unchanged(name, monkeypatch):
+    """``_child.COMPILE_ONLY_GPU_FLAGS`` (no gemm autotuning) against XLA's default level (4)."""
+    from einshard._cost._child import COMPILE_ONLY_GPU_FLAGS
+    from tests import gpt_steps as gpt
+
+    assert COMPILE_ONLY_GPU_FLAGS == "--xla_gpu_autotune_level=0"
+    params, rules, batch = gpt.cases(8)[name]
+
+    def report() -> einshard.StepReport:
+        return einshard.explain_step(
+            gpt.step, params, gpt.TOKENS, rules=gpt.table(rules, batch), target="h100", n_devices=8
+        )
+
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    fast = report()
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=4")
+    tuned = report()
+    assert [(r.kind, r.bytes, r.group_size, r.times) for r in fast.rows] == [
+        (r.kind, r.bytes, r.group_size, r.times) for r in tuned.rows
+    ]
+    assert fast.bytes_by_kind == tuned.bytes_by_kind and fast.traffic == tuned.traffic
+    assert (fast.peak_bytes, fast.argument_bytes, fast.temp_bytes) == (
+        tuned.peak_bytes,
+        tuned.argument_bytes,
+        tuned.temp_bytes,
+    )
+    assert fast.flops == tuned.flops
+    assert fast.simulated_seconds == pytest.approx(tuned.simulated_seconds, rel=1e-9)
