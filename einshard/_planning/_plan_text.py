@@ -120,6 +120,14 @@ def _footer(plan: Plan) -> list[str]:
                 f"{row.name}: {count} unmatched rule{'' if count == 1 else 's'} "
                 f"(matching no parameter's path): {listed}{more}"
             )
+    bounded = [row.name for row in plan.rows if row.argument_bytes is not None and row.report is None]
+    if bounded:
+        count = len(bounded)
+        rejected.append(
+            f"{count} candidate{'' if count == 1 else 's'} not compiled ({', '.join(bounded)}): the "
+            "arguments alone, laid out by the table, exceed the memory per device, a bound known before "
+            "compiling; no time, peak or bytes for them"
+        )
     figures = []
     if plan.bandwidth is not None:
         links = f"{plan.bandwidth / 1e9:g} GB/s per device"

@@ -25,6 +25,7 @@ from .._language._expression import parse
 from .._language._text import size_text
 from .._trees._rules import RulesLike
 from .._trees._strategy import DEFAULT_MIN_BYTES, Strategy, with_batch
+from ._bounds import argument_bytes_per_device, bound_reason
 from ._plan_text import plan_text
 from ._roles import read_call
 from ._strategies import derived_defaults
@@ -54,6 +55,9 @@ class PlanRow:
         unmatched_rules: The candidate's *unmatched* rules: those whose regex matches no path
             of the parameters (a layer name the model does not have, a typo; a catch-all never
             is one).
+        argument_bytes: The bytes per device of the step's arguments as the candidate lays them
+            out, when they alone exceeded the memory per device and the candidate was therefore
+            not compiled (its ``report`` is ``None``); else ``None``.
     """
 
     strategy: Strategy
@@ -62,6 +66,7 @@ class PlanRow:
     index: int = 0
     split_share: float | None = None
     unmatched_rules: tuple[Any, ...] = ()
+    argument_bytes: int | None = None
 
     @property
     def model_parallel(self) -> bool:
@@ -86,7 +91,8 @@ class PlanRow:
         """Why, in a word or two; ``None`` when not rejected.
 
         ``'memory'``, ``'compile'``, ``'killed here'`` (this machine's memory ended its compile:
-        no verdict on the step) or ``'shapes'``.
+        no verdict on the step), ``'not compiled'`` (bounded out at other figures: see
+        :meth:`Plan.at`) or ``'shapes'``.
         """
         if self.rejected is None:
             return None
@@ -94,6 +100,8 @@ class PlanRow:
             return "memory"
         if self.rejected.startswith(NOT_COMPILED_HERE):
             return "killed here"
+        if self.rejected.startswith(_NOT_COMPILED_AT):
+            return "not compiled"
         return "compile" if self.rejected.startswith("does not compile") else "shapes"
 
     @property
@@ -205,7 +213,12 @@ class Plan:
             flops_per_second=flops_per_second,
             memory_per_device=memory_per_device,
         )
-        rows = [dataclasses.replace(row, rejected=_unfit(row.rejected)) for row in self.rows]
+        rows = [
+            dataclasses.replace(row, rejected=_unfit(row.rejected))
+            if row.argument_bytes is None
+            else dataclasses.replace(row, rejected=_bounded_at(row.argument_bytes, figures.memory_per_device))
+            for row in self.rows
+        ]
         return _ranked(rows, self.n_devices, figures)
 
     def __str__(self) -> str:
@@ -323,22 +336,59 @@ def plan(
     if strategies is None:
         strategies = derived_defaults(read_call(call), count, min_bytes)
     tables = [with_batch(strategy, call.batch_name) for strategy in strategies]
-    with Progress("plan", [strategy.name for strategy in strategies], quiet=quiet) as progress:
+    # A candidate whose arguments alone exceed the memory is rejected before its compile.
+    bounds = _over_memory(call, tables, count, figures.memory_per_device)
+    kept = [i for i in range(len(tables)) if i not in bounds]
+    with Progress("plan", [strategies[i].name for i in kept], quiet=quiet) as progress:
+        kept_tables = [tables[i] for i in kept]
         if figures.hardware is not None:
-            answers = reports(call, tables, count, chosen, progress)
+            compiled = reports(call, kept_tables, count, chosen, progress)
         else:
-            answers = reports(call, tables, count if isolate or count != local else None, None, progress)
+            in_child = count if isolate or count != local else None
+            compiled = reports(call, kept_tables, in_child, None, progress)
+    answers: list[Any] = [None] * len(tables)
+    for i, compiled_answer in zip(kept, compiled, strict=True):
+        answers[i] = compiled_answer
     param_paths = [call.paths[i] for i in call.argument_leaves(0)]
     rows = []
     for index, (strategy, table, answer) in enumerate(zip(strategies, tables, answers, strict=True)):
         share = _split_share(strategy, call, table, count)
         unmatched = strategy.unmatched_rules(param_paths)
+        if answer is None:  # bounded out: not compiled
+            assert figures.memory_per_device is not None
+            reason = bound_reason(bounds[index], figures.memory_per_device)
+            rows.append(PlanRow(strategy, None, reason, index, share, unmatched, bounds[index]))
+            continue
         rejected = None if answer.report is not None else _reason(answer.error)
         rows.append(PlanRow(strategy, answer.report, rejected, index, share, unmatched))
         if candidates is not None and answer.report is not None:  # a table the user wrote
             caller = f"plan (candidate {strategy.name!r})"
             warn_if_only_catch_all(strategy, answer.report, caller, relative_only=True)
     return _ranked(rows, count, figures)
+
+
+def _over_memory(
+    call: StepCall, tables: Sequence[RulesLike], n_devices: int, memory_per_device: int | None
+) -> dict[int, int]:
+    """The candidates whose arguments alone exceed the memory per device, with those bytes, by index."""
+    if memory_per_device is None:
+        return {}
+    over = {}
+    for index, table in enumerate(tables):
+        needed = argument_bytes_per_device(call, table, n_devices)
+        if needed is not None and needed > memory_per_device:
+            over[index] = needed
+    return over
+
+
+def _bounded_at(argument_bytes: int, memory_per_device: int | None) -> str:
+    """A bounded-out candidate's rejection at other figures: still over the memory, or not compiled."""
+    if memory_per_device is not None and argument_bytes > memory_per_device:
+        return bound_reason(argument_bytes, memory_per_device)
+    return (
+        f"{_NOT_COMPILED_AT}: its arguments alone need {size_text(argument_bytes)} per device, over "
+        "the memory it was planned with; plan again with this memory_per_device to compile it"
+    )
 
 
 def _split_share(strategy: Strategy, call: StepCall, table: RulesLike, n_devices: int) -> float | None:
@@ -392,6 +442,7 @@ def _reason(error: Any) -> str:
 
 
 _MEMORY = "does not fit memory"
+_NOT_COMPILED_AT = "not compiled at the memory planned with"
 NOT_COMPILED_HERE = "not compiled on this machine"
 """A candidate whose compile this machine could not finish (its memory): no verdict on the step."""
 

@@ -1,0 +1,326 @@
+"""Plans at size: LLaMA-shaped AdamW steps of 1.5 B, 8 B and 70 B parameters planned for H100s.
+
+    python benchmarks/bench_plan_at_size.py [--quick] [--only NAME ...] [--no-fail] [--json PATH]
+
+The steps are written here in plain JAX (no ``transformers``): RMSNorm, rotary embeddings,
+grouped-query attention, a SwiGLU MLP, an untied embedding and head, and AdamW (optax) with its
+moments in float32 beside bfloat16 parameters, the train state in the step's first argument
+(``state = {'params': ..., 'opt_state': ...}``) and the batch ``int32[B, S]`` tokens. Everything is
+abstract (``jax.ShapeDtypeStruct``): nothing is allocated. Each model comes in two forms: its layers
+**unrolled** (a Python loop over a list of layers) and **scanned** (``jax.lax.scan`` over weights
+stacked on a leading layer axis, as serious JAX LLM code writes it).
+
+Sizes (hidden, MLP, layers, heads, KV heads, vocabulary 128,256, sequences of 2,048 tokens):
+
+- ``1.5b``: 2048, 8192, 16, 32, 8; batch 8; on 8 H100s.
+- ``8b``: LLaMA-3-8B's shape, 4096, 14336, 32, 32, 8; batch 64; on 64 H100s.
+- ``70b``: 8192, 28672, 80, 64, 8; batch 256; on 256 H100s; scanned only.
+
+For each: ``einshard.plan(step, state, batch, n_devices=N, target='h100')`` with the default
+candidates, its wall time, the sum of its candidates' compiles (``report.compile_seconds``), their
+ratio, the peak memory of the child process that compiled them (``RUSAGE_CHILDREN``), and the
+plan's answer: the winner, and the rejected candidates with why (a candidate whose arguments alone
+exceed the H100's 80 GB is rejected without a compile). Each plan runs in a fresh process of this
+script (``--one NAME``), so that its child's peak is its own.
+
+Bars, on the 2-core machine the figures are measured on: the 1.5 B plan for 8 H100s (scanned) in
+at most 60 s, the 8 B plan for 64 (scanned) in at most 300 s. ``--quick`` (what
+``nox -s benchmarks_quick`` runs): the 1.5 B scanned plan only. ``--only NAME`` plans the named
+ones (``1.5b-scan``, ``1.5b-loop``, ``8b-scan``, ``8b-loop``, ``70b-scan``); ``--candidates K``
+plans the first K default candidates only (a bound for the 70 B one on a small machine).
+
+Exits with status 1 when a bar is missed, unless ``--no-fail``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import _common
+
+if __name__ == "__main__":
+    _common.start(re_exec=False, cpu_devices=1)
+
+import jax
+import jax.numpy as jnp
+import optax
+
+BARS = {"1.5b-scan": 60.0, "8b-scan": 300.0}
+TARGET = "h100"
+OPTIMIZER = optax.adamw(1e-4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    hidden: int
+    mlp: int
+    layers: int
+    heads: int
+    kv_heads: int
+    batch: int
+    devices: int
+    vocab: int = 128256
+    seq: int = 2048
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+SIZES = {
+    "1.5b": Size(2048, 8192, 16, 32, 8, batch=8, devices=8),
+    "8b": Size(4096, 14336, 32, 32, 8, batch=64, devices=64),
+    "70b": Size(8192, 28672, 80, 64, 8, batch=256, devices=256),
+}
+RUNS = ("1.5b-scan", "1.5b-loop", "8b-scan", "8b-loop", "70b-scan")
+
+
+# --- the model, in plain JAX ------------------------------------------------------------------------
+
+
+def _layer_shapes(size: Size) -> dict[str, tuple[int, ...]]:
+    h, d = size.hidden, size.head_dim
+    return {
+        "attention_norm": (h,),
+        "wq": (h, size.heads, d),
+        "wk": (h, size.kv_heads, d),
+        "wv": (h, size.kv_heads, d),
+        "wo": (size.heads, d, h),
+        "mlp_norm": (h,),
+        "w_gate": (h, size.mlp),
+        "w_up": (h, size.mlp),
+        "w_down": (size.mlp, h),
+    }
+
+
+def abstract_state(size: Size, scanned: bool) -> dict:
+    """``{'params': ..., 'opt_state': ...}``: bfloat16 parameters, AdamW's moments in float32."""
+
+    def leaf(shape: tuple[int, ...], dtype=jnp.bfloat16) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    shapes = _layer_shapes(size)
+    if scanned:
+        layers: object = {name: leaf((size.layers, *shape)) for name, shape in shapes.items()}
+    else:
+        layers = [{name: leaf(shape) for name, shape in shapes.items()} for _ in range(size.layers)]
+    params = {
+        "embed": leaf((size.vocab, size.hidden)),
+        "layers": layers,
+        "final_norm": leaf((size.hidden,)),
+        "lm_head": leaf((size.hidden, size.vocab)),
+    }
+    # The moments of float32 copies: AdamW's state in float32 beside bfloat16 weights.
+    float32 = jax.tree.map(lambda p: leaf(p.shape, jnp.float32), params)
+    return {"params": params, "opt_state": jax.eval_shape(OPTIMIZER.init, float32)}
+
+
+def abstract_batch(size: Size) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((size.batch, size.seq), jnp.int32)
+
+
+def _rms_norm(x, scale):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)
+    return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def _rotary(x):
+    """Rotary position embedding of ``x[B, S, heads, d]`` (angles from the positions, not parameters)."""
+    s, d = x.shape[1], x.shape[-1]
+    frequencies = 1.0 / (10000.0 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    angles = jnp.arange(s, dtype=jnp.float32)[:, None] * frequencies[None, :]
+    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+def _layer(x, p):
+    b, s, _ = x.shape
+    kv_heads, d = p["wk"].shape[1], p["wk"].shape[2]
+    group = p["wq"].shape[1] // kv_heads
+    y = _rms_norm(x, p["attention_norm"])
+    q = _rotary(jnp.einsum("bsh,hnd->bsnd", y, p["wq"])).reshape(b, s, kv_heads, group, d)
+    k = _rotary(jnp.einsum("bsh,hnd->bsnd", y, p["wk"]))
+    v = jnp.einsum("bsh,hnd->bsnd", y, p["wv"])
+    scores = jnp.einsum("bskgd,btkd->bkgst", q, k).astype(jnp.float32) / jnp.sqrt(d).astype(jnp.float32)
+    causal = jnp.tril(jnp.ones((s, s), bool))
+    weights = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(x.dtype)
+    attended = jnp.einsum("bkgst,btkd->bskgd", weights, v).reshape(b, s, kv_heads * group, d)
+    x = x + jnp.einsum("bsnd,ndh->bsh", attended, p["wo"])
+    y = _rms_norm(x, p["mlp_norm"])
+    return x + (jax.nn.silu(y @ p["w_gate"]) * (y @ p["w_up"])) @ p["w_down"]
+
+
+def _loss(params, tokens, scanned: bool):
+    x = params["embed"][tokens[:, :-1]]
+    if scanned:
+        x, _ = jax.lax.scan(lambda x, p: (_layer(x, p), None), x, params["layers"])
+    else:
+        for p in params["layers"]:
+            x = _layer(x, p)
+    logits = (_rms_norm(x, params["final_norm"]) @ params["lm_head"]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def _adamw_step(state, tokens, scanned: bool):
+    loss, grads = jax.value_and_grad(_loss)(state["params"], tokens, scanned)
+    updates, opt_state = OPTIMIZER.update(grads, state["opt_state"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, loss
+
+
+def step_scanned(state, batch):
+    """One AdamW step, the layers a ``jax.lax.scan`` over stacked weights."""
+    return _adamw_step(state, batch, scanned=True)
+
+
+def step_unrolled(state, batch):
+    """One AdamW step, the layers a Python loop."""
+    return _adamw_step(state, batch, scanned=False)
+
+
+def parameter_count(size: Size) -> int:
+    per_layer = sum(math.prod(s) for s in _layer_shapes(size).values())
+    return per_layer * size.layers + 2 * size.vocab * size.hidden + size.hidden
+
+
+# --- one plan, in a fresh process -------------------------------------------------------------------
+
+
+def one(name: str, n_candidates: int | None) -> dict:
+    """Plans one model in this process; its figures as a dict (the last line printed, as JSON)."""
+    import einshard
+
+    model, form = name.split("-")
+    size = SIZES[model]
+    step = step_scanned if form == "scan" else step_unrolled
+    state, batch = abstract_state(size, form == "scan"), abstract_batch(size)
+    candidates = None
+    start = time.perf_counter()
+    if n_candidates is not None:
+        candidates = einshard.strategies.defaults(size.devices, step=step, params=state, batch=batch)
+        candidates = candidates[:n_candidates]
+    plan = einshard.plan(step, state, batch, n_devices=size.devices, target=TARGET, candidates=candidates)
+    wall = time.perf_counter() - start
+    compiles = sum(row.report.compile_seconds for row in plan.rows if row.report is not None)
+    analysis = sum(row.report.analysis_seconds for row in plan.rows if row.report is not None)
+    child_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    own_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    usable = plan.usable
+    return {
+        "name": name,
+        "parameters": parameter_count(size),
+        "devices": size.devices,
+        "candidates": len(plan.rows),
+        "compiled": sum(row.report is not None for row in plan.rows),
+        "seconds": wall,
+        "compile_seconds": compiles,
+        "analysis_seconds": analysis,
+        "plan_over_compiles": wall / compiles if compiles else None,
+        "child_peak_bytes": child_peak,
+        "parent_peak_bytes": own_peak,
+        "winner": usable[0].name if usable else None,
+        "rows": [
+            {
+                "strategy": row.name,
+                "rejected": row.rejected,
+                "compile_seconds": row.report.compile_seconds if row.report is not None else None,
+                "peak_bytes": row.peak_bytes,
+                "step_seconds": row.seconds,
+            }
+            for row in plan.rows
+        ],
+        "plan_text": str(plan),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _common.parser(__doc__, reps=1, seconds=0.0, warmup=0, runs="runs")
+    parser.add_argument("--quick", action="store_true", help="the 1.5 B scanned plan only (for CI)")
+    parser.add_argument("--only", nargs="+", choices=RUNS, help="plan these only")
+    parser.add_argument("--candidates", type=int, help="the first K default candidates only")
+    parser.add_argument("--one", choices=RUNS, help=argparse_hidden())
+    args = parser.parse_args(argv)
+    if args.one is not None:
+        print(json.dumps(one(args.one, args.candidates)))
+        return 0
+    results = _common.Results(Path(__file__).name, args)
+    print(_common.environment(1))
+    names = ["1.5b-scan"] if args.quick else list(args.only or RUNS)
+    failed = False
+    rows, records = [], []
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    for name in names:
+        extra = ["--candidates", str(args.candidates)] if args.candidates else []
+        figures = _common.run_child(__file__, ["--one", name, *extra], env, timeout=4 * 3600)
+        bar = BARS.get(name) if not args.candidates else None
+        ok = bar is None or figures["seconds"] <= bar
+        failed |= not ok
+        rejected = [f"{row['strategy']}: {row['rejected']}" for row in figures["rows"] if row["rejected"]]
+        print(f"\n{name}:\n{figures['plan_text']}")
+        rows.append(
+            [
+                name,
+                f"{figures['parameters'] / 1e9:.2f}",
+                str(figures["devices"]),
+                f"{figures['compiled']}/{figures['candidates']}",
+                f"{figures['seconds']:.1f}",
+                f"{figures['compile_seconds']:.1f}",
+                f"{figures['plan_over_compiles']:.2f}" if figures["plan_over_compiles"] else "-",
+                f"{figures['child_peak_bytes'] / 2**30:.1f}",
+                figures["winner"] or "-",
+                str(len(rejected)),
+                "-" if bar is None else _common.verdict(ok),
+            ]
+        )
+        records.append(
+            {
+                **{k: v for k, v in figures.items() if k != "plan_text"},
+                "bar": bar,
+                "rejected": rejected,
+                "verdict": "info" if bar is None else _common.verdict(ok),
+            }
+        )
+        results.extra.setdefault("plan_text", {})[name] = figures["plan_text"]
+    results.table(
+        "plans",
+        f"Plans at size for {TARGET.upper()}s (wall seconds; compiled/candidates; child peak GiB); bars: "
+        + ", ".join(f"{k} <= {v:g} s" for k, v in BARS.items()),
+        [
+            "model",
+            "params B",
+            "devices",
+            "compiled",
+            "plan s",
+            "compiles s",
+            "plan / compiles",
+            "child peak GiB",
+            "winner",
+            "rejected",
+            "bar",
+        ],
+        rows,
+        {"params B", "devices", "plan s", "compiles s", "plan / compiles", "child peak GiB", "rejected"},
+        bar=None,
+        records=records,
+    )
+    status = _common.exit_status(failed, args.no_fail)
+    results.write(1, failed)
+    return status
+
+
+def argparse_hidden() -> str:
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""The planner's bound before compiling: a candidate whose arguments alone exceed the memory per
+device is rejected without a compile, and says so; one that fits is compiled as before. The bound
+is checked against XLA's own argument sizes of the compiled programs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import einshard
+from einshard import strategies
+from einshard._cost import _analysis
+from einshard._cost._call import StepCall
+from einshard._language._text import size_text
+from einshard._planning._bounds import argument_bytes_per_device
+from einshard._trees._strategy import with_batch
+
+N = jax.device_count()
+D, HIDDEN = 32, 16 * N
+
+
+def sgd_step(params, batch):
+    def loss(p):
+        h = jax.nn.relu(batch @ p["up"]["kernel"])
+        return jnp.mean((h @ p["down"]["kernel"]) ** 2)
+
+    grads = jax.grad(loss)(params)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+
+def params() -> dict:
+    return {
+        "up": {"kernel": jax.ShapeDtypeStruct((D, HIDDEN), jnp.float32)},
+        "down": {"kernel": jax.ShapeDtypeStruct((HIDDEN, D), jnp.float32)},
+    }
+
+
+BATCH = jax.ShapeDtypeStruct((64 * N, D), jnp.float32)
+CANDIDATES = [strategies.data_parallel(), strategies.fsdp(min_bytes=0), strategies.tensor_parallel()]
+# By hand: data parallel holds both weights whole and 1/N of the batch; FSDP 1/N of everything.
+WEIGHTS = 2 * D * HIDDEN * 4
+BATCH_BLOCK = 64 * D * 4
+DP_ARGUMENTS = WEIGHTS + BATCH_BLOCK
+FSDP_ARGUMENTS = WEIGHTS // N + BATCH_BLOCK
+
+
+@pytest.fixture
+def compiles(monkeypatch) -> list:
+    """The table of every step compiled in this process."""
+    seen: list = []
+    compile_step = _analysis.compile_step
+
+    def counting(call):
+        seen.append(call.table)
+        return compile_step(call)
+
+    monkeypatch.setattr(_analysis, "compile_step", counting)
+    return seen
+
+
+def test_the_bound_is_xlas_own_argument_size():
+    plan = einshard.plan(sgd_step, params(), BATCH, candidates=CANDIDATES, quiet=True)
+    call = StepCall.of(sgd_step, (params(), BATCH), {})
+    by_name = {row.name: row for row in plan.rows}
+    assert argument_bytes_per_device(call, with_batch(CANDIDATES[0], "batch"), N) == DP_ARGUMENTS
+    assert argument_bytes_per_device(call, with_batch(CANDIDATES[1], "batch"), N) == FSDP_ARGUMENTS
+    for strategy in CANDIDATES:
+        bound = argument_bytes_per_device(call, with_batch(strategy, "batch"), N)
+        assert bound == by_name[strategy.name].report.argument_bytes
+        assert bound <= by_name[strategy.name].peak_bytes
+
+
+@pytest.mark.skipif(N < 2, reason="a split needs two devices")
+def test_a_candidate_whose_arguments_exceed_the_memory_is_not_compiled(compiles):
+    free = einshard.plan(sgd_step, params(), BATCH, candidates=CANDIDATES, quiet=True)
+    compiles.clear()
+    limit = DP_ARGUMENTS - 1
+    fitting = {row.name for row in free.rows if row.report.argument_bytes <= limit}
+    assert "data parallel" not in fitting and any(name.startswith("fsdp") for name in fitting)
+    plan = einshard.plan(
+        sgd_step, params(), BATCH, candidates=CANDIDATES, memory_per_device=limit, quiet=True
+    )
+    assert len(compiles) == len(fitting)  # data parallel was never compiled
+    row = next(row for row in plan.rows if row.name == "data parallel")
+    assert row.report is None and row.argument_bytes == DP_ARGUMENTS
+    assert row.rejected == (
+        f"does not fit memory: its arguments alone need {size_text(DP_ARGUMENTS)} > "
+        f"{size_text(limit)} per device (not compiled)"
+    )
+    assert row.rejected_for == "memory"
+    text = str(plan)
+    bounded = [row.name for row in plan.rows if row.name not in fitting]
+    count = len(bounded)
+    assert f"{count} candidate{'' if count == 1 else 's'} not compiled ({', '.join(bounded)})" in text
+    assert "rejected data parallel: does not fit memory: its arguments alone need" in text
+    # The others are compiled as before: the same report as without a memory limit.
+    for name in fitting:
+        kept = next(row for row in plan.rows if row.name == name)
+        unbounded = next(row for row in free.rows if row.name == name)
+        assert kept.report is not None and kept.argument_bytes is None
+        assert kept.peak_bytes == unbounded.peak_bytes
+        assert kept.traffic == unbounded.traffic
+        assert kept.bytes_by_kind == unbounded.bytes_by_kind
+    # Ranked again at more memory, it has no report to rank: it says to plan again.
+    more = plan.at(memory_per_device=10 * DP_ARGUMENTS)
+    row = next(row for row in more.rows if row.name == "data parallel")
+    assert row.rejected_for == "not compiled" and "plan again" in row.rejected
+    assert more.best.name != "data parallel"
+    # At less memory still, the bound is said again at that memory.
+    less = plan.at(memory_per_device=limit // 2)
+    row = next(row for row in less.rows if row.name == "data parallel")
+    assert row.rejected.endswith(f"> {size_text(limit // 2)} per device (not compiled)")
+
+
+def test_without_a_memory_limit_every_candidate_is_compiled(compiles):
+    plan = einshard.plan(sgd_step, params(), BATCH, candidates=CANDIDATES, quiet=True)
+    assert len(compiles) == len(CANDIDATES)
+    assert all(row.argument_bytes is None for row in plan.rows)
+
+
+def test_when_every_candidate_is_bounded_out_nothing_is_compiled(compiles):
+    plan = einshard.plan(sgd_step, params(), BATCH, candidates=CANDIDATES, memory_per_device=1, quiet=True)
+    assert compiles == []
+    assert all(row.rejected.endswith("(not compiled)") for row in plan.rows)
+    assert "3 candidates not compiled" in str(plan)
+    with pytest.raises(einshard.EinshardError, match="no candidate strategy fits"):
+        _ = plan.best
+
+
+def _has_gpu_compiler() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@pytest.mark.skipif(not _has_gpu_compiler(), reason="XLA's GPU compiler is not installed")
+@pytest.mark.parametrize("name", ["dp", "fsdp", "tp_unfused", "derived_hybrid4"])
+def test_the_compile_only_gpu_options_leave_the_program_s_figures_unchanged(name, monkeypatch):
+    """``_child.COMPILE_ONLY_GPU_FLAGS`` (no gemm autotuning) against XLA's default level (4)."""
+    from einshard._cost._child import COMPILE_ONLY_GPU_FLAGS
+    from tests import gpt_steps as gpt
+
+    assert COMPILE_ONLY_GPU_FLAGS == "--xla_gpu_autotune_level=0"
+    params, rules, batch = gpt.cases(8)[name]
+
+    def report() -> einshard.StepReport:
+        return einshard.explain_step(
+            gpt.step, params, gpt.TOKENS, rules=gpt.table(rules, batch), target="h100", n_devices=8
+        )
+
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    fast = report()
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=4")
+    tuned = report()
+    assert [(r.kind, r.bytes, r.group_size, r.times) for r in fast.rows] == [
+        (r.kind, r.bytes, r.group_size, r.times) for r in tuned.rows
+    ]
+    assert fast.bytes_by_kind == tuned.bytes_by_kind and fast.traffic == tuned.traffic
+    assert (fast.peak_bytes, fast.argument_bytes, fast.temp_bytes) == (
+        tuned.peak_bytes,
+        tuned.argument_bytes,
+        tuned.temp_bytes,
+    )
+    assert fast.flops == tuned.flops
+    assert fast.simulated_seconds == pytest.approx(tuned.simulated_seconds, rel=1e-9)
