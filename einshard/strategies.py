@@ -11,6 +11,7 @@ from ._planning._strategies import ROW as ROW
 from ._planning._strategies import data_parallel as data_parallel
 from ._planning._strategies import defaults as defaults
 from ._planning._strategies import fsdp as fsdp
+from ._planning._strategies import hsdp as hsdp
 from ._planning._strategies import hybrid as hybrid
 from ._planning._strategies import roles as roles
 from ._planning._strategies import tensor_parallel as tensor_parallel

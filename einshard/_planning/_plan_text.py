@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .._cost._report import KINDS, StepReport
+from .._cost._report import KINDS, StepReport, StepRow
 from .._language._text import seconds_text, size_text, table_text
 
 if TYPE_CHECKING:  # the planner's data classes print through this module: a type-only import
@@ -77,8 +77,10 @@ def _chart(plan: Plan) -> list[str]:
     for row in usable:
         report = row.report
         assert report is not None
-        communication = report.communication_seconds or 0.0
         compute = report.compute_seconds or 0.0
+        # The time less compute: a simulated step overlaps some of its collectives with compute
+        # (their sum would draw past the time); on CPU devices the two are the same.
+        communication = max(0.0, (row.seconds or 0.0) - compute)
         bar_comm = round(_BAR_WIDTH * communication / longest)
         bar_compute = round(_BAR_WIDTH * (communication + compute) / longest) - bar_comm
         bar = "█" * bar_comm + "░" * bar_compute
@@ -93,6 +95,60 @@ def _verdict(row: PlanRow, rank: int) -> str:
         little = f"splits only {row.split_share:.0%}"
         return f"best, {little}" if rank == 1 else little
     return "best" if rank == 1 else "fits"
+
+
+def _hosts_lines(plan: Plan) -> list[str]:
+    """On several hosts, one line per compiled candidate: which of its collectives cross hosts.
+
+    Read from the report's rows (a row's groups over more than one host run at the network's
+    bandwidth), by kind and the axis their groups run over, with the bytes per device per step;
+    a model axis wider than a host says so.
+    """
+    per_host = plan.hardware.devices_per_host if plan.hardware is not None else None
+    if not per_host or plan.n_devices <= per_host:
+        return []
+    lines = []
+    for row in plan.rows:
+        if row.report is None:
+            continue
+        model = row.strategy.model
+        model = plan.n_devices if model == 0 else model
+        crossing: dict[tuple[str, str], int] = {}
+        for step_row in row.report.rows:
+            if step_row.hosts > 1:
+                axis = _group_axis(step_row, model, plan.n_devices, per_host)
+                key = (step_row.kind, axis)
+                crossing[key] = crossing.get(key, 0) + step_row.total_bytes
+        parts = [f"{kind} {size_text(size)} ({axis})" for (kind, axis), size in crossing.items()]
+        head = f"{row.name}: "
+        if model is not None and model > per_host:
+            head += f"its model axis of {model} spans {-(-model // per_host)} hosts; "
+        elif model is not None:
+            head += "its model axis stays inside a host; "
+        lines.append(head + ("crosses hosts: " + ", ".join(parts) if parts else "nothing crosses hosts"))
+    return lines
+
+
+def _group_axis(row: StepRow, model: int | None, n_devices: int, per_host: int) -> str:
+    """The axis a collective's groups run over, in a strategy's words, by their size and hosts.
+
+    A model axis is ``model`` neighbouring devices (``-(-model // per_host)`` hosts), a data axis
+    one device of each model group (one host's worth per host below a host's size, else one
+    device per host): where the two have one size, the hosts tell them apart.
+    """
+    size = row.group_size
+    if size == n_devices:
+        return "all devices"
+    if model:
+        data = n_devices // model
+        data_hosts = n_devices // per_host if model < per_host else data
+        if size == data and row.hosts == data_hosts:
+            return "data axis"
+        if size == model:
+            return "model axis"
+    if size == n_devices // per_host and row.hosts == size:
+        return "one device per host"
+    return f"groups of {size} on {row.hosts} hosts"
 
 
 _SHORT_KIND = {"collective-permute": "permute", "reduce-scatter": "reduce-scatter"}
@@ -149,6 +205,7 @@ def _footer(plan: Plan) -> list[str]:
     return [
         *rejected,
         *_findings_lines(plan),
+        *_hosts_lines(plan),
         f"{len(plan.rows)} candidates on {devices} ({given}); "
         f"times within {plan.tie:.0%} count as equal (the simpler strategy first); split: the share of the "
         "parameter bytes split over the model axis (over all devices for data parallel and FSDP); "

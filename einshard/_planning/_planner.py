@@ -272,7 +272,7 @@ def plan(
             rate every dot runs at instead of its matrix units' per element type.
         candidates: The strategies to try; default data parallel, FSDP, tensor parallel and
             a hybrid for every factorization of the device count (:func:`strategies.defaults
-            <einshard.strategies.defaults>`).
+            <einshard.strategies.defaults>`), and HSDP for a GPU target over several hosts.
         min_bytes: FSDP's and the hybrids' ``min_bytes`` in the default candidates.
         target: What to compile each candidate for: ``'cpu'`` (the default), a GPU (``'h100'``
             ...) or a TPU (``'v5e'`` ...), as for :func:`~einshard.explain_step`; with a target
@@ -334,7 +334,8 @@ def plan(
     # reader, every candidate's table and compile, and the split shares.
     call = StepCall.of(step, (params, batch), {})
     if strategies is None:
-        strategies = derived_defaults(read_call(call), count, min_bytes)
+        per_host = figures.hardware.devices_per_host if figures.hardware is not None else None
+        strategies = derived_defaults(read_call(call), count, min_bytes, per_host)
     tables = [with_batch(strategy, call.batch_name) for strategy in strategies]
     # A candidate whose arguments alone exceed the memory is rejected before its compile.
     bounds = _over_memory(call, tables, count, figures.memory_per_device)

@@ -28,6 +28,7 @@ __all__ = [
     "ROW",
     "data_parallel",
     "fsdp",
+    "hsdp",
     "hybrid",
     "roles",
     "tensor_parallel",
@@ -76,6 +77,38 @@ def fsdp(min_bytes: int = DEFAULT_MIN_BYTES, axis: str | int = "largest") -> Str
         [(r".*", SplitLargest(min_bytes=min_bytes, axis=axis))],
         batch=BATCH_SPLIT,
         name="fsdp",
+    )
+
+
+def hsdp(devices_per_host: int = 8, min_bytes: int = DEFAULT_MIN_BYTES) -> Strategy:
+    """HSDP: FSDP within each host, data parallelism across hosts.
+
+    Every leaf of at least ``min_bytes`` is split on its largest divisible axis over the
+    ``devices_per_host`` neighbouring devices of a host, and copied on every host
+    (``'a b -> 8 a b8'`` on 64 devices); the batch is split over all devices. The parameters'
+    all-gathers stay inside a host (NVLink); the gradients are reduced within the host and
+    across hosts (the network), once per step. With one host it is :func:`fsdp`.
+
+    Args:
+        devices_per_host: Devices per host (8 on an HGX / DGX board); it must divide the device
+            count, else every leaf is replicated and :func:`~einshard.explain` says why.
+        min_bytes: Leaves smaller than this are replicated (default 1 MiB).
+
+    >>> import jax, jax.numpy as jnp, einshard
+    >>> tree = {'w': jax.ShapeDtypeStruct((512, 1024), jnp.float32)}
+    >>> row, = einshard.explain(tree, einshard.strategies.hsdp(), n_devices=16).rows
+    >>> row.expression, row.shard_shape
+    ('a b -> 2 a b8', (512, 128))
+    """
+    checked_count(
+        devices_per_host,
+        "devices_per_host",
+        hint="Give how many devices share a host's fast links, e.g. devices_per_host=8.",
+    )
+    return Strategy(
+        [(r".*", SplitLargest(min_bytes=min_bytes, group=devices_per_host))],
+        batch=BATCH_SPLIT,
+        name="hsdp",
     )
 
 
@@ -279,24 +312,39 @@ def defaults(
     step: Callable[..., Any] | str | None = None,
     params: Any = None,
     batch: Any = None,
+    devices_per_host: int | None = None,
 ) -> list[Strategy]:
-    """The planner's default candidates: data parallel, FSDP, tensor parallel, every hybrid.
+    """The planner's default candidates: data parallel, FSDP, (HSDP,) tensor parallel, every hybrid.
 
     With ``step``, ``params`` and ``batch``, the tensor-parallel and hybrid tables are derived
     from the step's dataflow (read once for all of them); without, they go by layer names.
+    With ``devices_per_host`` (a GPU target's 8) and more devices than one host has, :func:`hsdp`
+    comes after FSDP. The simpler strategy first: a tie in the plan goes to it. The hybrids go
+    by model-axis size, so those whose model axis stays inside a host come first.
     """
     if step is None:
         models = _model_sizes(n_devices)
-        out = [data_parallel(), fsdp(min_bytes=min_bytes), tensor_parallel()]
-        return out + [hybrid(m, min_bytes=min_bytes) for m in models]
-    return derived_defaults(_read(step, params, batch), n_devices, min_bytes)
+        out = [data_parallel(), fsdp(min_bytes=min_bytes)]
+        out += _host_candidates(n_devices, devices_per_host, min_bytes)
+        return out + [tensor_parallel()] + [hybrid(m, min_bytes=min_bytes) for m in models]
+    return derived_defaults(_read(step, params, batch), n_devices, min_bytes, devices_per_host)
 
 
-def derived_defaults(reading: _roles.Reading, n_devices: int, min_bytes: int) -> list[Strategy]:
-    """:func:`defaults` from a step already read: data parallel, FSDP, the derived tables."""
+def derived_defaults(
+    reading: _roles.Reading, n_devices: int, min_bytes: int, devices_per_host: int | None = None
+) -> list[Strategy]:
+    """:func:`defaults` from a step already read: data parallel, FSDP, (HSDP,) the derived tables."""
     out = [data_parallel(), fsdp(min_bytes=min_bytes)]
+    out += _host_candidates(n_devices, devices_per_host, min_bytes)
     out.append(_derived_table(reading, n_devices, n_devices, min_bytes))
     return out + [_derived_table(reading, n_devices, m, min_bytes) for m in _model_sizes(n_devices)]
+
+
+def _host_candidates(n_devices: int, devices_per_host: int | None, min_bytes: int) -> list[Strategy]:
+    """HSDP, when the devices span several hosts of ``devices_per_host`` (none otherwise)."""
+    if devices_per_host is None or n_devices <= devices_per_host or n_devices % devices_per_host:
+        return []
+    return [hsdp(devices_per_host, min_bytes=min_bytes)]
 
 
 def _model_sizes(n_devices: int) -> list[int]:

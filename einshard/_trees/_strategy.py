@@ -133,21 +133,30 @@ class SplitLargest(ByShape):
     largest when it does not (ties: the first such axis). A smaller leaf, or one no axis of which
     divides, is replicated; the reason is the leaf's note in :func:`~einshard.explain`.
 
+    ``parts`` devices are one of every ``n_devices // parts`` in the device order (the copies
+    are neighbours: a hybrid's data axis); ``group`` devices are neighbours (the copies are
+    ``group`` apart: within a host, copied across hosts, as HSDP splits). One of the two at most.
+
     Attributes:
         min_bytes: Leaves smaller than this are replicated.
         axis: ``'largest'``, or an axis (``0``, ``-1``) to try first, then the largest ones.
         parts: How many devices each leaf is split over, or ``None`` for all.
+        group: How many neighbouring devices each leaf is split over (``'a b -> 2 a b8'`` on
+            16 devices with ``group=8``), or ``None``.
 
     >>> import einshard
     >>> einshard.strategies.SplitLargest(min_bytes=1024).expression_for((16, 4096), 'float32', 8)
     ('a b -> a b8', None)
     >>> einshard.strategies.SplitLargest(min_bytes=1024).expression_for((16, 4100), 'float32', 8)
     ('a b -> a8 b', 'axis 1 (4100) does not divide by 8: axis 0 split')
+    >>> einshard.strategies.SplitLargest(min_bytes=1024, group=8).expression_for((16, 4096), 'float32', 16)
+    ('a b -> 2 a b8', None)
     """
 
     min_bytes: int = DEFAULT_MIN_BYTES
     axis: str | int = "largest"
     parts: int | None = None
+    group: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.min_bytes, bool) or not isinstance(self.min_bytes, int) or self.min_bytes < 0:
@@ -167,9 +176,27 @@ class SplitLargest(ByShape):
                 f"parts must be a positive integer or None, not {self.parts!r}",
                 hint="Give how many devices each leaf is split over, or None for all of them.",
             )
+        if self.group is not None and (
+            isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 1
+        ):
+            raise EinshardError(
+                f"group must be a positive integer or None, not {self.group!r}",
+                hint="Give how many neighbouring devices each leaf is split over, e.g. group=8 (a host).",
+            )
+        if self.group is not None and self.parts is not None:
+            raise EinshardError(
+                f"SplitLargest takes parts={self.parts} or group={self.group}, not both",
+                hint="parts: split over devices one group apart (copies are neighbours); group: split "
+                "over neighbours (copies one group apart). Give one of them.",
+            )
 
     def expression_for(self, shape: tuple[int, ...], dtype: Any, n_devices: int) -> tuple[str, str | None]:
-        parts = n_devices if self.parts is None else self.parts
+        if self.group is not None:
+            parts = self.group
+            if n_devices % parts:
+                return REPLICATE, f"group={parts} does not divide the {n_devices} devices: replicated"
+        else:
+            parts = n_devices if self.parts is None else self.parts
         if n_devices % parts:
             return REPLICATE, f"parts={parts} does not divide the {n_devices} devices: replicated"
         size = nbytes(shape, dtype)
@@ -188,7 +215,13 @@ class SplitLargest(ByShape):
         split = next((i for i in order if shape[i] % parts == 0), None)
         if split is None:
             return REPLICATE, f"no axis of {shape} divides by {parts}: replicated"
-        expression = split_expression([parts if i == split else 1 for i in range(len(shape))], n_devices)
+        counts = [parts if i == split else 1 for i in range(len(shape))]
+        if self.group is None:
+            expression = split_expression(counts, n_devices)
+        else:  # the copies major, in front: each block on one device of every group of neighbours
+            left, right = split_expression(counts, parts).split(" -> ")
+            copies = n_devices // parts
+            expression = f"{left} -> {copies} {right}" if copies > 1 else f"{left} -> {right}"
         if split == order[0]:
             return expression, None
         largest = order[0]
@@ -200,4 +233,6 @@ class SplitLargest(ByShape):
             fields.append(f"axis={self.axis!r}")
         if self.parts is not None:
             fields.append(f"parts={self.parts}")
+        if self.group is not None:
+            fields.append(f"group={self.group}")
         return f"SplitLargest({', '.join(fields)})"
