@@ -71,9 +71,9 @@ def _footer(plan: BatchPlan) -> list[str]:
         )
     if plan.batch_sizes is None:
         how = (
-            f"from the batch given ({plan.given_batch}), doubled (halved when it does not fit) until "
-            "a batch fits and a larger one does not, then between the last fit and the first miss, "
-            "each next size guessed from the peaks of the two nearest compiles (a line through them)"
+            f"from the batch given ({plan.given_batch}): doubled once (halved when it does not fit), then "
+            "each next size where a line through the peaks of the two compiles nearest the limit meets it "
+            "(bisecting when a guess gains little), until a size fits and the next one up does not"
         )
     else:
         how = f"among the batch sizes given ({', '.join(map(str, plan.batch_sizes))}), by bisection"

@@ -143,7 +143,7 @@ class BatchPlan:
         n_devices: The device count planned for.
         memory_per_device: The memory limit each batch fits.
         given_batch: The leading-axis size of the batch given, where the search starts.
-        batch_sizes: The sizes given to search among, or ``None`` (doubling and bisection).
+        batch_sizes: The sizes given to search among, or ``None`` (the search from the batch given).
         max_compiles: Compiles per candidate at most.
         bandwidth: Bytes per second per device, or ``None``.
         flops_per_second: FLOP/s per device, or ``None``.
@@ -236,9 +236,10 @@ def plan_batches(
     The batch's leading axis is scaled (every leaf of it: they must share its size), nothing
     else; each candidate is compiled as :func:`plan` compiles it (its rules lay out ``params``,
     its batch expression the batch). Its largest batch is searched from the batch given:
-    doubled (halved when it does not fit) until one fits and a larger one does not, then
-    between the last fit and the first miss, each next size guessed from the peaks of the two
-    nearest compiles (peak memory grows about linearly with the batch), at most
+    doubled once (halved when it does not fit), then each next size is where a line through
+    the peaks of the two compiles nearest the limit meets it (peak memory grows about linearly
+    with the batch; a guess that gains little is followed by a bisection between the last fit
+    and the first miss), until a size fits and the next one up does not, at most
     ``max_compiles`` compiles per candidate. Sizes are multiples of the candidate's batch split
     (:attr:`BatchRow.granularity`). A batch shown fits by its own compile, never by an
     extrapolation; its row says whether the next size up was compiled and does not fit
@@ -264,7 +265,7 @@ def plan_batches(
         min_bytes: FSDP's and the hybrids' ``min_bytes`` in the default candidates.
         target: As for :func:`plan`.
         hardware: As for :func:`plan`.
-        batch_sizes: Global batch sizes to choose among instead of doubling (each a positive
+        batch_sizes: Global batch sizes to choose among, by bisection (each a positive
             integer, a multiple of every candidate's split).
         max_compiles: Compiles per candidate at most (a positive integer).
         isolate: As for :func:`plan`.
@@ -527,7 +528,8 @@ class _Search:
         guess = None if self.bisect else self._linear_guess()
         if self.hi is None:  # no miss yet: double, or the guess where the peak meets the limit
             # (at most 64 times the last fit: a peak that hardly grows puts the guess far off)
-            units = 2 * self.lo if guess is None or guess <= self.lo else min(guess, 64 * self.lo)
+            # (a guess at or below the last fit: the next size up, to confirm it)
+            units = 2 * self.lo if guess is None else max(self.lo + 1, min(guess, 64 * self.lo))
         elif self.lo == 0:  # no fit yet: halve, or the guess
             units = self.hi // 2 if guess is None else guess
         else:
