@@ -22,6 +22,9 @@ from ._language._expression import Expression as Expression
 from ._language._expression import parse as parse
 from ._language._layout import Layout as Layout
 from ._language._layout import layout as layout
+from ._planning._batches import BatchPlan as BatchPlan
+from ._planning._batches import BatchRow as BatchRow
+from ._planning._batches import plan_batches as plan_batches
 from ._planning._planner import Plan as Plan
 from ._planning._planner import PlanRow as PlanRow
 from ._planning._planner import plan as plan
