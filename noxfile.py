@@ -483,7 +483,7 @@ def benchmarks(session: nox.Session) -> None:
     scripts = sorted((ROOT / "benchmarks").glob("bench_*.py"))
     if not scripts:
         session.error("no benchmarks/bench_*.py to run")
-    session.install("--upgrade", "-e", ".[all]", "jax")
+    session.install("--upgrade", "-e", ".[all,gpu-target]", "jax")  # bench_plan_at_size: H100s
     _show_versions(session, "jax", "jaxlib", "numpy")
     for script in scripts:
         session.log(f"--- {script.relative_to(ROOT)} ---")
@@ -515,7 +515,7 @@ def benchmarks_quick(session: nox.Session) -> None:
     scripts = sorted((ROOT / "benchmarks").glob("bench_*.py"))
     if not scripts:
         session.error("no benchmarks/bench_*.py to run")
-    session.install("--upgrade", "-e", ".[all]", "jax")
+    session.install("--upgrade", "-e", ".[all,gpu-target]", "jax")  # bench_plan_at_size: H100s
     out = ROOT / ".nox" / "benchmarks-quick"
     out.mkdir(parents=True, exist_ok=True)
     for script in scripts:

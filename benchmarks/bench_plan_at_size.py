@@ -8,7 +8,8 @@ moments in float32 beside bfloat16 parameters, the train state in the step's fir
 (``state = {'params': ..., 'opt_state': ...}``) and the batch ``int32[B, S]`` tokens. Everything is
 abstract (``jax.ShapeDtypeStruct``): nothing is allocated. Each model comes in two forms: its layers
 **unrolled** (a Python loop over a list of layers) and **scanned** (``jax.lax.scan`` over weights
-stacked on a leading layer axis, as serious JAX LLM code writes it).
+stacked on a leading layer axis, each layer rematerialised with ``jax.checkpoint``, as serious JAX
+LLM code writes it).
 
 Sizes (hidden, MLP, layers, heads, KV heads, vocabulary 128,256, sequences of 2,048 tokens):
 
@@ -162,7 +163,10 @@ def _layer(x, p):
 def _loss(params, tokens, scanned: bool):
     x = params["embed"][tokens[:, :-1]]
     if scanned:
-        x, _ = jax.lax.scan(lambda x, p: (_layer(x, p), None), x, params["layers"])
+        # Each layer rematerialised in the backward pass, as scanned LLM code does: without it,
+        # XLA keeps every layer's activations, and under FSDP its partitioner keeps them unsplit
+        # (1.5 B on 8 H100s: FSDP's peak 170 GiB without, 14.5 GiB with).
+        x, _ = jax.lax.scan(lambda x, p: (jax.checkpoint(_layer)(x, p), None), x, params["layers"])
     else:
         for p in params["layers"]:
             x = _layer(x, p)

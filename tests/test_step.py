@@ -501,3 +501,21 @@ def test_float64_arguments_warn_once_and_are_reported_as_jax_computes_them():
         assert issubclass(caught[0].category, einshard.EinshardWarning)
         w_bytes = 16 * 8 * jax.device_count() * 4 // report.n_devices  # float32, split n ways
         assert report.argument_bytes == w_bytes + 4 * 16 * 4  # and x, float32, replicated
+
+
+def test_jax_s_private_device_assignment_that_the_report_reads_is_there():
+    # The partition order of a compiled program (which device runs partition i) has no public
+    # name in JAX: the report reads the shardings' _device_assignment. This fails loudly when
+    # JAX renames it, instead of every report silently falling back to one axis of devices.
+    from einshard._cost._call import StepCall
+    from einshard._cost._compile import compile_step
+
+    n = jax.device_count()
+    devices = np.array(jax.devices()[::-1])  # a device order that is not the ids' order
+    sharding = NamedSharding(Mesh(devices, ("d",)), jax.sharding.PartitionSpec("d"))
+    x = jax.device_put(jnp.ones((n * 2,)), sharding)
+    compiled = compile_step(StepCall.of(lambda x: x * 2, (x,), {}))
+    assert all(hasattr(s, "_device_assignment") for s in compiled._shardings())
+    assert [d.id for d in compiled.partition_devices(n)] == [d.id for d in devices]
+    assert compiled.platform() == "cpu"
+    assert compiled.hosts(n) == [0] * n

@@ -55,15 +55,7 @@ class Compiled:
 
     def mesh(self, n: int) -> tuple[Mesh, list[int]]:
         """The mesh the arguments live on (axis names and sizes) and each partition's flat position."""
-        import jax
-
-        shardings = []
-        for attribute in ("input_shardings", "output_shardings"):
-            try:
-                shardings += jax.tree_util.tree_leaves(getattr(self.program, attribute))
-            except Exception:
-                continue
-        for sharding in shardings:
+        for sharding in self._shardings():
             mesh = getattr(sharding, "mesh", None)
             if mesh is not None and getattr(mesh, "size", 0) == n and hasattr(mesh, "devices"):
                 axes = tuple((str(name), int(size)) for name, size in mesh.shape.items())
@@ -77,18 +69,32 @@ class Compiled:
 
     def hosts(self, n: int) -> list[int] | None:
         """The host (``process_index``) of each partition's device, or ``None`` when unknown."""
+        devices = self.partition_devices(n)
+        return None if devices is None else [int(getattr(device, "process_index", 0)) for device in devices]
+
+    def partition_devices(self, n: int | None = None) -> list[Any] | None:
+        """The device of each partition, in partition order (a list of ``n``, if given), or ``None``.
+
+        Read from JAX's ``_device_assignment`` of the program's shardings, which has no public
+        name (``device_set`` has no order): ``tests/test_step.py`` fails loudly when it goes.
+        """
+        for sharding in self._shardings():
+            devices = getattr(sharding, "_device_assignment", None)
+            if devices and (n is None or len(devices) == n):
+                return list(devices)
+        return None
+
+    def _shardings(self) -> list[Any]:
+        """The program's argument and result shardings: what it says of its devices."""
         import jax
 
+        shardings: list[Any] = []
         for attribute in ("input_shardings", "output_shardings"):
             try:
-                shardings = jax.tree_util.tree_leaves(getattr(self.program, attribute))
+                shardings += jax.tree_util.tree_leaves(getattr(self.program, attribute))
             except Exception:
                 continue
-            for sharding in shardings:
-                devices = getattr(sharding, "_device_assignment", None)
-                if devices is not None and len(devices) == n:
-                    return [int(getattr(device, "process_index", 0)) for device in devices]
-        return None
+        return shardings
 
     def memory(self) -> dict[str, int | None]:
         """Per-device buffer sizes from ``memory_analysis()`` (``None`` where the backend has none)."""
@@ -112,18 +118,8 @@ class Compiled:
 
     def platform(self) -> str | None:
         """The platform of the devices the program was compiled for (``'cpu'``, ``'gpu'``, ``'tpu'``)."""
-        import jax
-
-        for attribute in ("input_shardings", "output_shardings"):
-            try:
-                shardings = jax.tree_util.tree_leaves(getattr(self.program, attribute))
-            except Exception:
-                continue
-            for sharding in shardings:
-                devices = getattr(sharding, "_device_assignment", None)
-                if devices:
-                    return str(devices[0].platform)
-        return None
+        devices = self.partition_devices()
+        return None if devices is None else str(devices[0].platform)
 
     def flops(self) -> float | None:
         """Floating-point operations per device (XLA's cost analysis), or ``None``."""
