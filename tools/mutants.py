@@ -181,9 +181,9 @@ MUTANTS = [
     ),
     Mutant(
         "planner-time-without-compute",
-        PLANNER,
-        "        parts = [self.report.communication_seconds, self.report.compute_seconds]",
-        "        parts = [self.report.communication_seconds]",
+        "einshard/_cost/_report.py",
+        "        known = [p for p in (self.communication_seconds, self.compute_seconds) if p is not None]",
+        "        known = [p for p in (self.communication_seconds,) if p is not None]",
         PLANNING,
         "a candidate's estimated time leaves out its compute",
     ),
@@ -311,8 +311,8 @@ DATAFLOW_ROLES = [
     Mutant(
         "roles-contraction-read-as-free",
         JAXPR,
-        '            self.role(mine, "contraction")',
-        '            self.role(mine, "free")',
+        '            self.mark(mine, "contraction")',
+        '            self.mark(mine, "free")',
         READING,
         "dot_general: a weight's contraction axes taken for free (output) axes",
     ),
@@ -454,7 +454,7 @@ FINDING_MUTANTS = [
     ),
     Mutant(
         "loop-users-read-in-the-entry",
-        ATTRIBUTION,
+        "einshard/_cost/_flow.py",
         "            body = start[0].computation\n            users = self.users_in(body)",
         "            body = start[0].computation\n            users = self.users_in(self.module.entry)",
         (*FINDINGS, "tests/test_step.py"),
