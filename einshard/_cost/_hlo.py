@@ -28,6 +28,8 @@ import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
+from .._language._union import UnionFind
+
 __all__ = [
     "COLLECTIVES",
     "KINDS",
@@ -750,21 +752,10 @@ def _permute_groups(pairs: str) -> tuple[tuple[int, ...], ...]:
 
 
 def _connected(edges: Iterable[tuple[int, ...]]) -> list[list[int]]:
-    parent: dict[int, int] = {}
-
-    def find(x: int) -> int:
-        parent.setdefault(x, x)
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for a, b in edges:
-        parent[find(a)] = find(b)
-    groups: dict[int, list[int]] = {}
-    for x in sorted(parent):
-        groups.setdefault(find(x), []).append(x)
-    return list(groups.values())
+    sets = UnionFind()
+    for edge in edges:
+        sets.join(edge)
+    return sets.groups()
 
 
 @dataclasses.dataclass(frozen=True)

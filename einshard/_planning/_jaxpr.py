@@ -27,6 +27,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from .._language._union import UnionFind
 from ._primitives import (
     CALLS,
     CONSTANT,
@@ -74,7 +75,7 @@ class Reader:
                 self.node_leaf.append(leaf)
                 self.node_axis.append(axis)
         count = len(self.node_leaf)
-        self.parent = list(range(count))
+        self.sets = UnionFind(range(count))  # the parameter axes split together
         self.limit = [shapes[leaf][axis] for leaf, axis in zip(self.node_leaf, self.node_axis, strict=True)]
         # Per parameter axis (node): words for what it was seen doing ('contraction', 'heads'...).
         self.words: list[set[str]] = [set() for _ in range(count)]
@@ -91,20 +92,12 @@ class Reader:
     # --- the groups ---------------------------------------------------------------------------
 
     def find(self, node: int) -> int:
-        parent = self.parent
-        while parent[node] != node:
-            parent[node] = parent[parent[node]]
-            node = parent[node]
-        return node
+        """The representative of the axes split together with parameter axis ``node``."""
+        return self.sets.find(node)
 
     def join(self, nodes: Iterable[int]) -> None:
-        first = None
-        for node in nodes:
-            root = self.find(node)
-            if first is None:
-                first = root
-            elif root != first:
-                self.parent[root] = first
+        """Parameter axes that must be split together."""
+        self.sets.join(nodes)
 
     def pair(self, columns: frozenset, rows: frozenset) -> None:
         """A weight's output axes (``columns``' tags) meet a later weight's contraction axes (``rows``').
