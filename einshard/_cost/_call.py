@@ -12,15 +12,15 @@ import functools
 import importlib
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._arrays._leaves import is_traced, nbytes
-from .._language._errors import EinshardError
+from .._language._errors import EinshardError, EinshardWarning
+from .._sharding._devices import call_devices
+from .._trees._assign import TableAssignment, as_rules, assign_leaves
 from .._trees._paths import flatten_with_paths
+from .._trees._pytrees import assignment_shardings
 from .._trees._rules import RulesLike
-
-if TYPE_CHECKING:
-    from .._trees._assign import TableAssignment
 
 __all__ = ["StepCall", "abstract", "resolve_step"]
 
@@ -70,8 +70,6 @@ def _warn_if_wide(paths: list[str], leaves: list[Any]) -> None:
     import warnings
 
     import numpy as np
-
-    from .._language._errors import EinshardWarning
 
     wide = [
         (path, leaf.dtype)
@@ -234,8 +232,6 @@ class StepCall:
         Raises:
             EinshardError: As the table raises for these leaves (raised again on every ask).
         """
-        from .._trees._assign import as_rules, assign_leaves
-
         table = as_rules(rules)
         key = (id(table), n_devices)  # the table is held with its answer: its id is not reused
         if key not in self._assignments:
@@ -256,9 +252,6 @@ class StepCall:
         flattening: the arguments are not flattened again per table, nor assigned again.
         """
         import jax
-
-        from .._sharding._devices import call_devices
-        from .._trees._pytrees import assignment_shardings
 
         target = call_devices(None)
         assignment = self.assigned(rules, target.count)

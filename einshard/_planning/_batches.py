@@ -20,15 +20,13 @@ from .._cost._call import StepCall, traced_dtype
 from .._cost._progress import Progress
 from .._cost._report import StepReport, estimated, refuses_accelerator
 from .._cost._step import reports
-from .._cost._target import Figures, Hardware, parse_target, resolve_figures
+from .._cost._target import Figures, Hardware
 from .._language._errors import EinshardError
 from .._language._layout import compile_layout
 from .._language._text import size_text
 from .._trees._strategy import DEFAULT_MIN_BYTES, Strategy, with_batch
 from ._batch_text import batch_plan_text
-from ._planner import TIE, _reason
-from ._roles import read_call
-from ._strategies import derived_defaults
+from ._planner import TIE, _reason, candidate_strategies, where_to_plan
 
 __all__ = ["DEFAULT_MAX_COMPILES", "BatchPlan", "BatchRow", "plan_batches"]
 
@@ -292,19 +290,17 @@ def plan_batches(
     >>> row.granularity, row.peak_bytes <= 256 << 10, row.proven
     (8, True, True)
     """
-    from .._sharding._devices import call_devices, count_to_plan
-
-    strategies = _checked_candidates(candidates)
-    given = count_to_plan(n_devices, hint="Give the device count to plan for, e.g. n_devices=64.")
-    chosen = parse_target(target, n_devices)
-    figures = resolve_figures(
-        chosen,
+    where = where_to_plan(
+        target,
+        n_devices,
         hardware,
         bandwidth=bandwidth,
         latency=latency,
         flops_per_second=flops_per_second,
         memory_per_device=memory_per_device,
+        isolate=isolate,
     )
+    figures, count = where.figures, where.count
     limit = figures.memory_per_device
     if limit is None:
         raise EinshardError(
@@ -315,19 +311,14 @@ def plan_batches(
     budget = _checked_count(max_compiles, "max_compiles", "e.g. max_compiles=8")
     leaves, start = _batch_leaves(batch)
     ladder = None if batch_sizes is None else _checked_sizes(batch_sizes)
-    local = call_devices(None).count
-    count = chosen.n_devices if figures.hardware is not None else given
     call = StepCall.of(step, (params, batch), {})
-    if strategies is None:
-        strategies = derived_defaults(read_call(call), count, min_bytes)
+    strategies = candidate_strategies(call, candidates, where, min_bytes)
     granularities = [_granularity(strategy, leaves, count) for strategy in strategies]
     for strategy, unit in zip(strategies, granularities, strict=True):
         for size in (start,) if ladder is None else ladder:
             _check_multiple(size, unit, strategy, ladder is not None)
     tables = [with_batch(strategy, call.batch_name) for strategy in strategies]
     searches = [_Search(unit, start, ladder, limit, budget) for unit in granularities]
-    where = chosen if figures.hardware is not None else None
-    child = count if figures.hardware is not None or isolate or count != local else None
     labels = [strategy.name for strategy in strategies]
 
     def named(rounds: list[tuple[int, list[int]]]) -> list[str]:
@@ -341,7 +332,13 @@ def plan_batches(
                 progress.labels.extend(named(rounds))
             for size, indexes in rounds:
                 shifted = cast(Progress, _Shifted(progress, done))
-                answers = reports(_scaled(call, size), [tables[i] for i in indexes], child, where, shifted)
+                answers = reports(
+                    _scaled(call, size),
+                    [tables[i] for i in indexes],
+                    where.child,
+                    where.compiled_for,
+                    shifted,
+                )
                 for i, result in zip(indexes, answers, strict=True):
                     report = None if result.report is None else estimated(result.report, figures)
                     searches[i].record(size, report, None if report is not None else _reason(result.error))
@@ -353,20 +350,6 @@ def plan_batches(
         for index, (strategy, search) in enumerate(zip(strategies, searches, strict=True))
     ]
     return _ranked(rows, count, figures, start, ladder, budget)
-
-
-def _checked_candidates(candidates: Sequence[Strategy] | None) -> list[Strategy] | None:
-    if candidates is None:
-        return None
-    strategies = list(candidates)
-    for candidate in strategies:
-        if not isinstance(candidate, Strategy):
-            raise EinshardError(
-                f"a planner candidate must be a Strategy, not {type(candidate).__name__}",
-                hint="Use einshard.strategies.fsdp() and friends, or wrap a table: "
-                "einshard.strategies.Strategy(rules, batch='b ... -> b* ...', name='mine').",
-            )
-    return strategies
 
 
 def _checked_count(value: Any, name: str, example: str) -> int:

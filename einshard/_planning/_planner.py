@@ -19,10 +19,11 @@ from .._cost._child import KILLED
 from .._cost._progress import Progress
 from .._cost._report import StepReport, estimated, refuses_accelerator
 from .._cost._step import reports, warn_if_only_catch_all
-from .._cost._target import Figures, Hardware, parse_target, resolve_figures
+from .._cost._target import Figures, Hardware, Target, parse_target, resolve_figures
 from .._language._errors import EinshardError
 from .._language._expression import parse
 from .._language._text import size_text
+from .._sharding._devices import call_devices, count_to_plan
 from .._trees._rules import RulesLike
 from .._trees._strategy import DEFAULT_MIN_BYTES, Strategy, with_batch
 from ._bounds import argument_bytes_per_device, bound_reason
@@ -307,46 +308,28 @@ def plan(
     >>> result.best.name, result.best.batch
     ('data parallel', 'b ... -> b* ...')
     """
-    from .._sharding._devices import call_devices, count_to_plan
-
-    strategies = list(candidates) if candidates is not None else None
-    if strategies is not None:
-        for candidate in strategies:
-            if not isinstance(candidate, Strategy):
-                raise EinshardError(
-                    f"a planner candidate must be a Strategy, not {type(candidate).__name__}",
-                    hint="Use einshard.strategies.fsdp() and friends, or wrap a table: "
-                    "einshard.strategies.Strategy(rules, batch='b ... -> b* ...', name='mine').",
-                )
-    given = count_to_plan(n_devices, hint="Give the device count to plan for, e.g. n_devices=64.")
-    chosen = parse_target(target, n_devices)
-    figures = resolve_figures(
-        chosen,
+    where = where_to_plan(
+        target,
+        n_devices,
         hardware,
         bandwidth=bandwidth,
         latency=latency,
         flops_per_second=flops_per_second,
         memory_per_device=memory_per_device,
+        isolate=isolate,
     )
-    local = call_devices(None).count
-    count = chosen.n_devices if figures.hardware is not None else given
+    figures, count = where.figures, where.count
     # The step is resolved and its arguments named and flattened once, here, for the roles
     # reader, every candidate's table and compile, and the split shares.
     call = StepCall.of(step, (params, batch), {})
-    if strategies is None:
-        per_host = figures.hardware.devices_per_host if figures.hardware is not None else None
-        strategies = derived_defaults(read_call(call), count, min_bytes, per_host)
+    strategies = candidate_strategies(call, candidates, where, min_bytes)
     tables = [with_batch(strategy, call.batch_name) for strategy in strategies]
     # A candidate whose arguments alone exceed the memory is rejected before its compile.
     bounds = _over_memory(call, tables, count, figures.memory_per_device)
     kept = [i for i in range(len(tables)) if i not in bounds]
     with Progress("plan", [strategies[i].name for i in kept], quiet=quiet) as progress:
         kept_tables = [tables[i] for i in kept]
-        if figures.hardware is not None:
-            compiled = reports(call, kept_tables, count, chosen, progress)
-        else:
-            in_child = count if isolate or count != local else None
-            compiled = reports(call, kept_tables, in_child, None, progress)
+        compiled = reports(call, kept_tables, where.child, where.compiled_for, progress)
     answers: list[Any] = [None] * len(tables)
     for i, compiled_answer in zip(kept, compiled, strict=True):
         answers[i] = compiled_answer
@@ -366,6 +349,80 @@ def plan(
             caller = f"plan (candidate {strategy.name!r})"
             warn_if_only_catch_all(strategy, answer.report, caller, relative_only=True)
     return _ranked(rows, count, figures)
+
+
+@dataclasses.dataclass(frozen=True)
+class Where:
+    """What a plan compiles for, resolved once for ``plan`` and ``plan_batches``.
+
+    Attributes:
+        target: The target named (CPU devices, a GPU, a TPU slice) for the device count.
+        figures: The target's figures with the caller's in their place (:func:`resolve_figures`).
+        count: The device count planned for.
+        child: The device count a child process compiles for, or ``None``: in this process.
+        compiled_for: The target a child compiles with, or ``None``: simulated CPU devices.
+    """
+
+    target: Target
+    figures: Figures
+    count: int
+    child: int | None
+    compiled_for: Target | None
+
+
+def where_to_plan(
+    target: str,
+    n_devices: int | None,
+    hardware: Mapping[str, float] | None,
+    *,
+    bandwidth: float | None,
+    latency: float | None,
+    flops_per_second: float | None,
+    memory_per_device: int | None,
+    isolate: bool,
+) -> Where:
+    """The target, figures and device count of a plan, and where its candidates compile.
+
+    Raises:
+        EinshardError: For a device count, target or figure that is not one.
+    """
+    given = count_to_plan(n_devices, hint="Give the device count to plan for, e.g. n_devices=64.")
+    chosen = parse_target(target, n_devices)
+    figures = resolve_figures(
+        chosen,
+        hardware,
+        bandwidth=bandwidth,
+        latency=latency,
+        flops_per_second=flops_per_second,
+        memory_per_device=memory_per_device,
+    )
+    if figures.hardware is not None:  # a GPU or TPU: its compiler, in a child
+        return Where(chosen, figures, chosen.n_devices, chosen.n_devices, chosen)
+    local = call_devices(None).count
+    return Where(chosen, figures, given, given if isolate or given != local else None, None)
+
+
+def candidate_strategies(
+    call: StepCall, candidates: Sequence[Strategy] | None, where: Where, min_bytes: int
+) -> list[Strategy]:
+    """The candidates given (checked), or the defaults for the step, the device count and its hosts.
+
+    Raises:
+        EinshardError: If a candidate is not a :class:`Strategy`.
+    """
+    if candidates is None:
+        hardware = where.figures.hardware
+        per_host = hardware.devices_per_host if hardware is not None else None
+        return derived_defaults(read_call(call), where.count, min_bytes, per_host)
+    strategies = list(candidates)
+    for candidate in strategies:
+        if not isinstance(candidate, Strategy):
+            raise EinshardError(
+                f"a planner candidate must be a Strategy, not {type(candidate).__name__}",
+                hint="Use einshard.strategies.fsdp() and friends, or wrap a table: "
+                "einshard.strategies.Strategy(rules, batch='b ... -> b* ...', name='mine').",
+            )
+    return strategies
 
 
 def _over_memory(

@@ -16,6 +16,7 @@ from .._arrays._leaves import is_jax_array, is_traced, nbytes
 from .._cost._call import StepCall, traced_dtype
 from .._language._errors import EinshardError
 from .._language._text import table_text
+from .._sharding._devices import count_to_plan
 from ._jaxpr import Reader
 from ._values import ACT, CORE, PARAM, Value, plain
 
@@ -575,8 +576,6 @@ def roles(step: Callable[..., Any] | str, params: Any, batch: Any, *, n_devices:
     >>> [(row.path, row.role, row.axis) for row in found.leaves]
     [('w1', 'column', 1), ('w2', 'row', 0)]
     """
-    from .._sharding._devices import count_to_plan
-
     model = count_to_plan(n_devices, hint="Give the model axis's size, e.g. n_devices=8.")
     reading = read(step, params, batch)
     return Roles(choose_splits(reading, model), model, reading.stops, reading.seconds)

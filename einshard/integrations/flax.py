@@ -425,6 +425,7 @@ def _struct_with_sharding(leaf: Any) -> Any:
 
 def _place_like(optimizer: Any, params: Any) -> dict[int, Any]:
     """Places an optimizer's state in place like the params it mirrors; placed value's id -> sharding."""
+    # optax is an extra of its own: imported when an optimizer is placed, not with Flax.
     from . import optax as optax_integration
 
     def shardings_of(state: Any) -> list[Any]:
@@ -555,7 +556,7 @@ def create_train_state(
     import jax.numpy as jnp
     from flax.training import train_state
 
-    from . import optax as optax_integration
+    from . import optax as optax_integration  # optax is an extra of its own: imported when used
 
     table = _table(
         "create_train_state", module, rules, (tx, *init_args), init_kwargs, after={"tx": is_optimizer}
