@@ -245,6 +245,13 @@ class StepCall:
             raise done
         return done
 
+    def fitted(self, rules: RulesLike, n_devices: int) -> TableAssignment | None:
+        """:meth:`assigned`, or ``None`` when the table does not fit the arguments (the compile says why)."""
+        try:
+            return self.assigned(rules, n_devices)
+        except EinshardError:
+            return None
+
     def with_rules(self, rules: RulesLike) -> StepCall:
         """The arguments as ``ShapeDtypeStruct`` leaves with the shardings the rules give them.
 

@@ -6,7 +6,7 @@ that the detectors ask.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from fractions import Fraction
 
 from . import _hlo
@@ -33,35 +33,30 @@ class Uses:
         users = self.flow.users_in(computation).get(name, ())
         if not users or whole <= 0 or depth > 6:
             return None
-        largest = Fraction(0)
-        for user in users:
-            if user.opcode in ("dynamic-slice", "slice") and user.operands and user.operands[0] == name:
-                part: Fraction | None = Fraction(elements(user), whole)
-            elif user.opcode in SAME:
-                part = self._fraction(computation, user.name, whole, depth + 1)
-            elif user.opcode == "fusion" and user.called:
-                part = self._in_fusion(user, name, whole, depth)
-            else:
-                part = None
-            if part is None:
-                return None
-            largest = max(largest, part)
-        return largest
+        return _largest(self._user_part(computation, name, user, whole, depth) for user in users)
+
+    def _user_part(
+        self, computation: str, name: str, user: _hlo.Instruction, whole: int, depth: int
+    ) -> Fraction | None:
+        if user.opcode in ("dynamic-slice", "slice") and user.operands and user.operands[0] == name:
+            return Fraction(elements(user), whole)
+        if user.opcode in SAME:
+            return self._fraction(computation, user.name, whole, depth + 1)
+        if user.opcode == "fusion" and user.called:
+            return self._in_fusion(user, name, whole, depth)
+        return None
 
     def _in_fusion(self, fusion: _hlo.Instruction, name: str, whole: int, depth: int) -> Fraction | None:
         callee = fusion.called[0][1]
-        largest = Fraction(0)
-        for position, operand in enumerate(fusion.operands):
-            if operand != name:
-                continue
-            parameter = parameter_instruction(self.module, callee, position)
-            if parameter is None:
-                return None
-            part = self._fraction(callee, parameter.name, whole, depth + 1)
-            if part is None:
-                return None
-            largest = max(largest, part)
-        return largest
+        parameters = [
+            parameter_instruction(self.module, callee, position)
+            for position, operand in enumerate(fusion.operands)
+            if operand == name
+        ]
+        return _largest(
+            None if parameter is None else self._fraction(callee, parameter.name, whole, depth + 1)
+            for parameter in parameters
+        )
 
     def reaches(self, value: _hlo.Instruction, target: str, depth: int = 12) -> bool:
         """Whether ``target`` (a value of the same computation) is computed from ``value``."""
@@ -249,3 +244,13 @@ def slice_shape(uses: Uses, value: _hlo.Instruction) -> tuple[int, ...] | None:
                     following.append((computation, user.name))
         frontier = following
     return None
+
+
+def _largest(parts: Iterable[Fraction | None]) -> Fraction | None:
+    """The largest part read, or ``None`` when any use reads an unknown part (0 for none)."""
+    largest = Fraction(0)
+    for part in parts:
+        if part is None:
+            return None
+        largest = max(largest, part)
+    return largest

@@ -13,7 +13,6 @@ import math
 
 from .._arrays._leaves import itemsize
 from .._cost._call import StepCall
-from .._language._errors import EinshardError
 from .._language._text import size_text
 from .._trees._rules import RulesLike
 
@@ -32,9 +31,8 @@ def argument_bytes_per_device(call: StepCall, table: RulesLike, n_devices: int) 
     asking costs no second assignment. ``None`` when the table does not fit the arguments (the
     compile then says why).
     """
-    try:
-        assignment = call.assigned(table, n_devices)
-    except EinshardError:
+    assignment = call.fitted(table, n_devices)
+    if assignment is None:
         return None
     total = 0
     for _, leaf in assignment.leaves:

@@ -226,15 +226,20 @@ class Reader:
             axes.append(merged)
         leaves = frozenset().union(*(v.leaves for v in ins))
         if kind == ACT:
-            for value in ins:
-                if value.kind == PARAM:
-                    for leaf in value.leaves:
-                        self.uses[leaf].add("elementwise")
-                    for tags in value.axes:
-                        self.mark(tags, "elementwise")
+            for value in self.into_activations(ins, "elementwise"):
+                for tags in value.axes:
+                    self.mark(tags, "elementwise")
             leaves = EMPTY
         value = Value(kind, tuple(axes), leaves)
         return [value if var_rank(v) == rank else plain(kind, var_rank(v)) for v in outs]
+
+    def into_activations(self, ins: list[Value], use: str) -> list[Value]:
+        """The parameters among ``ins`` that go into the activations, each leaf's ``use`` recorded."""
+        params = [value for value in ins if value.kind == PARAM]
+        for value in params:
+            for leaf in value.leaves:
+                self.uses[leaf].add(use)
+        return params
 
     def identity(self, eqn: Any, ins: list[Value]) -> list[Value]:
         return [ins[i] if i < len(ins) else plain(ACT, var_rank(v)) for i, v in enumerate(eqn.outvars)]
@@ -345,10 +350,7 @@ class Reader:
                 self.join(node for node, _, _ in merged)
             out.append(merged)
         if kind == ACT:
-            for value in ins:
-                if value.kind == PARAM:
-                    for leaf in value.leaves:
-                        self.uses[leaf].add(eqn.primitive.name)
+            self.into_activations(ins, eqn.primitive.name)
         leaves = frozenset().union(*(v.leaves for v in ins)) if kind == PARAM else EMPTY
         value = Value(kind, tuple(out), leaves)
         return [value if var_rank(v) == rank else plain(kind, var_rank(v)) for v in eqn.outvars]

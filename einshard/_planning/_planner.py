@@ -459,9 +459,8 @@ def _split_share(strategy: Strategy, call: StepCall, table: RulesLike, n_devices
     layouts are the compile's (one assignment per table: :meth:`StepCall.assigned`); ``None``
     when the table does not fit the arguments.
     """
-    try:
-        assignment = call.assigned(table, n_devices)
-    except EinshardError:
+    assignment = call.fitted(table, n_devices)
+    if assignment is None:
         return None
     model = strategy.model or n_devices
     if n_devices % model:
