@@ -9,7 +9,7 @@ Then a few AdamW steps on synthetic data, with the optimizer state born
 sharded like the weights it mirrors, against the same steps on one device.
 
 Run with ``python examples/mlp_tensor_parallel.py`` (needs the ``pictures``
-and ``optax`` extras: ``pip install 'einshard[pictures,optax]'``).
+and ``optax`` extras: ``pip install '.[pictures,optax]'`` in einshard's source folder).
 """
 
 import os
