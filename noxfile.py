@@ -165,6 +165,12 @@ COMPILES_STEPS = [
     "tests/test_report_bytes.py",
     "tests/test_volumes.py",
     "tests/test_targets.py",
+    "tests/test_step_time.py",
+    "tests/test_hosts.py",
+    "tests/test_plan_bounds.py",
+    "tests/test_plan_opt_state.py",
+    "tests/test_batches.py",
+    "tests/test_progress.py",
 ]
 
 
