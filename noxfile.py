@@ -339,14 +339,24 @@ def docs(session: nox.Session) -> None:
 ACCELERATOR_PROGRAMS = ROOT.parent / "shared" / "accelerators" / "h200x8-jax0.11.2"
 
 
+# The tests that need XLA's GPU or TPU compiler (they skip without it, so only this session runs them).
+TARGET_TESTS = [
+    "tests/test_targets.py",
+    "tests/test_step_time.py",  # the three measured H200 steps: time within 1.5x, peak within 1 %
+    "tests/test_hosts.py",  # 16 H100s over 2 hosts: the model axis inside a host, read from the program
+    "tests/test_plan_bounds.py",  # gemm autotuning off changes nothing of the program
+]
+
+
 @nox.session(python=NEWEST_PYTHON)
 def targets(session: nox.Session) -> None:
     """Reports and plans for GPUs and TPUs with their own XLA compilers, on this machine (8 devices).
 
     Installs both compilers (``.[gpu-target,tpu-target]``: jax-cuda13-plugin and -pjrt, and
     libtpu, at the installed JAX's version; about 340 MB to download) and runs
-    ``tests/test_targets.py``: the seven real H200 programs of ``../shared/accelerators/``
-    read and recompiled here, 64 H100s, 8 TPU v5e chips, a plan for 64 H100s. Fails when a
+    ``TARGET_TESTS``: the seven real H200 programs of ``../shared/accelerators/`` read and
+    recompiled here, 64 H100s, 8 TPU v5e chips, a plan for 64 H100s, the three measured H200
+    steps' time and memory, 16 H100s over two hosts. Fails when a
     compiler or ``../shared/accelerators`` is missing (``EINSHARD_TARGET_TESTS=1``: nothing skips).
     Extra arguments go to pytest: ``nox -s targets -- -k v5e``.
     """
@@ -356,7 +366,7 @@ def targets(session: nox.Session) -> None:
     _show_versions(session, "jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "libtpu")
     session.run(
         "pytest",
-        "tests/test_targets.py",
+        *TARGET_TESTS,
         *session.posargs,
         env={"EINSHARD_TEST_DEVICES": "8", "EINSHARD_TARGET_TESTS": "1", **CPU_ONLY},
     )
