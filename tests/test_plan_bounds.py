@@ -15,26 +15,10 @@ from einshard._cost._call import StepCall
 from einshard._language._text import size_text
 from einshard._planning._bounds import argument_bytes_per_device
 from einshard._trees._strategy import with_batch
+from tests.test_planner import HIDDEN, D, sgd_step
+from tests.test_planner import mlp_params as params
 
 N = jax.device_count()
-D, HIDDEN = 32, 16 * N
-
-
-def sgd_step(params, batch):
-    def loss(p):
-        h = jax.nn.relu(batch @ p["up"]["kernel"])
-        return jnp.mean((h @ p["down"]["kernel"]) ** 2)
-
-    grads = jax.grad(loss)(params)
-    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
-
-
-def params() -> dict:
-    return {
-        "up": {"kernel": jax.ShapeDtypeStruct((D, HIDDEN), jnp.float32)},
-        "down": {"kernel": jax.ShapeDtypeStruct((HIDDEN, D), jnp.float32)},
-    }
-
 
 BATCH = jax.ShapeDtypeStruct((64 * N, D), jnp.float32)
 CANDIDATES = [strategies.data_parallel(), strategies.fsdp(min_bytes=0), strategies.tensor_parallel()]
