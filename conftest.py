@@ -39,6 +39,8 @@ collect_ignore = [
     )
     if _missing(module)
 ]
+if _missing("optax"):  # optax's integration in two modules: the derivations beside the placing
+    collect_ignore.append("einshard/integrations/_optax_state.py")
 # Real models from PyPI, installed only by `nox -s real_models` (which sets EINSHARD_REAL_MODELS=1).
 if not os.environ.get("EINSHARD_REAL_MODELS"):
     collect_ignore.append("tests/real_models")

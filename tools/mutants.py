@@ -277,7 +277,7 @@ MUTANTS = [
     # --- the optax derivations ---
     Mutant(
         "optax-subtree-copy-unrecognised",
-        "einshard/integrations/optax.py",
+        "einshard/integrations/_optax_state.py",
         "or self._by_prefix(node) or self._as_part(treedef, leaves, path)",
         "or self._by_prefix(node)",
         OPTAX,
@@ -285,7 +285,7 @@ MUTANTS = [
     ),
     Mutant(
         "optax-adafactor-rows-and-columns-swapped",
-        "einshard/integrations/optax.py",
+        "einshard/integrations/_optax_state.py",
         '        exact = int(order[-1] if field == "v_row" else order[-2])',
         '        exact = int(order[-2] if field == "v_row" else order[-1])',
         OPTAX,
@@ -293,7 +293,7 @@ MUTANTS = [
     ),
     Mutant(
         "optax-stacked-history-unrecognised",
-        "einshard/integrations/optax.py",
+        "einshard/integrations/_optax_state.py",
         "    if n > rank and shape[n - rank :] == target:  # extra leading axes, such as a history",
         "    if n > rank and shape[: rank] == target:  # extra leading axes, such as a history",
         OPTAX,
