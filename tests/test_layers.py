@@ -68,7 +68,7 @@ def imports_of(name: str, source: str, known: set[str]) -> tuple[set[str], set[s
     """The einshard modules ``name`` imports, and the other top-level modules, from anywhere in it."""
     package = name if is_package(name) else name.rpartition(".")[0]
     inside, outside = set(), set()
-    for node in _runtime_nodes(ast.parse(source)):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -88,18 +88,6 @@ def imports_of(name: str, source: str, known: set[str]) -> tuple[set[str], set[s
             else:
                 outside.add(target.split(".")[0])
     return inside, outside
-
-
-def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
-    """Every node of a module but those under ``if TYPE_CHECKING:``: a type-only import runs nothing.
-
-    (A data class printed by a text module that names it in annotations is no circle.)
-    """
-    skipped: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped |= {id(inner) for statement in node.body for inner in ast.walk(statement)}
-    return [node for node in ast.walk(tree) if id(node) not in skipped]
 
 
 def layer_of(name: str, layers: dict[str, str]) -> str | None:

@@ -1,31 +1,32 @@
-"""How a :class:`~einshard._cost._report.StepReport` is printed: its table, footer and findings."""
+"""How a :class:`~einshard._cost._report.StepReport` is printed: its table, footer and findings.
+
+Its data module imports it to print; it imports nothing back, not even for types (that would be
+an import circle), so it takes the StepReport and its parts as ``Any``.
+"""
 
 from __future__ import annotations
 
 import textwrap
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 from .._language._text import seconds_text, size_text, table_text
 from ._hlo import KINDS
 
-if TYPE_CHECKING:  # the report's data classes print through this module: a type-only import
-    from ._report import Finding, StepReport, StepRow
-
 __all__ = ["collectives_text", "finding_headline", "findings_text", "memory_note", "report_text"]
 
 
-def report_text(report: StepReport) -> str:
+def report_text(report: Any) -> str:
     """``print(report)``: one row per collective, then the totals, estimate and findings."""
     return table_text(*_columns(report), empty="no collectives")
 
 
-def findings_text(report: StepReport) -> str:
+def findings_text(report: Any) -> str:
     """The findings, one paragraph each: kind, bytes, where, cause and fix."""
     return "\n".join(_findings_lines(report))
 
 
-def finding_headline(finding: Finding) -> str:
+def finding_headline(finding: Any) -> str:
     """``kind: +X sent per device per step (params) at sources``."""
     parts = []
     if finding.bytes:
@@ -43,7 +44,7 @@ def _short(source: str) -> str:
     return source.rsplit("/", 1)[-1]
 
 
-def _columns(report: StepReport) -> tuple[list[str], list[list[str]], list[str]]:
+def _columns(report: Any) -> tuple[list[str], list[list[str]], list[str]]:
     header = ["kind", "array", "per device", "group", "axes", "times", "phase", "parameter", "source"]
     estimate = report.bandwidth is not None
     if estimate:
@@ -127,7 +128,7 @@ def _columns(report: StepReport) -> tuple[list[str], list[list[str]], list[str]]
     return header, body, footer
 
 
-def _simulated_lines(report: StepReport) -> list[str]:
+def _simulated_lines(report: Any) -> list[str]:
     """The simulated step time, its parts, the slowest kernels and what the figures assume."""
     hardware = report.hardware
     assert hardware is not None
@@ -168,7 +169,7 @@ def _simulated_lines(report: StepReport) -> list[str]:
     return lines
 
 
-def memory_note(report: StepReport) -> str:
+def memory_note(report: Any) -> str:
     """What the memory of a target's report is, against the device's own memory."""
     hardware = report.hardware
     assert hardware is not None and report.peak_bytes is not None
@@ -181,7 +182,7 @@ def memory_note(report: StepReport) -> str:
     )
 
 
-def collectives_text(rows: Sequence[StepRow]) -> str:
+def collectives_text(rows: Sequence[Any]) -> str:
     """``'1 combined all-reduce of 25 arrays, 2 all-gathers'``: instructions and arrays, by kind."""
     parts = []
     for kind in KINDS:
@@ -199,7 +200,7 @@ def collectives_text(rows: Sequence[StepRow]) -> str:
     return ", ".join(parts) or "0 collectives"
 
 
-def _findings_lines(report: StepReport) -> list[str]:
+def _findings_lines(report: Any) -> list[str]:
     if not report.findings:
         return ["no waste found"]
     sent = report.waste_bytes

@@ -1,13 +1,14 @@
-"""How a :class:`~einshard._planning._batches.BatchPlan` is printed: its table and footer."""
+"""How a :class:`~einshard._planning._batches.BatchPlan` is printed: its table and footer.
+
+Its data module imports it to print; it imports nothing back, not even for types (that would be
+an import circle), so it takes the BatchPlan and its parts as ``Any``.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from .._language._text import seconds_text, size_text, table_text
-
-if TYPE_CHECKING:  # the data classes print through this module: a type-only import
-    from ._batches import BatchPlan, BatchRow
 
 __all__ = ["batch_plan_text"]
 
@@ -16,7 +17,7 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
 
-def _columns(plan: BatchPlan) -> tuple[list[str], list[list[str]]]:
+def _columns(plan: Any) -> tuple[list[str], list[list[str]]]:
     tokens = any(row.tokens_per_second is not None for row in plan.rows)
     header = ["#", "strategy", "largest batch", "per split", "time", "examples/s"]
     header += ["tokens/s"] if tokens else []
@@ -45,7 +46,7 @@ def _columns(plan: BatchPlan) -> tuple[list[str], list[list[str]]]:
     return header, body
 
 
-def _verdict(row: BatchRow, rank: int) -> str:
+def _verdict(row: Any, rank: int) -> str:
     if row.rejected is not None:
         return "rejected (memory)" if row.rejected.startswith("does not fit memory") else "rejected"
     if not row.proven:
@@ -53,7 +54,7 @@ def _verdict(row: BatchRow, rank: int) -> str:
     return "best" if rank == 1 else "fits"
 
 
-def _footer(plan: BatchPlan) -> list[str]:
+def _footer(plan: Any) -> list[str]:
     lines = [f"rejected {row.name}: {row.rejected}" for row in plan.rows if row.rejected is not None]
     for row in plan.usable:
         if row.proven:
@@ -97,6 +98,6 @@ def _footer(plan: BatchPlan) -> list[str]:
     ]
 
 
-def batch_plan_text(plan: BatchPlan) -> str:
+def batch_plan_text(plan: Any) -> str:
     """``print(batch_plan)``: the table of candidates and the footer."""
     return table_text(*_columns(plan), _footer(plan), width=150)

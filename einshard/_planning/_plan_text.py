@@ -1,21 +1,22 @@
-"""How a :class:`~einshard._planning._planner.Plan` is printed: its table, chart and footer."""
+"""How a :class:`~einshard._planning._planner.Plan` is printed: its table, chart and footer.
+
+Its data module imports it to print; it imports nothing back, not even for types (that would be
+an import circle), so it takes the Plan and its parts as ``Any``.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from .._cost._report import KINDS, StepReport, StepRow
 from .._language._text import seconds_text, size_text, table_text
-
-if TYPE_CHECKING:  # the planner's data classes print through this module: a type-only import
-    from ._planner import Plan, PlanRow
 
 __all__ = ["plan_text"]
 
 _BAR_WIDTH = 40
 
 
-def _columns(plan: Plan) -> tuple[list[str], list[list[str]]]:
+def _columns(plan: Any) -> tuple[list[str], list[list[str]]]:
     kinds = [k for k in KINDS if any(row.bytes_by_kind.get(k) for row in plan.rows)]
     # Communication is time less compute: the chart under the table shows the two apart.
     header = ["#", "strategy", "split", "time", "compute", "peak", "sent"]
@@ -53,7 +54,7 @@ def _findings_cell(report: StepReport | None) -> str:
     return f"{len(report.findings)} ({size_text(report.findings[0].cost)})"
 
 
-def _findings_lines(plan: Plan) -> list[str]:
+def _findings_lines(plan: Any) -> list[str]:
     """One line per candidate with findings: how many, and the largest."""
     lines = []
     for row in plan.rows:
@@ -66,7 +67,7 @@ def _findings_lines(plan: Plan) -> list[str]:
     return lines
 
 
-def _chart(plan: Plan) -> list[str]:
+def _chart(plan: Any) -> list[str]:
     """Bars of the estimated step time: ``█`` communication, ``░`` compute."""
     usable = [row for row in plan.usable if row.seconds is not None]
     if not usable:
@@ -88,7 +89,7 @@ def _chart(plan: Plan) -> list[str]:
     return ["estimated step time (█ communication, ░ compute):", *lines]
 
 
-def _verdict(row: PlanRow, rank: int) -> str:
+def _verdict(row: Any, rank: int) -> str:
     if row.rejected is not None:
         return f"rejected ({row.rejected_for})"
     if row.splits_little:
@@ -97,7 +98,7 @@ def _verdict(row: PlanRow, rank: int) -> str:
     return "best" if rank == 1 else "fits"
 
 
-def _hosts_lines(plan: Plan) -> list[str]:
+def _hosts_lines(plan: Any) -> list[str]:
     """On several hosts, one line per compiled candidate: which of its collectives cross hosts.
 
     Read from the report's rows (a row's groups over more than one host run at the network's
@@ -154,7 +155,7 @@ def _group_axis(row: StepRow, model: int | None, n_devices: int, per_host: int) 
 _SHORT_KIND = {"collective-permute": "permute", "reduce-scatter": "reduce-scatter"}
 
 
-def _footer(plan: Plan) -> list[str]:
+def _footer(plan: Any) -> list[str]:
     rejected = [f"rejected {row.name}: {row.rejected}" for row in plan.rows if row.rejected is not None]
     for row in plan.rows:
         if row.splits_little and not row.model_parallel:
@@ -219,7 +220,7 @@ def _footer(plan: Plan) -> list[str]:
     ]
 
 
-def _estimate_text(plan: Plan) -> str:
+def _estimate_text(plan: Any) -> str:
     """What the times are: simulated from each program on a target, added up on CPU devices."""
     hardware = plan.hardware
     if hardware is None:
@@ -238,7 +239,7 @@ def _estimate_text(plan: Plan) -> str:
     )
 
 
-def plan_text(plan: Plan) -> str:
+def plan_text(plan: Any) -> str:
     """``print(plan)``: the table of candidates, the chart of their times, the footer."""
     # 150 columns: what the documentation's code blocks show without wrapping a table's lines.
     return table_text(*_columns(plan), [*_chart(plan), *_footer(plan)], width=150)
