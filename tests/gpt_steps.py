@@ -98,6 +98,21 @@ TP = einshard.Rules(
 )
 
 
+def adamw_train(tx):
+    """An optax step of the GPT on its training state ``(params, opt_state)``, and that state (abstract)."""
+    import optax
+
+    params = gpt_params()
+
+    def adamw_step(train, tokens):
+        params, opt = train
+        grads = jax.grad(loss)(params, tokens)
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt
+
+    return adamw_step, (params, jax.eval_shape(tx.init, params))
+
+
 def cases(n_devices: int = 8) -> dict[str, tuple[dict, einshard.Rules, str]]:
     """Each step's ``(params, table, batch expression)``; the derived ones for ``n_devices``."""
     derived_tp = einshard.strategies.tensor_parallel(

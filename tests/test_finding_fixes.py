@@ -349,15 +349,7 @@ def test_a_rematerialization_goes_when_the_two_layouts_agree():
 def test_a_batch_left_whole_under_fsdp_split_as_the_finding_says():
     import gpt_steps
 
-    tx = optax.adamw(1e-3)
-    params = gpt_steps.gpt_params()
-    train = (params, jax.eval_shape(tx.init, params))
-
-    def adamw_step(train, tokens):
-        params, opt = train
-        grads = jax.grad(gpt_steps.loss)(params, tokens)
-        updates, opt = tx.update(grads, opt, params)
-        return optax.apply_updates(params, updates), opt
+    adamw_step, train = gpt_steps.adamw_train(optax.adamw(1e-3))
 
     fsdp = einshard.Rules([("ln", "... -> * ...")]) + strategies.fsdp(min_bytes=0)  # norms whole
     tokens = gpt_steps.TOKENS

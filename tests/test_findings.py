@@ -408,15 +408,7 @@ def test_a_batch_left_to_the_catch_all_under_fsdp_moves_activations_and_is_named
     optax = pytest.importorskip("optax")
     import gpt_steps
 
-    tx = optax.adamw(1e-3)
-    params = gpt_steps.gpt_params()
-    train = (params, jax.eval_shape(tx.init, params))
-
-    def adamw_step(train, tokens):
-        params, opt = train
-        grads = jax.grad(gpt_steps.loss)(params, tokens)
-        updates, opt = tx.update(grads, opt, params)
-        return optax.apply_updates(params, updates), opt
+    adamw_step, train = gpt_steps.adamw_train(optax.adamw(1e-3))
 
     tokens = jax.ShapeDtypeStruct((2 * N, gpt_steps.S), jnp.int32)
     fsdp = strategies.fsdp(min_bytes=0)
