@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import io
 import os
 import pickle
+import resource
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,16 +29,45 @@ from ._call import StepCall, abstract
 from ._progress import Progress
 from ._target import Target, target_devices
 
-__all__ = ["KILLED", "child_error", "in_child", "killed_reason", "main"]
+__all__ = ["KILLED", "Crash", "child_error", "in_child", "killed_reason", "main"]
 
 _COMMAND = "from einshard._cost._child import main; main()"
 
-COMPILE_ONLY_GPU_FLAGS = "--xla_gpu_autotune_level=0"
-"""XLA's options for a compile-only GPU: no gemm autotuning (a third of a large step's compile).
+COMPILE_ONLY_GPU_FLAGS = {
+    "xla_gpu_autotune_level": "0",
+    "xla_gpu_disable_gpuasm_optimizations": "true",
+    "xla_llvm_disable_expensive_passes": "true",
+}
+"""XLA's options for a compile-only GPU, each one that shortens the compile and leaves the program alone.
 
-The program's collectives, bytes, peak memory and simulated time stay the same (a test compares
-them on the test GPT for 8 H100s); an ``xla_gpu_autotune_level`` in ``XLA_FLAGS`` is kept instead.
+No gemm autotuning (a third of a large step's compile), ``ptxas`` without its optimizations and
+LLVM without its expensive passes (the kernels' machine code, which a compile-only plan never
+runs: about a fifth of what is left). The program's collectives, bytes, peak memory and simulated
+time stay the same (a test compares them on the test GPT for 8 H100s, each option against XLA's
+default); an option set in ``XLA_FLAGS`` is kept instead.
 """
+
+
+class Crash(str):
+    """Why a table has no answer when its child process died compiling it; ``killed``: from outside.
+
+    A child killed with no message (``SIGKILL``: most likely this machine's memory) says nothing
+    of the step; one XLA aborted (a failed check in its partitioner) does.
+    """
+
+    killed: bool
+
+    def __new__(cls, text: str, *, killed: bool = False) -> Crash:
+        self = super().__new__(cls, text)
+        self.killed = killed
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (_crash, (str(self), self.killed))
+
+
+def _crash(text: str, killed: bool) -> Crash:
+    return Crash(text, killed=killed)
 
 
 def in_child(
@@ -48,14 +78,20 @@ def in_child(
     tables: Sequence[RulesLike | None],
     target: Target | None = None,
     progress: Progress | None = None,
-) -> list[Answer]:
-    """One answer per table, compiled in a child process with ``n_devices`` simulated CPU devices.
+    order: Callable[[dict[int, Answer]], int | None] | None = None,
+) -> dict[int, Answer]:
+    """The answers of the tables compiled, by index, in a child process with ``n_devices`` CPU devices.
 
     The step crosses as it was given (resolved in the child); the arguments as plain
     ``ShapeDtypeStruct``s: their shardings come from the tables. With a GPU or TPU ``target``,
     the tables lay the arguments out over that target's ``n_devices`` compile-only devices, and
     its compiler compiles the step (the CPU devices count its flops).
+
+    ``order`` says which table compiles next, given the answers so far (``None``: stop); without
+    it, every table in turn. The child waits for each index, so a table ``order`` leaves out is
+    never compiled.
     """
+    choose = order if order is not None else _in_turn(len(tables))
     if target is not None and target.platform == "cpu":
         target = None
     payload = {
@@ -93,38 +129,48 @@ def in_child(
     }
     if target is not None and target.platform == "gpu":
         env["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"  # compile-only GPUs: no CUDA on this machine
-        if "xla_gpu_autotune_level" not in flags:
-            env["XLA_FLAGS"] += f" {COMPILE_ONLY_GPU_FLAGS}"
+        for option, value in COMPILE_ONLY_GPU_FLAGS.items():
+            if option not in flags:
+                env["XLA_FLAGS"] += f" --{option}={value}"
     if target is not None and target.platform == "tpu":
         # libtpu takes a lock file per machine: this process (a TPU VM's) may hold it already.
         env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
-    answers: list[Answer] = []
-    while len(answers) < len(tables):
-        done, crash = _run_child(data, env, len(answers), n_devices, target, progress)
-        answers += done
-        if crash is not None:
+    answers: dict[int, Answer] = {}
+    while (first := choose(answers)) is not None:
+        crashed = _run_child(data, env, first, answers, choose, n_devices, target, progress)
+        if crashed is not None:
             # XLA aborts the whole process on some layouts (a failed CHECK in its partitioner):
             # that table gets the reason, and a new child compiles the ones after it.
-            answers.append(Answer(None, crash))
+            index, crash = crashed
+            answers[index] = Answer(None, crash)
     return answers
+
+
+def _in_turn(count: int) -> Callable[[dict[int, Answer]], int | None]:
+    """Every table in turn: the first without an answer."""
+    return lambda answers: next((i for i in range(count) if i not in answers), None)
 
 
 def _run_child(
     data: bytes,
     env: dict[str, str],
-    start: int,
+    first: int,
+    answers: dict[int, Answer],
+    choose: Callable[[dict[int, Answer]], int | None],
     n_devices: int,
     target: Target | None = None,
     progress: Progress | None = None,
-) -> tuple[list[Answer], str | None]:
-    """One child, compiling the tables from ``start`` on: its answers, and why it died compiling the next.
+) -> tuple[int, Crash] | None:
+    """One child, compiling table ``first`` and then those ``choose`` asks for, into ``answers``.
 
-    The child writes a ``('compiling', i)`` record before each table and ``('answer', a)`` after
-    it, so a child that dies names the table it was compiling when it died; the records are read
-    as they come, for the progress shown.
+    Returns the table it died compiling and why, or ``None``. The parent sends each table's index
+    when the one before is answered (``None``: the end); the child writes a ``('compiling', i)``
+    record before each table and ``('answer', a)`` after it, so a child that dies names the table
+    it was compiling when it died. The records are read as they come, for the progress shown.
     """
+    spawned = time.perf_counter()
     child = subprocess.Popen(
-        [sys.executable, "-c", _COMMAND, str(start)],
+        [sys.executable, "-c", _COMMAND],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -135,10 +181,18 @@ def _run_child(
     # The child's stderr is drained beside its records: a full pipe would stop it.
     drain = threading.Thread(target=lambda: errors.append(child.stderr.read()), daemon=True)  # type: ignore[union-attr]
     drain.start()
-    with contextlib.suppress(BrokenPipeError):  # a child that dies at once says why on stderr
+
+    def send(index: int | None) -> None:
+        with contextlib.suppress(BrokenPipeError, ValueError):  # a child that died says why on stderr
+            assert child.stdin is not None
+            child.stdin.write(pickle.dumps(index))
+            child.stdin.flush()
+            if index is None:
+                child.stdin.close()
+
+    with contextlib.suppress(BrokenPipeError):
         child.stdin.write(data)
-    child.stdin.close()
-    answers: list[Answer] = []
+    send(first)
     compiling = None
     failure = None
     while True:
@@ -148,25 +202,36 @@ def _run_child(
             break
         if kind == "error":
             failure = value
+        elif kind == "ready":
+            if progress is not None:
+                progress.child_started(time.perf_counter() - spawned)
+        elif kind == "memory":
+            if progress is not None:
+                progress.child_memory(value)
         elif kind == "compiling":
             compiling = value
             if progress is not None:
                 progress.compiling(value)
         else:
-            answers.append(value)
-            if progress is not None and compiling is not None:
+            assert compiling is not None
+            answers[compiling] = value
+            if progress is not None:
                 progress.finished(compiling, "compiled" if value.report is not None else "rejected")
             compiling = None
+            send(choose(answers))
+    send(None)
     _, status, usage = os.wait4(child.pid, 0)
     child.returncode = returncode = os.waitstatus_to_exitcode(status)
     drain.join()
     child.stdout.close()
     child.stderr.close()
+    if progress is not None:
+        progress.child_memory(usage.ru_maxrss * 1024)
     if failure is not None:
         raise child_error(failure, n_devices, target)
     stderr = b"".join(errors).decode(errors="replace").strip()
     if returncode == 0 and compiling is None:
-        return answers, None
+        return None
     if compiling is None:
         raise EinshardError(
             f"the child process with {n_devices} devices failed (exit code {returncode})",
@@ -176,12 +241,12 @@ def _run_child(
         progress.finished(compiling, "not compiled")
     last = next((line for line in reversed(stderr.splitlines()) if "Check failed" in line), None)
     if last is None and returncode == -signal.SIGKILL:
-        return answers, killed_reason(usage.ru_maxrss * 1024)
+        return compiling, Crash(killed_reason(usage.ru_maxrss * 1024), killed=True)
     if last is None and returncode < 0:
         with contextlib.suppress(ValueError):
             last = f"{signal.Signals(-returncode).name}, no message"
     last = last or (stderr.splitlines()[-1] if stderr else f"exit code {returncode}")
-    return answers, f"XLA aborted the process compiling it ({last.strip()[:300]})"
+    return compiling, Crash(f"XLA aborted the process compiling it ({last.strip()[:300]})")
 
 
 KILLED = "killed while compiling it"
@@ -211,7 +276,8 @@ def child_error(error: EinshardError | str, n_devices: int, target: Target | Non
 
 
 def main() -> None:
-    """The child process: reads the payload from stdin, writes ``(status, answers)`` to stdout."""
+    """The child process: reads the payload, then each table's index, from stdin; writes records to stdout."""
+    started = time.perf_counter()
     out = sys.stdout.buffer
     sys.stdout = sys.stderr  # stray prints of the step must not corrupt the answer
     import jax
@@ -220,8 +286,8 @@ def main() -> None:
     with contextlib.suppress(AttributeError):  # older JAX: XLA_FLAGS does it
         jax.config.update("jax_num_cpu_devices", count)
     jax.devices()  # start the backend now: the parent's script may set XLA_FLAGS when it runs
+    stream = sys.stdin.buffer
     try:
-        stream = io.BytesIO(sys.stdin.buffer.read())
         main_path = pickle.load(stream)
         if main_path is not None:
             import runpy
@@ -246,17 +312,26 @@ def main() -> None:
         except EinshardError as error:
             _write(out, ("error", error))
             return
-    start = int(sys.argv[1]) if len(sys.argv) > 1 else 0
-    for index in range(start, len(payload["tables"])):
+    _write(out, ("ready", time.perf_counter() - started))
+    while (index := _next_index(stream)) is not None:
         _write(out, ("compiling", index))
         with use_devices(devices) if devices is not None else contextlib.nullcontext():
             result = answer(call, payload["tables"][index], target)
-        _write(out, ("answer", result))
         # The candidate's traces, lowerings and compiled program are not needed again: JAX's
         # caches would keep them all, and the child's memory would grow by each candidate's.
-        del result
         jax.clear_caches()
         gc.collect()
+        _write(out, ("memory", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+        _write(out, ("answer", result))
+        del result
+
+
+def _next_index(stream: Any) -> int | None:
+    """The next table to compile, as the parent sends it; ``None`` at the end (or a parent gone)."""
+    try:
+        return pickle.load(stream)
+    except Exception:
+        return None
 
 
 def _write(out: Any, record: tuple[str, Any]) -> None:

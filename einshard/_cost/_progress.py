@@ -53,6 +53,11 @@ class Progress:
         self.current: int | None = None
         self.current_since = self.started
         self.seconds: dict[int, float] = {}
+        self.left: dict[int, str] = {}
+        self.child_seconds: list[float] = []
+        """How long each child process took to start (import JAX, read the step), in order."""
+        self.child_peak_bytes = 0
+        """The largest resident memory of a child process so far."""
         self.shown = False
         self._bar: Any = None
         self._task: Any = None
@@ -81,6 +86,23 @@ class Progress:
             if self.shown:
                 self._write_finished(index, outcome)
 
+    def left_out(self, index: int, why: str) -> None:
+        """Table ``index`` will not be compiled (``why``: ``'cannot win'``, ``'budget'`` ...)."""
+        with self._lock:
+            self.left[index] = why
+            if self.shown and self._bar is None:
+                self._line(f"{self.labels[index]!r} not compiled: {why}")
+            elif self._bar is not None:
+                self._bar.update(self._task, total=len(self.labels) - len(self.left))
+
+    def child_started(self, seconds: float) -> None:
+        """A child process is ready to compile, ``seconds`` after it was started."""
+        self.child_seconds.append(seconds)
+
+    def child_memory(self, peak_bytes: int) -> None:
+        """A child process's resident memory has reached ``peak_bytes`` at its largest."""
+        self.child_peak_bytes = max(self.child_peak_bytes, peak_bytes)
+
     def close(self) -> None:
         """The run is over: stop the timer, and end the display if one was shown."""
         if self._timer is not None:
@@ -91,7 +113,8 @@ class Progress:
                 self._bar = None
             elif self.shown:
                 elapsed = time.perf_counter() - self.started
-                self._line(f"{len(self.seconds)} of {len(self.labels)} done in {seconds_text(elapsed)}")
+                left = f", {len(self.left)} not compiled" if self.left else ""
+                self._line(f"{len(self.seconds)} of {len(self.labels)} done{left} in {seconds_text(elapsed)}")
 
     def __enter__(self) -> Progress:
         return self
@@ -119,15 +142,15 @@ class Progress:
     def _write_compiling(self) -> None:
         assert self.current is not None
         label = self.labels[self.current]
-        done, total = len(self.seconds), len(self.labels)
+        done, total = len(self.seconds), len(self.labels) - len(self.left)
         if self._bar is not None:
             self._bar.update(self._task, description=f"{self.what}: compiling {label!r}", completed=done)
             return
         so_far = seconds_text(time.perf_counter() - self.started)
-        self._line(f"compiling {self.current + 1} of {total}: {label!r} ({done} done, {so_far} so far)")
+        self._line(f"compiling {done + 1} of {total}: {label!r} ({done} done, {so_far} so far)")
 
     def _write_finished(self, index: int, outcome: str) -> None:
-        done, total = len(self.seconds), len(self.labels)
+        done, total = len(self.seconds), len(self.labels) - len(self.left)
         if self._bar is not None:
             self._bar.update(self._task, completed=done)
             return

@@ -142,13 +142,13 @@ def explain_step(
     table = with_batch(rules, call.batch_name) if rules is not None else None
     if chosen.platform != "cpu":
         with Progress("explain_step", [chosen.label], quiet=quiet) as progress:
-            (result,) = in_child(fn, args, kwargs, chosen.n_devices, [table], chosen, progress)
+            result = in_child(fn, args, kwargs, chosen.n_devices, [table], chosen, progress)[0]
         if result.report is None:
             raise child_error(result.error or "no report", chosen.n_devices, chosen)
         report = result.report
     elif n_devices is not None:
         with Progress("explain_step", [f"{n_devices} CPU devices"], quiet=quiet) as progress:
-            (result,) = in_child(fn, args, kwargs, n_devices, [table], None, progress)
+            result = in_child(fn, args, kwargs, n_devices, [table], None, progress)[0]
         if result.report is None:
             raise child_error(result.error or "no report", n_devices)
         report = result.report
@@ -200,23 +200,30 @@ def reports(
     n_devices: int | None = None,
     target: Target | None = None,
     progress: Progress | None = None,
-) -> list[Answer]:
-    """The step's report under each table: in this process, or (``n_devices``) in one child process.
+    order: Callable[[dict[int, Answer]], int | None] | None = None,
+) -> dict[int, Answer]:
+    """The step's report under each table compiled, by index: here, or (``n_devices``) in one child process.
 
     The planner's entry. A table that does not fit the shapes or the devices, or under which
     the step does not compile, gives an :class:`Answer` with its error; the others are kept.
+    ``order`` says which table compiles next, given the answers so far (``None``: stop); without
+    it, every table in turn.
 
     Raises:
         EinshardError: When the step or its arguments cannot cross into the child process, or
             the child fails as a whole.
     """
-    if n_devices is None:
-        answers = []
-        for index, table in enumerate(tables):
-            if progress is not None:
-                progress.compiling(index)
-            answers.append(answer(call, table))
-            if progress is not None:
-                progress.finished(index, "compiled" if answers[-1].report is not None else "rejected")
-        return answers
-    return in_child(call.given, call.args, call.kwargs, n_devices, list(tables), target, progress)
+    if n_devices is not None:
+        return in_child(call.given, call.args, call.kwargs, n_devices, list(tables), target, progress, order)
+    answers: dict[int, Answer] = {}
+    while True:
+        index = (
+            order(answers) if order is not None else (len(answers) if len(answers) < len(tables) else None)
+        )
+        if index is None:
+            return answers
+        if progress is not None:
+            progress.compiling(index)
+        answers[index] = answer(call, tables[index])
+        if progress is not None:
+            progress.finished(index, "compiled" if answers[index].report is not None else "rejected")

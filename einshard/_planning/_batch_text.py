@@ -48,7 +48,7 @@ def _columns(plan: Any) -> tuple[list[str], list[list[str]]]:
 
 def _verdict(row: Any, rank: int) -> str:
     if row.rejected is not None:
-        return "rejected (memory)" if row.rejected.startswith("does not fit memory") else "rejected"
+        return "rejected (memory)" if row.rejected_for == "memory" else "rejected"
     if not row.proven:
         return "best, larger untried" if rank == 1 else "fits, larger untried"
     return "best" if rank == 1 else "fits"
@@ -100,4 +100,8 @@ def _footer(plan: Any) -> list[str]:
 
 def batch_plan_text(plan: Any) -> str:
     """``print(batch_plan)``: the table of candidates and the footer."""
-    return table_text(*_columns(plan), _footer(plan), width=150)
+    text = table_text(*_columns(plan), _footer(plan), width=150)
+    if plan.usable:
+        return text
+    memory = size_text(plan.memory_per_device)
+    return f"No candidate fits a batch in {memory} per device (the reasons below).\n{text}"

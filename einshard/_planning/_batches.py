@@ -23,10 +23,21 @@ from .._cost._step import reports
 from .._cost._target import Figures, Hardware
 from .._language._errors import EinshardError
 from .._language._layout import compile_layout
+from .._language._numbers import checked_count
 from .._language._text import size_text
 from .._trees._strategy import DEFAULT_MIN_BYTES, Strategy, with_batch
 from ._batch_text import batch_plan_text
-from ._planner import TIE, _reason, candidate_strategies, where_to_plan
+from ._bounds import argument_bytes_per_device
+from ._candidates import (
+    MEMORY,
+    TIE,
+    Rejection,
+    candidate_strategies,
+    over_memory,
+    rejection_of,
+    tie_ranked,
+    where_to_plan,
+)
 
 __all__ = ["DEFAULT_MAX_COMPILES", "BatchPlan", "BatchRow", "plan_batches"]
 
@@ -91,6 +102,13 @@ class BatchRow:
     def name(self) -> str:
         """The strategy's name."""
         return self.strategy.name
+
+    @property
+    def rejected_for(self) -> str | None:
+        """Why, in a word (the rejection's ``kind``, as for a plan's rows); ``None`` when not rejected."""
+        if self.rejected is None:
+            return None
+        return self.rejected.kind if isinstance(self.rejected, Rejection) else "rejected"
 
     @property
     def compiles(self) -> int:
@@ -224,10 +242,10 @@ def plan_batches(
     min_bytes: int = DEFAULT_MIN_BYTES,
     target: str = "cpu",
     hardware: Mapping[str, float] | None = None,
-    batch_sizes: Sequence[int] | None = None,
-    max_compiles: int = DEFAULT_MAX_COMPILES,
     isolate: bool = False,
     quiet: bool = False,
+    batch_sizes: Sequence[int] | None = None,
+    max_compiles: int = DEFAULT_MAX_COMPILES,
 ) -> BatchPlan:
     """The largest batch that fits each candidate strategy, found by compiling, ranked by examples/s.
 
@@ -248,26 +266,33 @@ def plan_batches(
     same (only the leading axis changes). Without a bandwidth (or a target) there is no step
     time, and the largest batch ranks first.
 
+    A candidate whose arguments alone exceed the memory at its smallest batch (its split: the
+    parameters and optimizer state as it lays them out, and one row of the batch per part) fits
+    no batch, and is rejected without a compile.
+
+    The arguments are :func:`plan`'s, in its order, with the two of the search last; those
+    marked as for :func:`plan` mean what they mean there.
+
     Args:
-        step: The training step, ``step(params, batch)``.
-        params: The parameters (and optimizer state).
+        step: As for :func:`plan`.
+        params: As for :func:`plan`.
         batch: The batch: an array or pytree of arrays sharing a leading (batch) axis; its size
             is where the search starts, and must be a multiple of every candidate's split.
-        n_devices: The device count to plan for (default: this machine's).
+        n_devices: As for :func:`plan`.
         memory_per_device: Bytes each device has: a batch fits when its compiled peak is
             within it. Needed, unless the ``target`` gives its device's memory.
         bandwidth: As for :func:`plan`.
         latency: As for :func:`plan`.
         flops_per_second: As for :func:`plan`.
-        candidates: The strategies to try (default: :func:`plan`'s).
-        min_bytes: FSDP's and the hybrids' ``min_bytes`` in the default candidates.
+        candidates: As for :func:`plan`.
+        min_bytes: As for :func:`plan`.
         target: As for :func:`plan`.
         hardware: As for :func:`plan`.
+        isolate: As for :func:`plan`.
+        quiet: As for :func:`plan`.
         batch_sizes: Global batch sizes to choose among, by bisection (each a positive
             integer, a multiple of every candidate's split).
         max_compiles: Compiles per candidate at most (a positive integer).
-        isolate: As for :func:`plan`.
-        quiet: Show no progress.
 
     Returns:
         A :class:`BatchPlan`: ``.best`` and ``.best_batch``, the fastest strategy per example and
@@ -291,14 +316,7 @@ def plan_batches(
     (8, True, True)
     """
     where = where_to_plan(
-        target,
-        n_devices,
-        hardware,
-        bandwidth=bandwidth,
-        latency=latency,
-        flops_per_second=flops_per_second,
-        memory_per_device=memory_per_device,
-        isolate=isolate,
+        target, n_devices, hardware, bandwidth, latency, flops_per_second, memory_per_device, isolate
     )
     figures, count = where.figures, where.count
     limit = figures.memory_per_device
@@ -308,7 +326,9 @@ def plan_batches(
             hint="Give memory_per_device= (bytes per device, e.g. memory_per_device=80 << 30), or "
             "target= (its device's memory, e.g. target='h100').",
         )
-    budget = _checked_count(max_compiles, "max_compiles", "e.g. max_compiles=8")
+    budget = checked_count(
+        max_compiles, "max_compiles", "Give a whole number of at least 1, e.g. max_compiles=8."
+    )
     leaves, start = _batch_leaves(batch)
     ladder = None if batch_sizes is None else _checked_sizes(batch_sizes)
     call = StepCall.of(step, (params, batch), {})
@@ -320,6 +340,11 @@ def plan_batches(
     tables = [with_batch(strategy, call.batch_name) for strategy in strategies]
     searches = [_Search(unit, start, ladder, limit, budget) for unit in granularities]
     labels = [strategy.name for strategy in strategies]
+    # A candidate whose arguments alone exceed the memory at its smallest batch fits none.
+    for table, unit, search in zip(tables, granularities, searches, strict=True):
+        needed = argument_bytes_per_device(_scaled(call, unit), table, count)
+        if needed is not None and needed > limit:
+            search.failed = over_memory(needed, limit, arguments=True)
 
     def named(rounds: list[tuple[int, list[int]]]) -> list[str]:
         return [f"{labels[i]} at batch {size}" for size, indexes in rounds for i in indexes]
@@ -339,9 +364,12 @@ def plan_batches(
                     where.compiled_for,
                     shifted,
                 )
-                for i, result in zip(indexes, answers, strict=True):
+                for k, i in enumerate(indexes):
+                    result = answers[k]
                     report = None if result.report is None else estimated(result.report, figures)
-                    searches[i].record(size, report, None if report is not None else _reason(result.error))
+                    searches[i].record(
+                        size, report, None if report is not None else rejection_of(result.error)
+                    )
                 done += len(indexes)
             rounds = _round(searches)
     tokens = _tokens_per_example(leaves)
@@ -350,15 +378,6 @@ def plan_batches(
         for index, (strategy, search) in enumerate(zip(strategies, searches, strict=True))
     ]
     return _ranked(rows, count, figures, start, ladder, budget)
-
-
-def _checked_count(value: Any, name: str, example: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise EinshardError(
-            f"{name} must be a positive integer, not {value!r}",
-            hint=f"Give a whole number of at least 1, {example}.",
-        )
-    return value
 
 
 def _checked_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
@@ -490,7 +509,7 @@ class _Search:
         self.peaks: dict[int, int] = {}
         self.lo = 0  # the largest fit, in units (0: none yet)
         self.hi: int | None = None  # the smallest miss, in units
-        self.failed: str | None = None  # a first compile that failed for another reason than memory
+        self.failed: Rejection | None = None  # a first compile that failed for another reason than memory
         self.bisect = False  # the last guess shrank the interval by less than half: bisect next
 
     def _between(self) -> list[int]:
@@ -537,12 +556,12 @@ class _Search:
             return None
         return u1 + math.floor((self.limit - p1) * (u2 - u1) / (p2 - p1))
 
-    def record(self, size: int, report: StepReport | None, reason: str | None) -> None:
+    def record(self, size: int, report: StepReport | None, reason: Rejection | None) -> None:
         units = size // self.unit
         width = None if self.hi is None else self.hi - self.lo
         peak = None if report is None else report.peak_bytes
         if peak is None and reason is None:
-            reason = "the compiled program gives no peak memory"
+            reason = Rejection("compile", "the compiled program gives no peak memory")
         fits = peak is not None and peak <= self.limit
         self.tried.append(Tried(size, peak, fits, reason))
         if peak is not None:
@@ -579,14 +598,18 @@ class _Search:
         if rejected is None:
             smallest = min(tried, key=lambda t: t.batch_size)
             if smallest.peak_bytes is not None:
-                rejected = (
-                    f"does not fit memory at batch {smallest.batch_size}: needs "
-                    f"{size_text(smallest.peak_bytes)} > {size_text(self.limit)} per device"
+                detail = (
+                    f"at batch {smallest.batch_size}, it needs {size_text(smallest.peak_bytes)} > "
+                    f"{size_text(self.limit)} per device"
                 )
+                if smallest.batch_size > self.unit:
+                    detail += f" (smaller batches not compiled: {len(tried)} compiles)"
+                rejected = Rejection(MEMORY, detail)
             else:
-                rejected = f"at batch {smallest.batch_size}: {smallest.reason}"
-            if smallest.batch_size > self.unit and smallest.reason is None:
-                rejected += f" (smaller batches not compiled: {len(tried)} compiles)"
+                reason = smallest.reason
+                kind = reason.kind if isinstance(reason, Rejection) else "compile"
+                detail = reason.detail if isinstance(reason, Rejection) else str(reason)
+                rejected = Rejection(kind, f"at batch {smallest.batch_size}: {detail}")
         return BatchRow(strategy, None, None, rejected, index, self.unit, tried, next_size, False, tokens)
 
 
@@ -605,13 +628,8 @@ def _ranked(
         per_second = row.examples_per_second if timed else None
         return per_second if per_second is not None else float(row.batch_size or 0)
 
-    usable = sorted((row for row in rows if row.rejected is None), key=lambda row: (-measure(row), row.index))
-    ranked: list[BatchRow] = []
-    while usable:
-        floor = measure(usable[0]) * (1 - TIE)
-        pick = min((row for row in usable if measure(row) >= floor), key=lambda row: row.index)
-        usable.remove(pick)
-        ranked.append(pick)
+    usable = [row for row in rows if row.rejected is None]
+    ranked = tie_ranked(usable, measure, lambda row: row.index, higher=True)
     ranked += [row for row in rows if row.rejected is not None]
     memory = figures.memory_per_device
     assert memory is not None

@@ -177,14 +177,7 @@ def _footer(plan: Any) -> list[str]:
                 f"{row.name}: {count} unmatched rule{'' if count == 1 else 's'} "
                 f"(matching no parameter's path): {listed}{more}"
             )
-    bounded = [row.name for row in plan.rows if row.argument_bytes is not None and row.report is None]
-    if bounded:
-        count = len(bounded)
-        rejected.append(
-            f"{count} candidate{'' if count == 1 else 's'} not compiled ({', '.join(bounded)}): the "
-            "arguments alone, laid out by the table, exceed the memory per device, a bound known before "
-            "compiling; no time, peak or bytes for them"
-        )
+    rejected += _left_lines(plan)
     figures = []
     if plan.bandwidth is not None:
         links = f"{plan.bandwidth / 1e9:g} GB/s per device"
@@ -220,6 +213,32 @@ def _footer(plan: Any) -> list[str]:
     ]
 
 
+# Why candidates were left uncompiled, by their rejection's kind.
+_LEFT = {
+    "memory": "the bounds known before compiling (the arguments as the table lays them out, the outputs "
+    "and the largest dot result spread over the devices) exceed the memory per device",
+    "cannot win": "the lower bound of each one's step time (its dots at the matrix units' rate, the "
+    "gradients its layout must sum) is slower than the winner's beyond the tie; exhaustive=True compiles "
+    "them",
+    "budget": "max_seconds was spent before their turn (what each needs at least is in its row)",
+    "not compiled": "they were not compiled at the figures planned with; plan again at these",
+}
+
+
+def _left_lines(plan: Any) -> list[str]:
+    """One line per reason candidates were not compiled: how many, which, and why."""
+    lines = []
+    for kind, why in _LEFT.items():
+        names = [row.name for row in plan.rows if row.report is None and row.rejected_for == kind]
+        if names:
+            count = len(names)
+            lines.append(
+                f"{count} candidate{'' if count == 1 else 's'} not compiled ({', '.join(names)}): {why}; "
+                "no time, peak or bytes for them"
+            )
+    return lines
+
+
 def _estimate_text(plan: Any) -> str:
     """What the times are: simulated from each program on a target, added up on CPU devices."""
     hardware = plan.hardware
@@ -242,4 +261,5 @@ def _estimate_text(plan: Any) -> str:
 def plan_text(plan: Any) -> str:
     """``print(plan)``: the table of candidates, the chart of their times, the footer."""
     # 150 columns: what the documentation's code blocks show without wrapping a table's lines.
-    return table_text(*_columns(plan), [*_chart(plan), *_footer(plan)], width=150)
+    text = table_text(*_columns(plan), [*_chart(plan), *_footer(plan)], width=150)
+    return text if plan.headline is None else f"{plan.headline}\n{text}"

@@ -10,31 +10,42 @@ process with simulated CPU devices for all candidates). Ranking needs no recompi
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from .._arrays._leaves import nbytes
 from .._cost._call import StepCall
-from .._cost._child import KILLED
 from .._cost._progress import Progress
 from .._cost._report import StepReport, estimated, refuses_accelerator
-from .._cost._step import reports, warn_if_only_catch_all
-from .._cost._target import Figures, Hardware, Target, parse_target, resolve_figures
+from .._cost._step import warn_if_only_catch_all
+from .._cost._target import Figures, Hardware
 from .._language._errors import EinshardError
 from .._language._expression import parse
-from .._language._text import size_text
-from .._sharding._devices import call_devices, count_to_plan
+from .._language._text import seconds_text, size_text
 from .._trees._rules import RulesLike
-from .._trees._strategy import DEFAULT_MIN_BYTES, Strategy, with_batch
-from ._bounds import argument_bytes_per_device, bound_reason
+from .._trees._strategy import DEFAULT_MIN_BYTES, Strategy
+from ._bounds import Bounds
+from ._candidates import (
+    CANNOT_WIN,
+    MEMORY,
+    NOT_COMPILED,
+    TIE,
+    Rejection,
+    Timings,
+    bounded_over,
+    cannot_win,
+    compile_in_order,
+    over_memory,
+    prepared,
+    rejection_of,
+    tie_ranked,
+    where_to_plan,
+)
 from ._plan_text import plan_text
-from ._roles import read_call
-from ._strategies import derived_defaults
 
 __all__ = ["Plan", "PlanRow", "plan"]
 
-TIE = 0.02
-"""Estimated step times within 2% of each other count as equal: the earlier candidate ranks first."""
 SPLIT_ENOUGH = 0.5
 """A model-parallel candidate splitting less than this share of the parameter bytes says so."""
 
@@ -46,9 +57,11 @@ class PlanRow:
     Attributes:
         strategy: The candidate (its rules and batch expression).
         report: The step report under it, estimated at the plan's figures, or ``None`` when
-            the step could not be laid out or compiled under it.
-        rejected: Why the candidate cannot be used (does not fit memory, does not divide),
-            or ``None``.
+            the step was not compiled under it, or could not be laid out or compiled.
+        rejected: Why the candidate cannot be used, or ``None``: a :class:`Rejection
+            <einshard._planning._candidates.Rejection>`, a ``str`` whose ``kind`` says why
+            (``'memory'``, ``'shapes'``, ``'compile'``, ``'killed here'``, ``'cannot win'``,
+            ``'budget'``, ``'not compiled'``) and whose text says it in full.
         index: The candidate's position in the list given (ties go to the earlier one).
         split_share: The share of the parameters' bytes split over the candidate's model axis
             (tensor parallelism, hybrids), or over all devices (data parallel, FSDP: no model
@@ -56,9 +69,9 @@ class PlanRow:
         unmatched_rules: The candidate's *unmatched* rules: those whose regex matches no path
             of the parameters (a layer name the model does not have, a typo; a catch-all never
             is one).
-        argument_bytes: The bytes per device of the step's arguments as the candidate lays them
-            out, when they alone exceeded the memory per device and the candidate was therefore
-            not compiled (its ``report`` is ``None``); else ``None``.
+        bounds: What the candidate needs at least, known before compiling it (its arguments'
+            bytes per device, its memory and step time at least), or ``None`` when its table
+            does not fit the arguments.
     """
 
     strategy: Strategy
@@ -67,7 +80,19 @@ class PlanRow:
     index: int = 0
     split_share: float | None = None
     unmatched_rules: tuple[Any, ...] = ()
-    argument_bytes: int | None = None
+    bounds: Bounds | None = None
+
+    @property
+    def argument_bytes(self) -> int | None:
+        """The step's arguments' bytes per device under the candidate, when it was not compiled for memory.
+
+        Its bounds (the arguments, with the outputs' and activations' floors) exceed the memory
+        per device; else ``None``.
+        """
+        rejected = self.rejected
+        if self.report is None and isinstance(rejected, Rejection) and rejected.kind == MEMORY:
+            return None if self.bounds is None else self.bounds.argument_bytes
+        return None
 
     @property
     def model_parallel(self) -> bool:
@@ -89,21 +114,17 @@ class PlanRow:
 
     @property
     def rejected_for(self) -> str | None:
-        """Why, in a word or two; ``None`` when not rejected.
+        """Why, in a word or two (the rejection's ``kind``); ``None`` when not rejected.
 
-        ``'memory'``, ``'compile'``, ``'killed here'`` (this machine's memory ended its compile:
-        no verdict on the step), ``'not compiled'`` (bounded out at other figures: see
-        :meth:`Plan.at`) or ``'shapes'``.
+        ``'memory'``, ``'shapes'``, ``'compile'``, ``'killed here'`` (this machine's memory ended
+        its compile: no verdict on the step), ``'cannot win'`` (its bound is slower than a
+        candidate compiled: not compiled), ``'budget'`` (``max_seconds`` was spent first) or
+        ``'not compiled'`` (ranked at other figures than it was planned with: see :meth:`Plan.at`);
+        ``'rejected'`` for a reason given as plain text.
         """
         if self.rejected is None:
             return None
-        if self.rejected.startswith(_MEMORY):
-            return "memory"
-        if self.rejected.startswith(NOT_COMPILED_HERE):
-            return "killed here"
-        if self.rejected.startswith(_NOT_COMPILED_AT):
-            return "not compiled"
-        return "compile" if self.rejected.startswith("does not compile") else "shapes"
+        return self.rejected.kind if isinstance(self.rejected, Rejection) else "rejected"
 
     @property
     def name(self) -> str:
@@ -155,6 +176,9 @@ class Plan:
         hardware: The target's figures (:class:`~einshard.Hardware`), or ``None`` on CPU devices.
         network_bandwidth: Bytes per second per device across hosts, or ``None``.
         figures: The figures resolved once (the target's, with those given instead).
+        timings: Where the plan's time went (:class:`~einshard._planning._candidates.Timings`):
+            the child process's start, tracing the step, reading its roles, each compile and
+            reading each program; and the child's peak memory.
     """
 
     rows: tuple[PlanRow, ...]
@@ -167,6 +191,7 @@ class Plan:
     hardware: Hardware | None = dataclasses.field(default=None, repr=False)
     network_bandwidth: float | None = None
     figures: Figures = dataclasses.field(default_factory=Figures, repr=False)
+    timings: Timings = dataclasses.field(default_factory=Timings, repr=False)
 
     tie: ClassVar[float] = TIE
     """Estimated step times within this share of each other count as equal."""
@@ -177,17 +202,44 @@ class Plan:
         return tuple(row for row in self.rows if row.rejected is None)
 
     @property
+    def compiled(self) -> tuple[PlanRow, ...]:
+        """The candidates that have a step report (compiled; usable or over the memory)."""
+        return tuple(row for row in self.rows if row.report is not None)
+
+    @property
+    def headline(self) -> str | None:
+        """What the plan's first line says when no candidate can be used, else ``None``."""
+        if self.usable:
+            return None
+        count = len(self.rows)
+        if not self._fits_nothing:
+            return (
+                f"No candidate compiled: all {count} were rejected before or while compiling "
+                "(the reasons below); nothing is ranked."
+            )
+        return (
+            f"No candidate fits {self.n_devices} devices: all {count} need more memory than there is, "
+            f"{len(self.compiled)} of them compiled (the reasons below); nothing is ranked."
+        )
+
+    @property
+    def _fits_nothing(self) -> bool:
+        """Whether memory rejected every candidate, or some compiled and none fits."""
+        return bool(self.compiled) or all(row.rejected_for == MEMORY for row in self.rows)
+
+    @property
     def best(self) -> Strategy:
         """The winning strategy: its rules shard the parameters, ``.batch`` the batch.
 
         Raises:
-            EinshardError: If every candidate was rejected.
+            EinshardError: If every candidate was rejected: none compiled, or none fits.
         """
         usable = self.usable
         if not usable:
             reasons = "; ".join(f"{row.name}: {row.rejected}" for row in self.rows)
+            what = "fits" if self._fits_nothing else "compiled for"
             raise EinshardError(
-                f"no candidate strategy fits {self.n_devices} devices",
+                f"no candidate strategy {what} {self.n_devices} devices",
                 hint="Give more memory_per_device or devices, or other candidates (a hybrid with a "
                 "larger model axis, fsdp with a smaller min_bytes).",
                 context=[f"rejected: {reasons}"] if reasons else [],
@@ -207,6 +259,9 @@ class Plan:
 
         The figures not given are kept; a bandwidth given is every collective's (the target's
         network figure is dropped). Another target is another compile: ``plan(..., target=...)``.
+        A candidate left uncompiled (its bounds over the memory, or slower than the winner) has no
+        program to rank: at figures where its bounds no longer reject it, its row says to plan
+        again with them.
         """
         figures = self.figures.at(
             bandwidth=bandwidth,
@@ -214,13 +269,9 @@ class Plan:
             flops_per_second=flops_per_second,
             memory_per_device=memory_per_device,
         )
-        rows = [
-            dataclasses.replace(row, rejected=_unfit(row.rejected))
-            if row.argument_bytes is None
-            else dataclasses.replace(row, rejected=_bounded_at(row.argument_bytes, figures.memory_per_device))
-            for row in self.rows
-        ]
-        return _ranked(rows, self.n_devices, figures)
+        changed = figures != self.figures
+        rows = [dataclasses.replace(row, rejected=_rejected_at(row, figures, changed)) for row in self.rows]
+        return _ranked(rows, self.n_devices, figures, self.timings)
 
     def __str__(self) -> str:
         return plan_text(self)
@@ -243,6 +294,8 @@ def plan(
     hardware: Mapping[str, float] | None = None,
     isolate: bool = False,
     quiet: bool = False,
+    exhaustive: bool = False,
+    max_seconds: float | None = None,
 ) -> Plan:
     """Compiles ``step(params, batch)`` under each candidate strategy and ranks them.
 
@@ -252,6 +305,14 @@ def plan(
     the estimated time, the bytes moved and the peak memory per device. A candidate is
     rejected when its rules do not divide the shapes or the device count, or when its peak
     memory is above ``memory_per_device``.
+
+    Before compiling, each candidate gets lower bounds from the step's jaxpr and its layouts:
+    its memory (the arguments as it lays them out, optimizer state included, with a floor for
+    the outputs and activations) and its step time (its dots at the matrix units' rate, and the
+    gradients its layout must sum over devices). A candidate whose memory bound is over the
+    memory is not compiled; the others compile most promising first (the fastest bound first),
+    and one whose time bound is slower than the best estimate so far (beyond the 2% within which
+    times count as equal) is left uncompiled: it cannot win. Its row says so, with its bound.
 
     The rules match paths with the step's parameter name in front, as in
     :func:`~einshard.explain_step` (``params/layers/0/kernel``): anchor your own rules with
@@ -288,13 +349,19 @@ def plan(
         quiet: Show no progress. A plan that runs over 10 seconds shows which candidate it is
             compiling, how many are done and left, and their times, on standard error
             (``rich``'s bar on a terminal, else plain lines).
+        exhaustive: Compile every candidate that fits the memory, even those that cannot win
+            (to see their figures).
+        max_seconds: Stop compiling when this many seconds have passed (a compile that has
+            started runs to its end): the candidates compiled are ranked, the others are
+            named with their bounds (``'budget'``). Default: no limit.
 
     Returns:
         A :class:`Plan`; ``plan.best`` is the winning :class:`~einshard.strategies.Strategy`.
 
     Raises:
-        EinshardError: If a candidate is not a Strategy, or the step or its arguments cannot
-            cross into the child process, or the target is unknown or its compiler not installed.
+        EinshardError: If ``candidates`` is empty or holds something that is not a Strategy,
+            ``max_seconds`` is not a positive number, the step or its arguments cannot cross
+            into the child process, or the target is unknown or its compiler not installed.
 
     >>> import jax, jax.numpy as jnp, einshard
     >>> def step(params, batch):
@@ -308,145 +375,119 @@ def plan(
     >>> result.best.name, result.best.batch
     ('data parallel', 'b ... -> b* ...')
     """
+    started = time.perf_counter()
+    budget = _checked_seconds(max_seconds)
     where = where_to_plan(
-        target,
-        n_devices,
-        hardware,
-        bandwidth=bandwidth,
-        latency=latency,
-        flops_per_second=flops_per_second,
-        memory_per_device=memory_per_device,
-        isolate=isolate,
+        target, n_devices, hardware, bandwidth, latency, flops_per_second, memory_per_device, isolate
     )
     figures, count = where.figures, where.count
     # The step is resolved and its arguments named and flattened once, here, for the roles
     # reader, every candidate's table and compile, and the split shares.
     call = StepCall.of(step, (params, batch), {})
-    strategies = candidate_strategies(call, candidates, where, min_bytes)
-    tables = [with_batch(strategy, call.batch_name) for strategy in strategies]
-    # A candidate whose arguments alone exceed the memory is rejected before its compile.
-    bounds = _over_memory(call, tables, count, figures.memory_per_device)
-    kept = [i for i in range(len(tables)) if i not in bounds]
-    with Progress("plan", [strategies[i].name for i in kept], quiet=quiet) as progress:
-        kept_tables = [tables[i] for i in kept]
-        compiled = reports(call, kept_tables, where.child, where.compiled_for, progress)
-    answers: list[Any] = [None] * len(tables)
-    for i, compiled_answer in zip(kept, compiled, strict=True):
-        answers[i] = compiled_answer
+    ready = prepared(call, candidates, where, min_bytes)
+    strategies, tables, bounds = ready.strategies, ready.tables, ready.bounds
+    memory = figures.memory_per_device
+    over = {
+        i: bounded_over(bound, memory)
+        for i, bound in enumerate(bounds)
+        if bound is not None and memory is not None and bound.memory_bytes > memory
+    }
+    names = [strategy.name for strategy in strategies]
+
+    def estimate(answer: Any) -> float | None:
+        """What ranks a compiled candidate, or ``None`` when it cannot be used."""
+        if answer.report is None:
+            return None
+        report = estimated(answer.report, figures)
+        if memory is not None and report.peak_bytes is not None and report.peak_bytes > memory:
+            return None
+        return _measure(report, figures)
+
+    with Progress("plan", names, quiet=quiet) as progress:
+        for i, rejection in over.items():
+            progress.left_out(i, rejection.kind)
+        answers, left = compile_in_order(
+            call, tables, bounds, over, where, progress, estimate, exhaustive=exhaustive, max_seconds=budget
+        )
     param_paths = [call.paths[i] for i in call.argument_leaves(0)]
     rows = []
-    for index, (strategy, table, answer) in enumerate(zip(strategies, tables, answers, strict=True)):
+    for index, (strategy, table) in enumerate(zip(strategies, tables, strict=True)):
         share = _split_share(strategy, call, table, count)
         unmatched = strategy.unmatched_rules(param_paths)
-        if answer is None:  # bounded out: not compiled
-            assert figures.memory_per_device is not None
-            reason = bound_reason(bounds[index], figures.memory_per_device)
-            rows.append(PlanRow(strategy, None, reason, index, share, unmatched, bounds[index]))
+        answer = answers.get(index)
+        if answer is None:  # not compiled: over the memory, cannot win, or out of time
+            rejected = over.get(index) or left[index]
+            rows.append(PlanRow(strategy, None, rejected, index, share, unmatched, bounds[index]))
             continue
-        rejected = None if answer.report is not None else _reason(answer.error)
-        rows.append(PlanRow(strategy, answer.report, rejected, index, share, unmatched))
+        rejected = None if answer.report is not None else rejection_of(answer.error)
+        rows.append(PlanRow(strategy, answer.report, rejected, index, share, unmatched, bounds[index]))
         if candidates is not None and answer.report is not None:  # a table the user wrote
             caller = f"plan (candidate {strategy.name!r})"
             warn_if_only_catch_all(strategy, answer.report, caller, relative_only=True)
-    return _ranked(rows, count, figures)
+    timings = Timings.of(ready, progress, rows, time.perf_counter() - started)
+    ranked = _ranked(rows, count, figures, timings)
+    return dataclasses.replace(ranked, rows=_winner_named(ranked.rows))
 
 
-@dataclasses.dataclass(frozen=True)
-class Where:
-    """What a plan compiles for, resolved once for ``plan`` and ``plan_batches``.
+def _checked_seconds(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise EinshardError(
+            f"max_seconds must be a positive number of seconds, not {value!r}",
+            hint="Give how long the plan may compile, e.g. max_seconds=300 (five minutes), or leave it out.",
+        )
+    return float(value)
 
-    Attributes:
-        target: The target named (CPU devices, a GPU, a TPU slice) for the device count.
-        figures: The target's figures with the caller's in their place (:func:`resolve_figures`).
-        count: The device count planned for.
-        child: The device count a child process compiles for, or ``None``: in this process.
-        compiled_for: The target a child compiles with, or ``None``: simulated CPU devices.
+
+def _measure(report: StepReport, figures: Figures) -> float:
+    """What ranks a report: the step time with a bandwidth, else the bytes each device sends."""
+    seconds = report.seconds if figures.bandwidth is not None else None
+    return seconds if seconds is not None else float(report.traffic or 0)
+
+
+def _winner_named(rows: tuple[PlanRow, ...]) -> tuple[PlanRow, ...]:
+    """The candidates left uncompiled because they cannot win, named against the plan's winner.
+
+    The winner is within the tie band of the fastest compiled, and each of those was compared
+    with a compiled one no slower than the fastest: it cannot beat the winner either.
     """
-
-    target: Target
-    figures: Figures
-    count: int
-    child: int | None
-    compiled_for: Target | None
-
-
-def where_to_plan(
-    target: str,
-    n_devices: int | None,
-    hardware: Mapping[str, float] | None,
-    *,
-    bandwidth: float | None,
-    latency: float | None,
-    flops_per_second: float | None,
-    memory_per_device: int | None,
-    isolate: bool,
-) -> Where:
-    """The target, figures and device count of a plan, and where its candidates compile.
-
-    Raises:
-        EinshardError: For a device count, target or figure that is not one.
-    """
-    given = count_to_plan(n_devices, hint="Give the device count to plan for, e.g. n_devices=64.")
-    chosen = parse_target(target, n_devices)
-    figures = resolve_figures(
-        chosen,
-        hardware,
-        bandwidth=bandwidth,
-        latency=latency,
-        flops_per_second=flops_per_second,
-        memory_per_device=memory_per_device,
+    winner = next((row for row in rows if row.rejected is None), None)
+    if winner is None:
+        return rows
+    return tuple(
+        dataclasses.replace(row, rejected=cannot_win(winner.name, row.bounds.seconds, row.bounds.traffic))
+        if isinstance(row.rejected, Rejection) and row.rejected.kind == CANNOT_WIN and row.bounds is not None
+        else row
+        for row in rows
     )
-    if figures.hardware is not None:  # a GPU or TPU: its compiler, in a child
-        return Where(chosen, figures, chosen.n_devices, chosen.n_devices, chosen)
-    local = call_devices(None).count
-    return Where(chosen, figures, given, given if isolate or given != local else None, None)
 
 
-def candidate_strategies(
-    call: StepCall, candidates: Sequence[Strategy] | None, where: Where, min_bytes: int
-) -> list[Strategy]:
-    """The candidates given (checked), or the defaults for the step, the device count and its hosts.
-
-    Raises:
-        EinshardError: If a candidate is not a :class:`Strategy`.
-    """
-    if candidates is None:
-        hardware = where.figures.hardware
-        per_host = hardware.devices_per_host if hardware is not None else None
-        return derived_defaults(read_call(call), where.count, min_bytes, per_host)
-    strategies = list(candidates)
-    for candidate in strategies:
-        if not isinstance(candidate, Strategy):
-            raise EinshardError(
-                f"a planner candidate must be a Strategy, not {type(candidate).__name__}",
-                hint="Use einshard.strategies.fsdp() and friends, or wrap a table: "
-                "einshard.strategies.Strategy(rules, batch='b ... -> b* ...', name='mine').",
-            )
-    return strategies
-
-
-def _over_memory(
-    call: StepCall, tables: Sequence[RulesLike], n_devices: int, memory_per_device: int | None
-) -> dict[int, int]:
-    """The candidates whose arguments alone exceed the memory per device, with those bytes, by index."""
-    if memory_per_device is None:
-        return {}
-    over = {}
-    for index, table in enumerate(tables):
-        needed = argument_bytes_per_device(call, table, n_devices)
-        if needed is not None and needed > memory_per_device:
-            over[index] = needed
-    return over
-
-
-def _bounded_at(argument_bytes: int, memory_per_device: int | None) -> str:
-    """A bounded-out candidate's rejection at other figures: still over the memory, or not compiled."""
-    if memory_per_device is not None and argument_bytes > memory_per_device:
-        return bound_reason(argument_bytes, memory_per_device)
-    return (
-        f"{_NOT_COMPILED_AT}: its arguments alone need {size_text(argument_bytes)} per device, over "
-        "the memory it was planned with; plan again with this memory_per_device to compile it"
-    )
+def _rejected_at(row: PlanRow, figures: Figures, changed: bool) -> str | None:
+    """A row's rejection at other figures: memory is decided again; what was not compiled says so."""
+    rejected = row.rejected
+    if not isinstance(rejected, Rejection):
+        return rejected
+    if rejected.kind == MEMORY and rejected.compiled:
+        return None  # decided again from its report
+    bounds = row.bounds
+    memory = figures.memory_per_device
+    if rejected.kind == MEMORY and bounds is not None:
+        if memory is not None and bounds.memory_bytes > memory:
+            return bounded_over(bounds, memory)
+        return Rejection(
+            NOT_COMPILED,
+            f"at the memory planned with: it needs at least {size_text(bounds.memory_bytes)} per device, "
+            "over the memory it was planned with; plan again with this memory_per_device to compile it",
+        )
+    if rejected.kind == CANNOT_WIN and changed and bounds is not None:
+        least = seconds_text(bounds.seconds) if bounds.seconds is not None else size_text(bounds.traffic)
+        return Rejection(
+            NOT_COMPILED,
+            f"at the figures planned with: it could not beat the winner there (at least {least}); "
+            "plan again with these figures to compile it",
+        )
+    return rejected
 
 
 def _split_share(strategy: Strategy, call: StepCall, table: RulesLike, n_devices: int) -> float | None:
@@ -489,27 +530,7 @@ def _split_share(strategy: Strategy, call: StepCall, table: RulesLike, n_devices
     return split / total if total else 0.0
 
 
-def _reason(error: Any) -> str:
-    if isinstance(error, EinshardError):
-        where = f" ({error.context[0]})" if error.context else ""
-        return f"does not fit the shapes or devices: {error.headline}{where}"
-    if isinstance(error, str) and error.startswith(KILLED):
-        return f"{NOT_COMPILED_HERE}: {error}"
-    return f"does not compile: {error}"
-
-
-_MEMORY = "does not fit memory"
-_NOT_COMPILED_AT = "not compiled at the memory planned with"
-NOT_COMPILED_HERE = "not compiled on this machine"
-"""A candidate whose compile this machine could not finish (its memory): no verdict on the step."""
-
-
-def _unfit(reason: str | None) -> str | None:
-    """A rejection that does not depend on the figures (memory is decided again)."""
-    return None if reason is not None and reason.startswith(_MEMORY) else reason
-
-
-def _ranked(rows: list[PlanRow], n_devices: int, figures: Figures) -> Plan:
+def _ranked(rows: list[PlanRow], n_devices: int, figures: Figures, timings: Timings | None = None) -> Plan:
     memory_per_device = figures.memory_per_device
     priced = []
     for row in rows:
@@ -524,41 +545,29 @@ def _ranked(rows: list[PlanRow], n_devices: int, figures: Figures) -> Plan:
             and report.peak_bytes is not None
             and report.peak_bytes > memory_per_device
         ):
-            needs, has = size_text(report.peak_bytes), size_text(memory_per_device)
-            rejected = f"{_MEMORY}: needs {needs} > {has} per device"
+            rejected = over_memory(report.peak_bytes, memory_per_device)
         priced.append(dataclasses.replace(row, report=report, rejected=rejected))
-    bandwidth = figures.bandwidth
 
     def measure(row: PlanRow) -> float:
-        # Without a bandwidth the communication has no time: the bytes sent rank instead.
-        seconds = row.seconds if bandwidth is not None else None
-        return seconds if seconds is not None else float(row.traffic or 0)
+        return _measure(row.report, figures) if row.report is not None else 0.0
 
     def key(row: PlanRow) -> tuple:
         return (measure(row), row.traffic or 0, row.peak_bytes or 0, row.index)
 
-    usable = sorted((row for row in priced if row.rejected is None), key=key)
+    usable = tie_ranked((row for row in priced if row.rejected is None), measure, lambda row: row.index)
     rejected = sorted((row for row in priced if row.rejected is not None), key=key)
-    # Estimates within TIE of the fastest left are not told apart: the earlier candidate (the
-    # simpler strategy, in the default order) goes first.
-    ranked: list[PlanRow] = []
-    while usable:
-        limit = measure(usable[0]) * (1 + TIE)
-        pick = min((row for row in usable if measure(row) <= limit), key=lambda row: row.index)
-        usable.remove(pick)
-        ranked.append(pick)
-    ranked += rejected
     return Plan(
-        tuple(ranked),
+        (*usable, *rejected),
         n_devices,
         memory_per_device,
-        bandwidth,
+        figures.bandwidth,
         figures.latency,
         figures.flops_per_second,
         figures.target,
         figures.hardware,
-        figures.network_bandwidth if bandwidth is not None else None,
+        figures.network_bandwidth if figures.bandwidth is not None else None,
         figures,
+        timings if timings is not None else Timings(),
     )
 
 

@@ -12,11 +12,11 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .._arrays._leaves import is_jax_array, is_traced, nbytes
-from .._cost._call import StepCall, traced_dtype
-from .._language._errors import EinshardError
+from .._arrays._leaves import is_traced, nbytes
+from .._cost._call import StepCall
 from .._language._text import table_text
 from .._sharding._devices import count_to_plan
+from ._bounds import trace
 from ._jaxpr import Reader
 from ._values import ACT, CORE, PARAM, Value, plain
 
@@ -53,11 +53,12 @@ def read(step: Callable[..., Any] | str, params: Any, batch: Any) -> Reading:
     return read_call(StepCall.of(step, (params, batch), {}))
 
 
-def read_call(call: StepCall) -> Reading:
+def read_call(call: StepCall, traced: Any = None) -> Reading:
     """:func:`read` for a step whose arguments are already named and flattened (the planner's).
 
     The parameters are the call's first argument; their paths are as rules see them below it
-    (``layers/0/kernel``, without the step's parameter name).
+    (``layers/0/kernel``, without the step's parameter name). ``traced``: the step's jaxpr
+    (:func:`~einshard._planning._bounds.trace`), when the caller has traced it already.
     """
     import time
 
@@ -65,31 +66,13 @@ def read_call(call: StepCall) -> Reading:
     import numpy as np
 
     start = time.perf_counter()
-    fn = call.fn
     params_leaves = call.argument_leaves(0)
     param_leaves = [call.leaves[i] for i in params_leaves]
     paths = [call.paths[i].partition("/")[2] for i in params_leaves]
     leaves = call.leaves
     dynamic = list(call.arrays)
-
-    def flat(*arrays: Any) -> Any:
-        args, kwargs = call.rebuilt(arrays)
-        out = fn(*args, **kwargs)
-        return [leaf for leaf in jax.tree_util.tree_leaves(out) if is_jax_array(leaf)]
-
-    abstract = [jax.ShapeDtypeStruct(np.shape(leaves[i]), traced_dtype(leaves[i].dtype)) for i in dynamic]
-    try:
-        traced = jax.make_jaxpr(flat)(*abstract)
-    except EinshardError:
-        raise
-    except Exception as error:
-        raise EinshardError(
-            f"cannot read the step's dataflow: tracing step(params, batch) failed: "
-            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
-            hint="The step is traced with jax.make_jaxpr on ShapeDtypeStructs: it must not branch in "
-            "Python on array values or read them (float(x), x.item()). Or give the table by layer "
-            "names: einshard.strategies.tensor_parallel(column=[...], row=[...]).",
-        ) from None
+    if traced is None:
+        traced = trace(call)
     n_params = len(param_leaves)
     is_param = [i < n_params and is_traced(leaves[i]) for i in range(len(leaves))]
     param_index = {i: i for i in range(n_params)}
