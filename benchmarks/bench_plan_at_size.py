@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 
 import _common
+import _hf_llama
 
 if __name__ == "__main__":
     _common.start(re_exec=False, cpu_devices=1)
@@ -53,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-BARS = {"1.5b-scan": 60.0, "8b-scan": 300.0}
+BARS = {"1.5b-scan": 60.0, "8b-scan": 300.0, "hf-1.5b": 60.0, "hf-8b": 300.0}
 TARGET = "h100"
 OPTIMIZER = optax.adamw(1e-4)
 
@@ -80,7 +81,7 @@ SIZES = {
     "8b": Size(4096, 14336, 32, 32, 8, batch=64, devices=64),
     "70b": Size(8192, 28672, 80, 64, 8, batch=256, devices=256),
 }
-RUNS = ("1.5b-scan", "1.5b-loop", "8b-scan", "8b-loop", "70b-scan")
+RUNS = ("1.5b-scan", "1.5b-loop", "8b-scan", "8b-loop", "70b-scan", *_hf_llama.SIZES)
 
 
 # --- the model, in plain JAX ------------------------------------------------------------------------
@@ -198,32 +199,53 @@ def parameter_count(size: Size) -> int:
 # --- one plan, in a fresh process -------------------------------------------------------------------
 
 
-def one(name: str, n_candidates: int | None) -> dict:
+def one(name: str, n_candidates: int | None, exhaustive: bool = False) -> dict:
     """Plans one model in this process; its figures as a dict (the last line printed, as JSON)."""
     import einshard
 
-    model, form = name.split("-")
-    size = SIZES[model]
-    step = step_scanned if form == "scan" else step_unrolled
-    state, batch = abstract_state(size, form == "scan"), abstract_batch(size)
+    if name in _hf_llama.SIZES:  # Hugging Face's Flax LLaMA: its own module
+        step, devices, parameters = _hf_llama.step(name), _hf_llama.SIZES[name].devices, None
+        state, batch = _hf_llama.abstract_state(name), _hf_llama.abstract_batch(name)
+    else:
+        model, form = name.split("-")
+        size = SIZES[model]
+        step = step_scanned if form == "scan" else step_unrolled
+        state, batch = abstract_state(size, form == "scan"), abstract_batch(size)
+        devices, parameters = size.devices, parameter_count(size)
     candidates = None
     start = time.perf_counter()
     if n_candidates is not None:
-        candidates = einshard.strategies.defaults(size.devices, step=step, params=state, batch=batch)
+        candidates = einshard.strategies.defaults(devices, step=step, params=state, batch=batch)
         candidates = candidates[:n_candidates]
-    plan = einshard.plan(step, state, batch, n_devices=size.devices, target=TARGET, candidates=candidates)
+    plan = einshard.plan(
+        step, state, batch, n_devices=devices, target=TARGET, candidates=candidates, exhaustive=exhaustive
+    )
     wall = time.perf_counter() - start
+    timings = plan.timings
     compiles = sum(row.report.compile_seconds for row in plan.rows if row.report is not None)
     analysis = sum(row.report.analysis_seconds for row in plan.rows if row.report is not None)
     child_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     own_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     usable = plan.usable
+    if parameters is None:
+        parameters = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(state["params"]))
     return {
         "name": name,
-        "parameters": parameter_count(size),
-        "devices": size.devices,
+        "parameters": parameters,
+        "devices": devices,
+        "exhaustive": exhaustive,
         "candidates": len(plan.rows),
         "compiled": sum(row.report is not None for row in plan.rows),
+        "breakdown": {
+            "child_start": timings.child_start,
+            "tracing": timings.tracing,
+            "roles": timings.roles,
+            "bounds": timings.bounds,
+            "compiles": timings.compiles,
+            "reading": timings.reading,
+            "other": timings.other,
+        },
+        "child_peak_bytes_reported": timings.child_peak_bytes,
         "seconds": wall,
         "compile_seconds": compiles,
         "analysis_seconds": analysis,
@@ -235,7 +257,11 @@ def one(name: str, n_candidates: int | None) -> dict:
             {
                 "strategy": row.name,
                 "rejected": row.rejected,
+                "rejected_for": row.rejected_for,
                 "compile_seconds": row.report.compile_seconds if row.report is not None else None,
+                "analysis_seconds": row.report.analysis_seconds if row.report is not None else None,
+                "bound_seconds": row.bounds.seconds if row.bounds is not None else None,
+                "bound_memory_bytes": row.bounds.memory_bytes if row.bounds is not None else None,
                 "peak_bytes": row.peak_bytes,
                 "step_seconds": row.seconds,
             }
@@ -250,21 +276,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the 1.5 B scanned plan only (for CI)")
     parser.add_argument("--only", nargs="+", choices=RUNS, help="plan these only")
     parser.add_argument("--candidates", type=int, help="the first K default candidates only")
+    parser.add_argument("--exhaustive", action="store_true", help="compile every candidate (no pruning)")
     parser.add_argument("--one", choices=RUNS, help=argparse_hidden())
     args = parser.parse_args(argv)
     if args.one is not None:
-        print(json.dumps(one(args.one, args.candidates)))
+        print(json.dumps(one(args.one, args.candidates, args.exhaustive)))
         return 0
     results = _common.Results(Path(__file__).name, args)
     print(_common.environment(1))
-    names = ["1.5b-scan"] if args.quick else list(args.only or RUNS)
+    names = ["1.5b-scan", "hf-tiny"] if args.quick else list(args.only or [r for r in RUNS if r != "hf-tiny"])
+    missing = _hf_llama.available()
+    if missing is not None and any(name in _hf_llama.SIZES for name in names):
+        print(f"Hugging Face's Flax LLaMA left out: {missing}")
+        names = [name for name in names if name not in _hf_llama.SIZES]
     failed = False
     rows, records = [], []
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     for name in names:
         extra = ["--candidates", str(args.candidates)] if args.candidates else []
+        extra += ["--exhaustive"] if args.exhaustive else []
         figures = _common.run_child(__file__, ["--one", name, *extra], env, timeout=4 * 3600)
-        bar = BARS.get(name) if not args.candidates else None
+        bar = BARS.get(name) if not (args.candidates or args.exhaustive) else None
         ok = bar is None or figures["seconds"] <= bar
         failed |= not ok
         rejected = [f"{row['strategy']}: {row['rejected']}" for row in figures["rows"] if row["rejected"]]
@@ -278,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{figures['seconds']:.1f}",
                 f"{figures['compile_seconds']:.1f}",
                 f"{figures['plan_over_compiles']:.2f}" if figures["plan_over_compiles"] else "-",
+                f"{figures['breakdown']['child_start']:.1f}",
+                f"{figures['breakdown']['tracing'] + figures['breakdown']['roles'] + figures['breakdown']['bounds']:.1f}",
+                f"{figures['breakdown']['reading']:.1f}",
                 f"{figures['child_peak_bytes'] / 2**30:.1f}",
                 figures["winner"] or "-",
                 str(len(rejected)),
@@ -305,13 +340,27 @@ def main(argv: list[str] | None = None) -> int:
             "plan s",
             "compiles s",
             "plan / compiles",
+            "child start s",
+            "trace, roles, bounds s",
+            "reading s",
             "child peak GiB",
             "winner",
             "rejected",
             "bar",
         ],
         rows,
-        {"params B", "devices", "plan s", "compiles s", "plan / compiles", "child peak GiB", "rejected"},
+        {
+            "params B",
+            "devices",
+            "plan s",
+            "compiles s",
+            "plan / compiles",
+            "child start s",
+            "trace, roles, bounds s",
+            "reading s",
+            "child peak GiB",
+            "rejected",
+        },
         bar=None,
         records=records,
     )

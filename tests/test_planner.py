@@ -14,6 +14,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import einshard
+from einshard._planning._candidates import Rejection
 from einshard import strategies
 
 N = jax.device_count()
@@ -148,6 +149,7 @@ def test_another_device_count_is_planned_in_a_child_process():
         n_devices=3,
         bandwidth=1e9,
         candidates=[strategies.data_parallel(), strategies.fsdp(min_bytes=0), strategies.hybrid(model=2)],
+        exhaustive=True,
     )
     rows = {row.name: row for row in plan.rows}
     assert rows["data parallel"].report.n_devices == 3 and rows["fsdp"].report.n_devices == 3
@@ -415,9 +417,9 @@ def test_the_ranking_is_the_reference_order_at_any_figures(drawn):
     rows = []
     for index, report, stale in candidates:
         if report is None:
-            rows.append(einshard.PlanRow(_candidate(index), None, "does not compile: XlaRuntimeError", index))
+            rows.append(einshard.PlanRow(_candidate(index), None, Rejection("compile", "XlaRuntimeError"), index))
         else:
-            rejected = "does not fit memory: needs 5.0 MiB > 1.0 MiB per device" if stale else None
+            rejected = Rejection("memory", "needs 5.0 MiB > 1.0 MiB per device") if stale else None
             rows.append(einshard.PlanRow(_candidate(index), report, rejected, index))
     start = einshard.Plan(tuple(rows[i] for i in storage), N, None, None, 0.0, None)
     plan = start.at(**{k: v for k, v in figures.items() if v is not None})
@@ -460,8 +462,12 @@ def test_the_ranking_is_the_reference_order_at_any_figures(drawn):
     if expected:
         assert plan.best.name == f"c{expected[0]}"
     else:
-        with pytest.raises(einshard.EinshardError, match="no candidate strategy fits"):
+        # None fits, or none compiled: the error and the plan's first line say which.
+        any_compiled = any(report is not None for _, report, _ in candidates)
+        said = "fits" if any_compiled else "compiled for"
+        with pytest.raises(einshard.EinshardError, match=f"no candidate strategy {said}"):
             _ = plan.best
+        assert str(plan).startswith("No candidate fits" if any_compiled else "No candidate compiled")
     # Ranking the ranked plan again at the same figures changes nothing.
     assert [row.index for row in plan.at().rows] == [row.index for row in plan.rows]
 
@@ -524,7 +530,13 @@ def small_batch_plans() -> tuple[einshard.Plan, einshard.Plan]:
     batch = jax.ShapeDtypeStruct((2 * N, D), jnp.float32)
     return tuple(
         einshard.plan(
-            sgd_step, mlp_params(), batch, bandwidth=1e9, flops_per_second=1e12, candidates=candidates
+            sgd_step,
+            mlp_params(),
+            batch,
+            bandwidth=1e9,
+            flops_per_second=1e12,
+            candidates=candidates,
+            exhaustive=True,
         )
         for candidates in (CANDIDATES, CANDIDATES[::-1])
     )
