@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{figures['compile_seconds']:.1f}",
                 f"{figures['plan_over_compiles']:.2f}" if figures["plan_over_compiles"] else "-",
                 f"{figures['breakdown']['child_start']:.1f}",
-                f"{figures['breakdown']['tracing'] + figures['breakdown']['roles'] + figures['breakdown']['bounds']:.1f}",
+                f"{sum(figures['breakdown'][part] for part in ('tracing', 'roles', 'bounds')):.1f}",
                 f"{figures['breakdown']['reading']:.1f}",
                 f"{figures['child_peak_bytes'] / 2**30:.1f}",
                 figures["winner"] or "-",

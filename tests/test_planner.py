@@ -417,7 +417,9 @@ def test_the_ranking_is_the_reference_order_at_any_figures(drawn):
     rows = []
     for index, report, stale in candidates:
         if report is None:
-            rows.append(einshard.PlanRow(_candidate(index), None, Rejection("compile", "XlaRuntimeError"), index))
+            rows.append(
+                einshard.PlanRow(_candidate(index), None, Rejection("compile", "XlaRuntimeError"), index)
+            )
         else:
             rejected = Rejection("memory", "needs 5.0 MiB > 1.0 MiB per device") if stale else None
             rows.append(einshard.PlanRow(_candidate(index), report, rejected, index))
