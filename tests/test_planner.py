@@ -14,8 +14,8 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import einshard
-from einshard._planning._candidates import Rejection
 from einshard import strategies
+from einshard._planning._candidates import Rejection
 
 N = jax.device_count()
 D, HIDDEN = 32, 16 * N  # every split axis divides by the device count
