@@ -29,7 +29,7 @@ from ._call import StepCall, abstract
 from ._progress import Progress
 from ._target import Target, target_devices
 
-__all__ = ["KILLED", "Crash", "child_error", "in_child", "killed_reason", "main"]
+__all__ = ["KILLED", "Crash", "Order", "child_error", "in_child", "killed_reason", "main"]
 
 _COMMAND = "from einshard._cost._child import main; main()"
 
@@ -46,6 +46,10 @@ runs: about a fifth of what is left). The program's collectives, bytes, peak mem
 time stay the same (a test compares them on the test GPT for 8 H100s, each option against XLA's
 default); an option set in ``XLA_FLAGS`` is kept instead.
 """
+
+
+Order = Callable[[dict[int, Answer]], "int | None"]
+"""Which table compiles next, given the answers so far by index (``None``: no more)."""
 
 
 class Crash(str):
@@ -78,7 +82,7 @@ def in_child(
     tables: Sequence[RulesLike | None],
     target: Target | None = None,
     progress: Progress | None = None,
-    order: Callable[[dict[int, Answer]], int | None] | None = None,
+    order: Order | None = None,
 ) -> dict[int, Answer]:
     """The answers of the tables compiled, by index, in a child process with ``n_devices`` CPU devices.
 
@@ -183,11 +187,12 @@ def _run_child(
     drain.start()
 
     def send(index: int | None) -> None:
+        assert child.stdin is not None
         with contextlib.suppress(BrokenPipeError, ValueError):  # a child that died says why on stderr
-            assert child.stdin is not None
             child.stdin.write(pickle.dumps(index))
             child.stdin.flush()
-            if index is None:
+        if index is None:
+            with contextlib.suppress(BrokenPipeError, ValueError):
                 child.stdin.close()
 
     with contextlib.suppress(BrokenPipeError):

@@ -306,8 +306,8 @@ class StepReport:
         self,
         *,
         bandwidth: float | None = None,
-        latency: float | None = None,
         flops_per_second: float | None = None,
+        latency: float | None = None,
     ) -> StepReport:
         """The same report at other figures; no recompile.
 

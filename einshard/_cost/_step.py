@@ -26,7 +26,7 @@ from .._trees._rules import Rules, RulesLike
 from .._trees._strategy import with_batch
 from ._analysis import Answer, analyse, answer
 from ._call import StepCall
-from ._child import child_error, in_child
+from ._child import Order, child_error, in_child
 from ._progress import Progress
 from ._report import Finding as Finding
 from ._report import StepReport as StepReport
@@ -199,8 +199,8 @@ def reports(
     tables: Sequence[RulesLike],
     n_devices: int | None = None,
     target: Target | None = None,
+    order: Order | None = None,
     progress: Progress | None = None,
-    order: Callable[[dict[int, Answer]], int | None] | None = None,
 ) -> dict[int, Answer]:
     """The step's report under each table compiled, by index: here, or (``n_devices``) in one child process.
 

@@ -357,13 +357,9 @@ def plan_batches(
                 progress.labels.extend(named(rounds))
             for size, indexes in rounds:
                 shifted = cast(Progress, _Shifted(progress, done))
-                answers = reports(
-                    _scaled(call, size),
-                    [tables[i] for i in indexes],
-                    where.child,
-                    where.compiled_for,
-                    shifted,
-                )
+                scaled = _scaled(call, size)
+                compiled = [tables[i] for i in indexes]
+                answers = reports(scaled, compiled, where.child, where.compiled_for, None, shifted)
                 for k, i in enumerate(indexes):
                     result = answers[k]
                     report = None if result.report is None else estimated(result.report, figures)

@@ -187,10 +187,10 @@ def where_to_plan(
     figures = resolve_figures(
         chosen,
         hardware,
-        bandwidth=bandwidth,
         latency=latency,
-        flops_per_second=flops_per_second,
+        bandwidth=bandwidth,
         memory_per_device=memory_per_device,
+        flops_per_second=flops_per_second,
     )
     if figures.hardware is not None:  # a GPU or TPU: its compiler, in a child
         return Where(chosen, figures, chosen.n_devices, chosen.n_devices, chosen)
@@ -382,7 +382,7 @@ def compile_in_order(
             return index
         return None
 
-    answers = reports(call, tables, where.child, where.compiled_for, progress, choose)
+    answers = reports(call, tables, where.child, where.compiled_for, choose, progress)
     return answers, left
 
 
@@ -423,15 +423,8 @@ class Timings:
         reading = sum(report.analysis_seconds for report in reports_)
         child = sum(progress.child_seconds)
         known = child + ready.trace_seconds + ready.roles_seconds + ready.bounds_seconds + compiles + reading
+        prepared = (ready.trace_seconds, ready.roles_seconds, ready.bounds_seconds)
+        left = max(seconds - known, 0.0)
         return cls(
-            seconds=seconds,
-            child_start=child,
-            tracing=ready.trace_seconds,
-            roles=ready.roles_seconds,
-            bounds=ready.bounds_seconds,
-            compiles=compiles,
-            reading=reading,
-            other=max(seconds - known, 0.0),
-            child_peak_bytes=progress.child_peak_bytes,
-            compiled=len(reports_),
+            seconds, child, *prepared, compiles, reading, left, progress.child_peak_bytes, len(reports_)
         )

@@ -252,8 +252,8 @@ class Plan:
         *,
         memory_per_device: int | None = None,
         bandwidth: float | None = None,
-        latency: float | None = None,
         flops_per_second: float | None = None,
+        latency: float | None = None,
     ) -> Plan:
         """The same candidates ranked at other figures; no recompile.
 
@@ -264,10 +264,10 @@ class Plan:
         again with them.
         """
         figures = self.figures.at(
-            bandwidth=bandwidth,
-            latency=latency,
-            flops_per_second=flops_per_second,
             memory_per_device=memory_per_device,
+            bandwidth=bandwidth,
+            flops_per_second=flops_per_second,
+            latency=latency,
         )
         changed = figures != self.figures
         rows = [dataclasses.replace(row, rejected=_rejected_at(row, figures, changed)) for row in self.rows]

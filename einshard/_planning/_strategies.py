@@ -309,10 +309,10 @@ def defaults(
     n_devices: int,
     min_bytes: int = DEFAULT_MIN_BYTES,
     *,
+    devices_per_host: int | None = None,
     step: Callable[..., Any] | str | None = None,
     params: Any = None,
     batch: Any = None,
-    devices_per_host: int | None = None,
 ) -> list[Strategy]:
     """The planner's default candidates: data parallel, FSDP, (HSDP,) tensor parallel, every hybrid.
 
