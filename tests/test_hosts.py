@@ -153,6 +153,7 @@ def test_a_plan_over_two_hosts_says_what_crosses_them():
         target="h100",
         candidates=[einshard.strategies.hsdp(), hybrid8, tp],
         quiet=True,
+        exhaustive=True,
     )
     lines = {line.split(":")[0]: line for line in str(plan).splitlines() if "hosts" in line and ": " in line}
     by_name = {row.name: row for row in plan.rows}

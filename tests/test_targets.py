@@ -259,7 +259,7 @@ def test_64_h100s_bytes_equal_a_reading_of_the_program(name):
 @needs_gpu
 def test_a_plan_for_64_h100s_ranks_by_time_at_their_figures():
     start = time.perf_counter()
-    plan = einshard.plan(gpt.step, gpt.gpt_params(), TOKENS64, n_devices=64, target="h100")
+    plan = einshard.plan(gpt.step, gpt.gpt_params(), TOKENS64, n_devices=64, target="h100", exhaustive=True)
     seconds = time.perf_counter() - start
     assert seconds < 60 * 6  # the bar is 3 minutes on an idle machine (benchmarks/bench_targets.py)
     hardware = plan.hardware
