@@ -490,6 +490,10 @@ def real_models_quick(session: nox.Session) -> None:
     _real_models(session, REAL_MODEL_DEVICE_COUNTS[:1], ("-k", "gemma_lm or equimo_vit"))
 
 
+# What bench_plan_at_size.py's Hugging Face runs import (benchmarks/_hf_llama.py says why this version).
+HF_LLAMA = "transformers>=4.57,<4.58"
+
+
 @nox.session(python=NEWEST_PYTHON)
 def benchmarks(session: nox.Session) -> None:
     """Runs every ``benchmarks/bench_*.py``; fails if a benchmark misses its bar.
@@ -501,7 +505,8 @@ def benchmarks(session: nox.Session) -> None:
     scripts = sorted((ROOT / "benchmarks").glob("bench_*.py"))
     if not scripts:
         session.error("no benchmarks/bench_*.py to run")
-    session.install("--upgrade", "-e", ".[all,gpu-target]", "jax")  # bench_plan_at_size: H100s
+    # bench_plan_at_size: H100s, and Hugging Face's Flax LLaMA (transformers 5 has no Flax models)
+    session.install("--upgrade", "-e", ".[all,gpu-target]", "jax", HF_LLAMA)
     _show_versions(session, "jax", "jaxlib", "numpy")
     for script in scripts:
         session.log(f"--- {script.relative_to(ROOT)} ---")
@@ -513,7 +518,7 @@ def benchmarks(session: nox.Session) -> None:
 # not the published ones), bars reported but not enforced, results kept out of benchmarks/results/.
 QUICK_BENCHMARK_ARGS = {
     "bench_curves.py": ["--quick"],
-    "bench_plan_at_size.py": ["--quick"],  # the 1.5 B scanned plan for 8 H100s only
+    "bench_plan_at_size.py": ["--quick"],  # the 1.5 B scanned plan and a tiny HF LLaMA for 8 H100s
     "bench_roles.py": ["--warmup", "0", "--reps", "1"],  # two fresh processes per layout: ~1 min
     "bench_rules.py": ["--skip-memory"],
 }
@@ -533,7 +538,7 @@ def benchmarks_quick(session: nox.Session) -> None:
     scripts = sorted((ROOT / "benchmarks").glob("bench_*.py"))
     if not scripts:
         session.error("no benchmarks/bench_*.py to run")
-    session.install("--upgrade", "-e", ".[all,gpu-target]", "jax")  # bench_plan_at_size: H100s
+    session.install("--upgrade", "-e", ".[all,gpu-target]", "jax", HF_LLAMA)  # bench_plan_at_size
     out = ROOT / ".nox" / "benchmarks-quick"
     out.mkdir(parents=True, exist_ok=True)
     for script in scripts:
