@@ -11,7 +11,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import optax
 import pytest
 
 import einshard
@@ -22,6 +21,7 @@ from einshard._cost._target import Figures
 from einshard._planning._bounds import bounds, step_costs
 from einshard._trees._strategy import with_batch
 from tests import gpt_steps as gpt
+from tests.test_plan_opt_state import TX, tuple_step
 from tests.test_planner import D, sgd_step
 from tests.test_planner import mlp_params as params
 
@@ -45,13 +45,31 @@ def compiles(monkeypatch) -> list:
     return seen
 
 
+def _bench_llama(form: str) -> tuple:
+    """``benchmarks/bench_plan_at_size.py``'s LLaMA step (AdamW, bfloat16 weights), small."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import bench_plan_at_size as bench
+    finally:
+        sys.path.pop(0)
+    size = bench.Size(64, 128, 2, 4, 2, batch=2 * N, devices=N, vocab=256, seq=32)
+    step = bench.step_scanned if form == "scan" else bench.step_unrolled
+    return step, bench.abstract_state(size, form == "scan"), bench.abstract_batch(size), None
+
+
 def _cases() -> dict:
-    """The test models: the planner's MLP, and the test GPT's AdamW step (its state in the first argument)."""
-    adamw_step, state = gpt.adamw_train(optax.adamw(1e-3))
+    """The test models: the planner's MLP, the test GPT's AdamW step (its state in the first
+    argument), and the benchmark's LLaMA at a small size, unrolled and scanned."""
+    state = (gpt.gpt_params(), jax.eval_shape(TX.init, gpt.gpt_params()))
     return {
         "mlp": (sgd_step, params(), jax.ShapeDtypeStruct((8 * N, D), jnp.float32), MLP_CANDIDATES),
         "mlp_small_batch": (sgd_step, params(), jax.ShapeDtypeStruct((N, D), jnp.float32), MLP_CANDIDATES),
-        "gpt_adamw": (adamw_step, state, gpt.TOKENS, None),
+        "gpt_adamw": (tuple_step, state, gpt.TOKENS, None),
+        "llama_loop": _bench_llama("loop"),
+        "llama_scan": _bench_llama("scan"),
     }
 
 
@@ -99,7 +117,7 @@ def test_the_bounds_are_at_most_what_the_compiled_programs_need(name, exhaustive
 
 # The MLP at every figure; the GPT (default candidates, longer compiles) timed only.
 REGRET = [(name, *figures) for name in ("mlp", "mlp_small_batch") for figures in FIGURES] + [
-    ("gpt_adamw", *FIGURES[-1])
+    (name, *FIGURES[-1]) for name in ("gpt_adamw", "llama_loop", "llama_scan")
 ]
 
 
