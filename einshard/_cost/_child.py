@@ -8,6 +8,7 @@ to stdout.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import io
 import os
@@ -48,6 +49,7 @@ def in_child(
     tables: Sequence[RulesLike | None],
     target: Target | None = None,
     progress: Progress | None = None,
+    donate: bool = True,
 ) -> list[Answer]:
     """One answer per table, compiled in a child process with ``n_devices`` simulated CPU devices.
 
@@ -64,6 +66,7 @@ def in_child(
         "kwargs": abstract(kwargs),
         "tables": list(tables),
         "target": target,
+        "donate": donate,
     }
     # A step defined in the script being run lives in __main__: the child runs that file as
     # __mp_main__ first, as multiprocessing's spawn does, so that pickle finds it there.
@@ -232,6 +235,7 @@ def main() -> None:
             sys.modules["__main__"] = sys.modules["__mp_main__"] = module
         payload = pickle.load(stream)
         call = StepCall.of(payload["fn"], payload["args"], payload["kwargs"])
+        call = dataclasses.replace(call, donate=payload.get("donate", True))
     except EinshardError as error:
         _write(out, ("error", error))
         return

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TypeVar
 
 from .._language._errors import EinshardError
+from .._tracing._loops import LoopNote
 from ._hlo import KINDS
 from ._report_text import finding_headline, findings_text, report_text
 from ._target import FROM_SOURCE, GPU_EXTRA, GPUS, TPU_EXTRA, TPUS, Figures, Hardware
@@ -143,8 +144,8 @@ class Finding:
 
     Attributes:
         kind: ``'repeated'``, ``'unsummed'``, ``'sliced all-reduce'``, ``'copied'``,
-            ``'reshard'``, ``'rematerialization'`` or ``'activations gathered over the batch'``
-            (see the "What does my table cost?" page).
+            ``'reshard'``, ``'rematerialization'``, ``'activations gathered over the batch'`` or
+            ``'activations reduced in a loop'`` (see the "What does my table cost?" page).
         bytes: The bytes each device sends per step beyond the better program (ring formulas).
         memory_bytes: The bytes each device holds beyond the better program (``'copied'``).
         params: The parameter paths concerned (where the data flow names them).
@@ -226,6 +227,11 @@ class StepReport:
         exposed_seconds: Communication the kernels do not cover (simulated), or ``None``.
         hidden_seconds: Communication that runs while kernels do (simulated), or ``None``.
         kernels: The kernels that take the most time: ``(instruction, source, seconds)``.
+        loops: The step's loops whose carry comes from the batch (a scanned model's layers), each
+            with its source line and whether its carry was kept in the batch's layout (under a
+            strategy that splits the batch: :func:`~einshard.constrain_loops`), or why not.
+        donated: The name of the argument the compile donated because the step returns it
+            updated (``'state'``, ``'params'``), or ``None`` (see ``donate=``).
     """
 
     rows: tuple[StepRow, ...]
@@ -262,6 +268,8 @@ class StepReport:
     exposed_seconds: float | None = None
     hidden_seconds: float | None = None
     kernels: tuple[tuple[str, str | None, float], ...] = dataclasses.field(default=(), repr=False)
+    loops: tuple[LoopNote, ...] = ()
+    donated: str | None = None
 
     @property
     def waste_bytes(self) -> int:

@@ -15,6 +15,7 @@ planner (``einshard._planning``) calls.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -58,6 +59,7 @@ def explain_step(
     latency: float | None = None,
     flops_per_second: float | None = None,
     quiet: bool = False,
+    donate: bool = True,
     **kwargs: Any,
 ) -> StepReport:
     """Compiles ``fn(*args, **kwargs)`` for its arguments' shardings and reports what it costs.
@@ -95,8 +97,10 @@ def explain_step(
             by its ``.batch``, as :func:`~einshard.plan` does, so the report is the plan's row:
             the batch is the argument named ``batch`` (by position or keyword), else the last
             positional one (``step(params, batch)``, ``step(params, opt_state, tokens)``), every
-            leaf of it. With a single argument there is no batch, and the strategy is a table
-            like any other.
+            leaf of it; and the step's loops whose carry comes from the batch (a scanned
+            model's layers) keep that carry in the batch's layout (as
+            :func:`~einshard.constrain_loops` compiles it: ``report.loops`` says where). With a
+            single argument there is no batch, and the strategy is a table like any other.
         target: What to compile for: ``'cpu'`` (simulated CPU devices, the default), a GPU
             (``'a100'``, ``'h100'``, ``'h200'``, ``'b200'``: needs the ``gpu-target`` extra)
             or a TPU generation (``'v5e'``, ``'v5p'``, ``'v6e'``, or a slice ``'v5e:2x4'``:
@@ -113,6 +117,11 @@ def explain_step(
             rate every dot runs at instead of its matrix units' per element type.
         quiet: Show no progress. A compile in a child process that runs over 10 seconds says
             so on standard error (``rich``'s bar on a terminal, else plain lines).
+        donate: Compile a plain step that returns its first argument updated (the whole result,
+            or its first element: same tree, shapes and dtypes) with that argument donated, as
+            a training loop runs it: its buffers hold the result, and the memory shows it
+            (``report.donated`` names it). ``False`` compiles it without. A ``jax.jit`` step
+            keeps its own ``donate_argnums``.
         **kwargs: Keyword arguments of ``fn``. (``accelerator=``, removed, raises an
             ``EinshardError`` naming ``target=``, unless ``fn`` takes an ``accelerator`` itself.)
 
@@ -138,17 +147,17 @@ def explain_step(
     )
     # Named here in every case: its checks (a float64 argument) speak in this process, and a
     # strategy's batch rule needs the batch argument's name.
-    call = StepCall.of(fn, args, kwargs)
+    call = dataclasses.replace(StepCall.of(fn, args, kwargs), donate=bool(donate))
     table = with_batch(rules, call.batch_name) if rules is not None else None
     if chosen.platform != "cpu":
         with Progress("explain_step", [chosen.label], quiet=quiet) as progress:
-            (result,) = in_child(fn, args, kwargs, chosen.n_devices, [table], chosen, progress)
+            (result,) = in_child(fn, args, kwargs, chosen.n_devices, [table], chosen, progress, call.donate)
         if result.report is None:
             raise child_error(result.error or "no report", chosen.n_devices, chosen)
         report = result.report
     elif n_devices is not None:
         with Progress("explain_step", [f"{n_devices} CPU devices"], quiet=quiet) as progress:
-            (result,) = in_child(fn, args, kwargs, n_devices, [table], None, progress)
+            (result,) = in_child(fn, args, kwargs, n_devices, [table], None, progress, call.donate)
         if result.report is None:
             raise child_error(result.error or "no report", n_devices)
         report = result.report
@@ -219,4 +228,6 @@ def reports(
             if progress is not None:
                 progress.finished(index, "compiled" if answers[-1].report is not None else "rejected")
         return answers
-    return in_child(call.given, call.args, call.kwargs, n_devices, list(tables), target, progress)
+    return in_child(
+        call.given, call.args, call.kwargs, n_devices, list(tables), target, progress, call.donate
+    )
