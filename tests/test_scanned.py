@@ -306,3 +306,15 @@ def test_a_step_returning_its_first_argument_updated_is_compiled_with_it_donated
     assert other.donated is None and other.alias_bytes == 0
     assert jitted.donated is None and jitted.alias_bytes == 0
     assert dataclasses.replace(donated, donated=None).bytes_by_kind == kept.bytes_by_kind
+
+
+def test_a_jitted_scanned_step_is_kept_split_and_keeps_its_own_donation(reports):
+    """jax.jit(step, donate_argnums=0) under the strategy: traced through, its loops constrained,
+    the same collectives as the plain step's, and its own donation (params) kept."""
+    params = make_params()
+    jitted = einshard.explain_step(jax.jit(step, donate_argnums=0), params, BATCH, rules=FSDP)
+    expected = reports["strategy"]
+    assert [(loop.backward, loop.constrained) for loop in jitted.loops] == [(False, 1), (True, 1)]
+    assert jitted.bytes_by_kind == expected.bytes_by_kind
+    # Each device's block of the params, split by FSDP: what both alias.
+    assert jitted.donated is None and jitted.alias_bytes == expected.alias_bytes > 0
