@@ -20,7 +20,6 @@ which carries were constrained or why none could be).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,27 +60,24 @@ class LoopNote:
         return f"{where} ({kind}): not constrained: {self.reason}"
 
 
-def has_loop(jaxpr: Any) -> bool:
-    """Whether the jaxpr has a ``scan`` or ``while`` anywhere (inside calls and branches too)."""
-    return _has_loop(inner_jaxpr(jaxpr))
+def has_loop(jaxpr: Any, memo: dict[int, bool] | None = None) -> bool:
+    """Whether the jaxpr has a ``scan`` or ``while`` anywhere (inside calls and branches too).
 
-
-@functools.lru_cache(maxsize=4096)
-def _has_loop_cached(jaxpr: Any) -> bool:
+    ``memo``: answers already found, by the jaxpr's id, for the calls of one walk (a program
+    shares its sub-jaxprs between call sites); kept by the caller only while the jaxprs live.
+    """
+    memo = {} if memo is None else memo
+    jaxpr = inner_jaxpr(jaxpr)
+    known = memo.get(id(jaxpr))
+    if known is not None:
+        return known
+    found = False
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _LOOPS:
-            return True
-        for value in _sub_jaxprs(eqn):
-            if _has_loop(inner_jaxpr(value)):
-                return True
-    return False
-
-
-def _has_loop(jaxpr: Any) -> bool:
-    try:
-        return _has_loop_cached(jaxpr)
-    except TypeError:  # an unhashable jaxpr type: walk it uncached
-        return _has_loop_cached.__wrapped__(jaxpr)
+        if eqn.primitive.name in _LOOPS or any(has_loop(sub, memo) for sub in _sub_jaxprs(eqn)):
+            found = True
+            break
+    memo[id(jaxpr)] = found
+    return found
 
 
 def _sub_jaxprs(eqn: Any) -> list[Any]:
@@ -129,13 +125,17 @@ class _Rewrite:
         self.constrain = constrain
         self.fits = fits
         self.notes = notes
+        self.loops: dict[int, bool] = {}  # has_loop's answers for this walk (its jaxprs stay alive)
+
+    def has_loop(self, jaxpr: Any) -> bool:
+        return has_loop(jaxpr, self.loops)
 
     def jaxpr(self, jaxpr: Any, in_axes: list[Axis]) -> Any:
         return _rewrite(jaxpr, in_axes, self)
 
 
 def _rewrite(jaxpr: Any, in_axes: list[Axis], rewrite: _Rewrite) -> Any:
-    if not _has_loop(jaxpr):
+    if not rewrite.has_loop(jaxpr):
         return jaxpr
     reading = read(jaxpr, in_axes)
     eqns = []
@@ -178,7 +178,7 @@ def _calls(eqn: Any, ins: list[Axis], rewrite: _Rewrite) -> Any:
         if not is_jaxpr(value):
             continue
         inner = inner_jaxpr(value)
-        if len(inner.invars) != len(ins) or not _has_loop(inner):
+        if len(inner.invars) != len(ins) or not rewrite.has_loop(inner):
             continue
         new = _rewrite(inner, ins, rewrite)
         if new is not inner:
