@@ -25,7 +25,7 @@ from .._tracing._loops import LoopNote
 from ._call import StepCall
 from ._program import Program, step_program
 
-__all__ = ["Compiled", "compile_step", "compiler_messages"]
+__all__ = ["Compiled", "compile_step", "compiler_messages", "forget_traces"]
 
 # What XLA prints when its partitioner replicates an array to change its layout.
 REMAT_MARKER = "Involuntary full rematerialization"
@@ -210,6 +210,13 @@ def _remembered(text: str, messages: tuple[str, ...]) -> tuple[str, ...]:
             _SEEN.popitem(last=False)
         return messages
     return _SEEN.get(key, ())
+
+
+def forget_traces() -> None:
+    """Drops JAX's caches of traces and programs (``jax.clear_caches``), in this process."""
+    import jax
+
+    jax.clear_caches()
 
 
 def compile_step(call: StepCall) -> Compiled:

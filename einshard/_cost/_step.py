@@ -22,12 +22,14 @@ from typing import Any
 
 from .._language._errors import EinshardWarning
 from .._language._numbers import checked_count
+from .._tracing._batch_layout import marks
 from .._trees._assign import as_rules
 from .._trees._rules import Rules, RulesLike
 from .._trees._strategy import with_batch
 from ._analysis import Answer, analyse, answer
 from ._call import StepCall
 from ._child import child_error, in_child
+from ._compile import forget_traces
 from ._progress import Progress
 from ._report import Finding as Finding
 from ._report import StepReport as StepReport
@@ -224,7 +226,10 @@ def reports(
         for index, table in enumerate(tables):
             if progress is not None:
                 progress.compiling(index)
+            marked = marks()
             answers.append(answer(call, table))
+            if marks() != marked:  # like_batch followed this table: no later table may reuse its traces
+                forget_traces()
             if progress is not None:
                 progress.finished(index, "compiled" if answers[-1].report is not None else "rejected")
         return answers

@@ -35,6 +35,17 @@ __all__ = [
 ]
 
 _BATCH: contextvars.ContextVar[str | None] = contextvars.ContextVar("einshard_batch", default=None)
+_MARKED = 0  # how many times like_batch met a strategy in this process
+
+
+def marks() -> int:
+    """How many times :func:`like_batch` has met a strategy in this process.
+
+    A step traced under one strategy may be kept by ``jax.jit``'s caches (an inner jitted
+    function of the model): the in-process planner clears them between candidates when this
+    count moved, so that each candidate's trace is its own.
+    """
+    return _MARKED
 
 
 def current_batch() -> str | None:
@@ -128,6 +139,8 @@ def like_batch(x: Any) -> Any:
     expression = _BATCH.get()
     if expression is None:
         return x
+    global _MARKED
+    _MARKED += 1
     rank = len(getattr(x, "shape", ()))
     if rank == 0:
         raise EinshardError(
