@@ -235,7 +235,7 @@ def checked_figure(name: str, value: Any, *, in_hardware: bool = False) -> Any:
     A rate (a bandwidth, FLOP/s) is a finite number above 0; a time (a latency, the launch
     floor) a finite number of seconds, 0 or more; a fraction (an efficiency) above 0 and at most
     1; a size in bytes (``memory_per_device``, ``memory_bytes``) a whole number above 0, an
-    integer or a float that is whole (``80e9``, not ``80.5e9``). A bool is not a number. Rates,
+    integer or a float that is a whole number (``80e9``, not ``2.5``). A bool is not a number. Rates,
     times and fractions come back as floats, sizes as ints.
 
     Args:
@@ -266,7 +266,7 @@ def checked_figure(name: str, value: Any, *, in_hardware: bool = False) -> Any:
             raise EinshardError(
                 f"{shown} must be a whole number of bytes above 0",
                 hint=f"{not_bool}Give {meaning}, e.g. {written} or 80 << 30 (a float is taken when it is "
-                f"whole: 80e9, not 80.5e9).",
+                f"a whole number: 80e9, not 2.5).",
             )
         return int(value) if isinstance(value, numbers.Integral) else int(number)
     if kind == "fraction":
