@@ -297,7 +297,8 @@ def _real(value: Any) -> float | None:
     try:
         return float(value)
     except OverflowError:  # an int beyond a float's range
-        return math.inf if value > 0 else -math.inf
+        big: Any = value
+        return math.inf if big > 0 else -math.inf
 
 
 @dataclasses.dataclass(frozen=True)
