@@ -4,12 +4,13 @@ A child process (another ``n_devices=``, a target) finds such a step by running 
 level again. Real scripts, written to a temporary folder and run in a fresh interpreter:
 
 * written as JAX's docs show (``jax.config.update('jax_num_cpu_devices', 8)`` at the top, the
-  calls unguarded): ``explain_step`` and ``plan`` work at 2 and 4 devices; the second run stops at
-  the script's first call, and a step defined after that call is an error saying so;
+  calls unguarded): ``explain_step`` and ``plan`` work at 2 and 4 devices; the second run sees
+  the parent's ``sys.argv``, stops at the script's first call, and is announced when slow; a step
+  defined after that first call is an error saying so;
 * a script whose top level fails in the child (8 devices asked of a 4-device child): the error
   says that the top level ran again, names the line and the guard;
-* a guarded script (``if __name__ == '__main__':``) parses its own arguments at the top level:
-  the child's run of it sees the parent's ``sys.argv``, and a slow second run is announced.
+* the guarded script of the cost page (``if __name__ == '__main__':``), as it is shown there,
+  prints what the page says.
 
 Each script costs a few seconds (an interpreter, JAX and a child per call): they are few.
 """
@@ -17,6 +18,7 @@ Each script costs a few seconds (an interpreter, JAX and a child per call): they
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -31,7 +33,7 @@ from einshard._cost import _rerun
 ROOT = Path(__file__).resolve().parents[1]
 
 HEADER = """\
-import os
+import os, sys
 os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
 import jax
 jax.config.update('jax_platforms', 'cpu')
@@ -44,8 +46,9 @@ def step(params, batch):
     grads = jax.grad(lambda p: jnp.sum((batch @ p['w']) ** 2))(params)
     return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
 
-params = {'w': jax.ShapeDtypeStruct((64, 64), jnp.float32)}
-batch = jax.ShapeDtypeStruct((256, 64), jnp.float32)
+WIDTH = int(sys.argv[1])  # the child's second run must see the parent's arguments
+params = {'w': jax.ShapeDtypeStruct((WIDTH, WIDTH), jnp.float32)}
+batch = jax.ShapeDtypeStruct((256, WIDTH), jnp.float32)
 """
 
 
@@ -54,6 +57,7 @@ def _run(folder: Path, source: str, *args: str) -> subprocess.CompletedProcess[s
     script.write_text(textwrap.dedent(source))
     environment = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     environment["PYTHONPATH"] = str(ROOT)
+    environment.setdefault("JAX_PLATFORMS", "cpu")  # no accelerator plugin's noise on stderr
     return subprocess.run(
         [sys.executable, str(script), *args],
         capture_output=True,
@@ -65,11 +69,13 @@ def _run(folder: Path, source: str, *args: str) -> subprocess.CompletedProcess[s
 
 
 def test_a_script_written_as_jaxs_docs_show_explains_and_plans_at_any_device_count(tmp_path):
-    """Data parallel's one all-reduce is the whole gradient: 64 x 64 float32 = 16,384 bytes, at 2
-    devices and at 4; the script's lines before its first call run twice (here and in each child),
-    those after it once."""
+    """Data parallel's one all-reduce is the whole gradient: 32 x 32 float32 = 4,096 bytes (the
+    width from the script's argument), at 2 devices and at 4; the script's lines before its first
+    call run here and again in each of the three children, those after it only here."""
     source = HEADER + textwrap.dedent(
         """
+        from einshard._cost import _child
+        _child.SLOW_RERUN_SECONDS = 0.0  # every second run is announced
         with open('runs.txt', 'a') as log:
             log.write(f'before {__name__}\\n')
         report = einshard.explain_step(step, params, batch, n_devices=2, rules=strategies.data_parallel())
@@ -89,18 +95,22 @@ def test_a_script_written_as_jaxs_docs_show_explains_and_plans_at_any_device_cou
             print('later', error.headline)
         """
     )
-    done = _run(tmp_path, source)
+    done = _run(tmp_path, source, "32")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert lines[:2] == [
-        "report 2 {'all-reduce': 16384}",
+        "report 2 {'all-reduce': 4096}",
         "plan 4 [('data parallel', 4), ('fsdp', 4)]",
     ], done.stdout
     assert lines[2] == (
         "later the script's top level ran again in a child process, to find 'later_step' defined in "
-        "it, and 'later_step' was not defined by its first explain_step call (train.py:19), where "
+        "it, and 'later_step' was not defined by its first explain_step call (train.py:22), where "
         "that run stops"
     )
+    first_call = (
+        "train.py:22: EinshardWarning: the child process ran the top level of train.py again, to find"
+    )
+    assert first_call in done.stderr  # pointing at the user's line
     runs = (tmp_path / "runs.txt").read_text().splitlines()
     assert sorted(runs) == sorted(["before __main__"] + ["before __mp_main__"] * 3 + ["after __main__"])
 
@@ -113,41 +123,28 @@ def test_a_script_whose_top_level_fails_in_the_child_says_so_with_its_line(tmp_p
         einshard.explain_step(step, params, batch, n_devices=4)
         """
     )
-    done = _run(tmp_path, source)
+    done = _run(tmp_path, source, "64")
     assert done.returncode != 0
     message = done.stderr[done.stderr.index("einshard.EinshardError: ") :]
     headline, hint = message.splitlines()[:2]
     assert headline.startswith(
         "einshard.EinshardError: the script's top level ran again in a child process, to find the step "
-        "defined in it, and failed at train.py:18 (devices = np.array(jax.devices()).reshape(2, 4)  "
+        "defined in it, and failed at train.py:19 (devices = np.array(jax.devices()).reshape(2, 4)  "
         "# 8 here; the child has 4): ValueError: cannot reshape array of size 4 into shape (2,4)"
     ), message
     assert "if __name__ == '__main__':" in hint
     assert "  in a child process with 4 simulated CPU devices" in message
 
 
-def test_a_guarded_script_runs_again_with_its_arguments_and_a_slow_run_is_announced(tmp_path):
-    """The child's run of the script reads the parent's argument (the width, 32): the step's
-    weight is 32 x 32 float32 = 4,096 bytes, the one all-reduce of data parallel."""
-    source = HEADER + textwrap.dedent(
-        """
-        import sys
-        WIDTH = int(sys.argv[1])
-        wide = {'w': jax.ShapeDtypeStruct((WIDTH, WIDTH), jnp.float32)}
-        tokens = jax.ShapeDtypeStruct((256, WIDTH), jnp.float32)
-
-        if __name__ == '__main__':
-            from einshard._cost import _child
-            _child.SLOW_RERUN_SECONDS = 0.0  # every second run is announced
-            report = einshard.explain_step(step, wide, tokens, n_devices=4, rules=strategies.data_parallel())
-            print('report', report.n_devices, report.bytes_by_kind)
-        """
-    )
-    done = _run(tmp_path, source, "32")
+def test_the_cost_pages_guarded_script_runs_as_shown(tmp_path):
+    page = (ROOT / "docs" / "cost.md").read_text()
+    block = r"```python\n((?:(?!```).)*?if __name__ == '__main__':(?:(?!```).)*)```\n"
+    found = re.search(block + r"(?:(?!```).)*```text\n((?:(?!```).)*)```", page, re.S)
+    assert found is not None, "the cost page shows no guarded script followed by its output"
+    source, output = found.groups()
+    done = _run(tmp_path, source)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines() == ["report 4 {'all-reduce': 4096}"]
-    assert "EinshardWarning: the child process ran the top level of train.py again" in done.stderr
-    assert "train.py:25: EinshardWarning" in done.stderr  # the warning points at the user's call
+    assert done.stdout == output
 
 
 # --- without a child (cheap) -----------------------------------------------------------------------
