@@ -134,9 +134,8 @@ def test_a_bad_keyword_figure_is_refused_before_anything_is_compiled(path, name,
 def test_a_bad_hardware_figure_is_refused_on_every_path(path, name, nothing_compiled):
     kind = KIND[name]
     for value in BAD[kind]:
-        if path == "replace":  # a Hardware's figures replaced directly (no compiler needed for a TPU's)
-            hardware = _target.hardware_of(_target.parse_target("v5e", 8))
-            assert hardware is not None
+        if path == "replace":  # a Hardware's figures replaced directly (a TPU's: no compiler needed)
+            hardware = _target._tpu_hardware("v5e")
 
             def call(hardware=hardware, value=value):
                 return hardware.replace({name: value})
@@ -174,8 +173,8 @@ def test_good_figures_are_taken_as_numbers_of_their_kind():
     assert _target.checked_figure("latency", 0) == 0.0
     assert _target.checked_figure("bandwidth", np.float32(1e9)) == pytest.approx(1e9)
     assert type(_target.checked_figure("bandwidth", 450)) is float
-    hardware = _target.hardware_of(_target.parse_target("v5e", 8), {"efficiency": 1, "memory_bytes": 16e9})
-    assert hardware is not None and hardware.efficiency == 1.0 and hardware.memory_bytes == 16_000_000_000
+    hardware = _target._tpu_hardware("v5e").replace({"efficiency": 1, "memory_bytes": 16e9})
+    assert hardware.efficiency == 1.0 and hardware.memory_bytes == 16_000_000_000
     assert type(hardware.memory_bytes) is int
     assert hardware.flops_per_second == hardware.peak_flops_per_second  # at the whole peak
 

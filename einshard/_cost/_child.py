@@ -128,7 +128,7 @@ def _warn_slow_rerun(script: Script, seconds: float) -> None:
 
 def _caller_level() -> int:
     """The ``stacklevel`` of the first frame outside einshard: the user's call."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
     level, frame = 1, sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(package):
         level, frame = level + 1, frame.f_back
