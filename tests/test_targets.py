@@ -385,7 +385,7 @@ def test_figures_can_be_given_and_say_so():
     )
     with pytest.raises(einshard.EinshardError, match="is not a figure"):
         _target.hardware_of(_target.parse_target("v5e", 8), {"flops": 1.0})
-    with pytest.raises(einshard.EinshardError, match="must be a positive number"):
+    with pytest.raises(einshard.EinshardError, match="must be a fraction above 0 and at most 1"):
         _target.hardware_of(_target.parse_target("v5e", 8), {"efficiency": 0})
 
 

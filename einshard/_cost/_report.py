@@ -12,6 +12,7 @@ from .._language._errors import EinshardError
 from .._tracing._loops import LoopNote
 from ._hlo import KINDS
 from ._report_text import finding_headline, findings_text, report_text
+from ._rerun import stop_if_rerunning
 from ._target import FROM_SOURCE, GPU_EXTRA, GPUS, TPU_EXTRA, TPUS, Figures, Hardware
 from ._timing import Rates, Schedule, simulate
 
@@ -41,17 +42,25 @@ assert set(RING) == set(KINDS)  # a ring formula for every kind the reader knows
 
 
 def refuses_accelerator(*, step_kwargs: bool = False) -> Callable[[_F], _F]:
-    """A decorator: ``accelerator=``, which ``target=`` replaced, raises the error saying so.
+    """The cost wing's entry points' decorator: ``accelerator=`` raises the error naming ``target=``.
 
     The parameter is gone from the signature (``functools.wraps``: ``inspect.signature`` shows
     the function's own); an old call still learns what to write instead. With ``step_kwargs``
     (``explain_step``, whose other keywords go to the step, its first argument) the keyword is
     refused only when the step takes no ``accelerator`` of its own.
+
+    A function it decorates (``explain_step``, ``plan``, ``plan_batches``; not a method,
+    ``.at()``, which compiles nothing) also ends a child process's second run of the user's
+    script at its first call there (:func:`~einshard._cost._rerun.stop_if_rerunning`).
     """
 
     def decorator(fn: _F) -> _F:
+        stops_rerun = "." not in fn.__qualname__
+
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if stops_rerun:
+                stop_if_rerunning(fn.__name__)
             if "accelerator" in kwargs and not (step_kwargs and args and _takes_accelerator(args[0])):
                 _accelerator_error(kwargs["accelerator"])
             return fn(*args, **kwargs)

@@ -133,7 +133,11 @@ def explain_step(
     Raises:
         EinshardError: When ``fn`` or the arguments cannot cross into the child process, or
             ``n_devices`` is not a positive integer, or the target is unknown, or its compiler
-            is not installed (the error names the extra to install), or as ``rules`` would.
+            is not installed (the error names the extra to install), or a figure is not one (a
+            bandwidth or FLOP/s not a finite number above 0, a latency negative, an efficiency
+            outside (0, 1], ``hardware=`` not a mapping of its names: before any compile), or as
+            ``rules`` would; or when a step defined in the script being run cannot be found by
+            running the script again in the child (the error names the line that failed there).
 
     >>> import jax, jax.numpy as jnp, einshard
     >>> w = einshard.einshard(jnp.ones((64, 32)), 'x y -> x* y')
