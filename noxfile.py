@@ -172,6 +172,8 @@ COMPILES_STEPS = [
     "tests/test_plan_opt_state.py",
     "tests/test_batches.py",
     "tests/test_progress.py",
+    "tests/test_figures_contract.py",
+    "tests/test_child_script.py",
 ]
 
 

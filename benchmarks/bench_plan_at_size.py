@@ -16,6 +16,7 @@ Sizes (hidden, MLP, layers, heads, KV heads, vocabulary 128,256, sequences of 2,
 - ``1.5b``: 2048, 8192, 16, 32, 8; batch 8; on 8 H100s.
 - ``8b``: LLaMA-3-8B's shape, 4096, 14336, 32, 32, 8; batch 64; on 64 H100s.
 - ``70b``: 8192, 28672, 80, 64, 8; batch 256; on 256 H100s; scanned only.
+- ``70b64``: the same 70 B model, batch 64, on 64 H100s; scanned only.
 
 For each: ``einshard.plan(step, state, batch, n_devices=N, target='h100')`` with the default
 candidates, its wall time, the sum of its candidates' compiles (``report.compile_seconds``), their
@@ -27,8 +28,20 @@ script (``--one NAME``), so that its child's peak is its own.
 Bars, on the 2-core machine the figures are measured on: the 1.5 B plan for 8 H100s (scanned) in
 at most 60 s, the 8 B plan for 64 (scanned) in at most 300 s. ``--quick`` (what
 ``nox -s benchmarks_quick`` runs): the 1.5 B scanned plan only. ``--only NAME`` plans the named
-ones (``1.5b-scan``, ``1.5b-loop``, ``8b-scan``, ``8b-loop``, ``70b-scan``); ``--candidates K``
-plans the first K default candidates only (a bound for the 70 B one on a small machine).
+ones (``1.5b-scan``, ``1.5b-loop``, ``8b-scan``, ``8b-loop``, ``70b-scan``, ``70b64-scan``);
+``--candidates K`` plans the first K default candidates only (a bound for the 70 B one on a
+small machine).
+
+What a scanned plan must show (``checks`` in the results; each reported, a miss fails the run
+like a bar): the batch kept split inside the loop, so that the scanned form is the program its
+unrolled twin is:
+
+- 1.5 B on 8: scanned FSDP within 1.2 times unrolled FSDP in simulated time and in bytes sent;
+- 8 B on 64: scanned FSDP fits, and sends at most 1.1 x 3 x the weights' bytes x (N - 1) / N per
+  device per step (FSDP's own traffic: the weights gathered twice, their gradients
+  reduce-scattered once);
+- 70 B on 256: FSDP and at least one hybrid fit, and the plan's first candidate fits;
+- 70 B on 64: FSDP fits.
 
 Exits with status 1 when a bar is missed, unless ``--no-fail``.
 """
@@ -80,8 +93,11 @@ SIZES = {
     "1.5b": Size(2048, 8192, 16, 32, 8, batch=8, devices=8),
     "8b": Size(4096, 14336, 32, 32, 8, batch=64, devices=64),
     "70b": Size(8192, 28672, 80, 64, 8, batch=256, devices=256),
+    "70b64": Size(8192, 28672, 80, 64, 8, batch=64, devices=64),  # 70 B on 64 H100s, one sequence each
 }
-RUNS = ("1.5b-scan", "1.5b-loop", "8b-scan", "8b-loop", "70b-scan", *_hf_llama.SIZES)
+RUNS = ("1.5b-scan", "1.5b-loop", "8b-scan", "8b-loop", "70b-scan", "70b64-scan", *_hf_llama.SIZES)
+# The runs whose checks (scanned_checks) read given candidates' figures: every candidate compiled.
+EXHAUSTIVE = {"1.5b-scan", "1.5b-loop", "8b-scan", "70b-scan", "70b64-scan"}
 
 
 # --- the model, in plain JAX ------------------------------------------------------------------------
@@ -217,6 +233,7 @@ def one(name: str, n_candidates: int | None, exhaustive: bool = False) -> dict:
     if n_candidates is not None:
         candidates = einshard.strategies.defaults(devices, step=step, params=state, batch=batch)
         candidates = candidates[:n_candidates]
+    exhaustive = exhaustive or name in EXHAUSTIVE
     plan = einshard.plan(
         step, state, batch, n_devices=devices, target=TARGET, candidates=candidates, exhaustive=exhaustive
     )
@@ -253,6 +270,10 @@ def one(name: str, n_candidates: int | None, exhaustive: bool = False) -> dict:
         "child_peak_bytes": child_peak,
         "parent_peak_bytes": own_peak,
         "winner": usable[0].name if usable else None,
+        "weight_bytes": sum(
+            math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+            for leaf in jax.tree.leaves(state["params"])
+        ),
         "rows": [
             {
                 "strategy": row.name,
@@ -264,6 +285,10 @@ def one(name: str, n_candidates: int | None, exhaustive: bool = False) -> dict:
                 "bound_memory_bytes": row.bounds.memory_bytes if row.bounds is not None else None,
                 "peak_bytes": row.peak_bytes,
                 "step_seconds": row.seconds,
+                "sent_bytes": row.traffic,
+                "loops_kept": sum(bool(loop.constrained) for loop in row.report.loops)
+                if row.report is not None
+                else None,
             }
             for row in plan.rows
         ],
@@ -364,9 +389,69 @@ def main(argv: list[str] | None = None) -> int:
         bar=None,
         records=records,
     )
+    checks = scanned_checks({record["name"]: record for record in records})
+    for check in checks:
+        print(f"{'ok  ' if check['ok'] else 'MISS'} {check['check']}: {check['measured']}")
+    failed |= not all(check["ok"] for check in checks)
+    results.extra["checks"] = checks
     status = _common.exit_status(failed, args.no_fail)
     results.write(1, failed)
     return status
+
+
+def _row(record: dict, strategy: str) -> dict | None:
+    return next((row for row in record["rows"] if row["strategy"] == strategy), None)
+
+
+def scanned_checks(records: dict[str, dict]) -> list[dict]:
+    """What the scanned plans must show (the module's docstring), for the runs there are."""
+    checks = []
+
+    def add(check: str, ok: bool, measured: str) -> None:
+        checks.append({"check": check, "ok": bool(ok), "measured": measured})
+
+    scan, loop = records.get("1.5b-scan"), records.get("1.5b-loop")
+    if scan and loop:
+        a, b = _row(scan, "fsdp"), _row(loop, "fsdp")
+        if a and b and a["step_seconds"] and b["step_seconds"]:
+            time, sent = a["step_seconds"] / b["step_seconds"], a["sent_bytes"] / b["sent_bytes"]
+            add(
+                "1.5b on 8: scanned fsdp within 1.2x of unrolled fsdp (time, sent)",
+                time <= 1.2 and sent <= 1.2,
+                f"time {time:.2f}x, sent {sent:.2f}x",
+            )
+    record = records.get("8b-scan")
+    if record:
+        fsdp = _row(record, "fsdp")
+        n = SIZES["8b"].devices
+        bound = 1.1 * 3 * record["weight_bytes"] * (n - 1) / n
+        fits = fsdp is not None and fsdp["rejected"] is None
+        sent = fsdp["sent_bytes"] if fsdp and fsdp["sent_bytes"] is not None else float("inf")
+        add(
+            "8b on 64: scanned fsdp fits and sends <= 1.1 x 3 x weights x (N-1)/N",
+            fits and sent <= bound,
+            f"{'fits' if fits else 'rejected'}, sent {sent / 2**30:.1f} GiB <= {bound / 2**30:.1f} GiB",
+        )
+    record = records.get("70b-scan")
+    if record:
+        fitting = [row["strategy"] for row in record["rows"] if row["rejected"] is None]
+        first = record["rows"][0]
+        add(
+            "70b on 256: fsdp and a hybrid fit, the first candidate fits",
+            "fsdp" in fitting
+            and any(name.startswith("hybrid") for name in fitting)
+            and first["rejected"] is None,
+            f"fitting: {', '.join(fitting) or 'none'}; first: {first['strategy']}",
+        )
+    record = records.get("70b64-scan")
+    if record:
+        fsdp = _row(record, "fsdp")
+        add(
+            "70b on 64: fsdp fits",
+            fsdp is not None and fsdp["rejected"] is None,
+            f"fsdp: {fsdp['rejected'] or 'fits'}" if fsdp else "fsdp: not planned",
+        )
+    return checks
 
 
 def argparse_hidden() -> str:

@@ -10,6 +10,7 @@ from . import strategies as strategies
 from ._arrays._arrays import einshard as einshard
 from ._arrays._arrays import make_sharding as make_sharding
 from ._arrays._multihost import from_process_local as from_process_local
+from ._cost._program import constrain_loops as constrain_loops
 from ._cost._step import Finding as Finding
 from ._cost._step import Hardware as Hardware
 from ._cost._step import StepReport as StepReport
@@ -31,6 +32,8 @@ from ._planning._planner import plan as plan
 from ._sharding._devices import use_devices as use_devices
 from ._sharding._picture import picture as picture
 from ._sharding._picture import visualize as visualize
+from ._tracing._batch_layout import like_batch as like_batch
+from ._tracing._batch_layout import use_strategy as use_strategy
 from ._trees._explain import Report as Report
 from ._trees._explain import ReportRow as ReportRow
 from ._trees._explain import explain as explain

@@ -41,9 +41,15 @@ PREFIXES = {
     "import": r"(?:ImportError: |einshard: error: )",
 }
 # The exceptions einshard may raise besides EinshardError: the command line's argument errors
-# (argparse prints them), the ImportError for a missing optional dependency, and assertions of
-# its own invariants (not user errors).
-OTHER_RAISES = {"ArgumentTypeError": "argument", "ImportError": "import", "AssertionError": None}
+# (argparse prints them), the ImportError for a missing optional dependency, assertions of its
+# own invariants, and the end of a child process's second run of the user's script (caught there:
+# neither is a user error).
+OTHER_RAISES = {
+    "ArgumentTypeError": "argument",
+    "ImportError": "import",
+    "AssertionError": None,
+    "ScriptStopped": None,
+}
 
 
 @dataclasses.dataclass(frozen=True)

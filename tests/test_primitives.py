@@ -36,9 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from einshard._planning import _primitives
 from einshard._planning._jaxpr import HANDLED, READ
-from einshard._planning._primitives import STOPS
+from einshard._tracing import _primitives
+from einshard._tracing._primitives import STOPS
 from einshard.strategies import roles
 
 IMPORTS = (
@@ -140,7 +140,7 @@ def test_every_jax_primitive_is_read_or_stops_with_a_reason():
     missing = {name: module for name, module in primitives.items() if name not in READ and name not in STOPS}
     assert not missing, (
         f"JAX {jax.__version__} defines primitives the roles reader neither reads nor lists as a stop: "
-        f"{missing}. Add each to a set of einshard/_planning/_primitives.py (or a handler in _jaxpr.py), "
+        f"{missing}. Add each to a set of einshard/_tracing/_primitives.py (or a handler in _jaxpr.py), "
         "or to STOPS with its reason."
     )
 

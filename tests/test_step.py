@@ -165,10 +165,15 @@ def test_groups_map_onto_the_mesh_axis_they_run_over_both_ways_round(names):
 def test_a_jitted_step_keeps_its_donation_and_totals_are_the_sum_of_the_rows():
     params = _params("... -> * ...", "... -> * ...")
     x = jax.ShapeDtypeStruct((B * 4, D), jnp.float32, sharding=einshard.make_sharding("b d -> b* d"))
-    plain = einshard.explain_step(sgd_step, params, x, bandwidth=1e9, latency=1e-6, flops_per_second=1e12)
+    plain = einshard.explain_step(
+        sgd_step, params, x, bandwidth=1e9, latency=1e-6, flops_per_second=1e12, donate=False
+    )
     donated = einshard.explain_step(jax.jit(sgd_step, donate_argnums=0), params, x)
+    by_default = einshard.explain_step(sgd_step, params, x)  # returns params updated: donated
     param_bytes = sum(v.nbytes for v in params.values()) // 1
     assert plain.alias_bytes == 0 and donated.alias_bytes == param_bytes
+    assert by_default.donated == "params" and by_default.alias_bytes == param_bytes
+    assert plain.donated is None and donated.donated is None  # a jax.jit step: its own donation
     assert plain.peak_bytes == plain.argument_bytes + plain.output_bytes + plain.temp_bytes
     assert plain.argument_bytes == param_bytes + x.size * 4 // N
     assert plain.flops and plain.flops > 2 * (B * 4 // N) * (D * F + F * OUT)  # at least the forward matmuls

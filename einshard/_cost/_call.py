@@ -120,6 +120,10 @@ class StepCall:
         table: Those rules, or ``None``.
         unmatched: Their *unmatched* rules: those whose regex matches no path of the arguments'
             array leaves (a catch-all never is one).
+        batch_layout: The batch expression of the strategy that laid the arguments out (its
+            ``.batch``), when the step has a batch argument: the compile keeps the step's
+            batch-major loop carries in it (``_tracing._loops``); else ``None``.
+        donate: Whether the compile donates the first argument when the step returns it updated.
     """
 
     given: Callable[..., Any] | str
@@ -134,6 +138,8 @@ class StepCall:
     layouts: tuple[Any, ...] | None = None
     table: Any = None
     unmatched: tuple[Any, ...] = ()
+    batch_layout: str | None = None
+    donate: bool = True
 
     @classmethod
     def of(cls, fn: Callable[..., Any] | str, args: tuple, kwargs: dict) -> StepCall:
@@ -270,6 +276,19 @@ class StepCall:
             for leaf, sharding in zip(self._abstract_leaves, shardings, strict=True)
         ]
         layouts = tuple(leaf for _, leaf in assignment.leaves)
+        batch = getattr(rules, "batch", None) if self.batch_name is not None else None
         return dataclasses.replace(
-            self.with_leaves(placed), layouts=layouts, table=assignment.table, unmatched=assignment.unmatched
+            self.with_leaves(placed),
+            layouts=layouts,
+            table=assignment.table,
+            unmatched=assignment.unmatched,
+            batch_layout=batch if isinstance(batch, str) else None,
         )
+
+    def batch_arrays(self) -> list[bool]:
+        """For each array leaf (the program's parameters, in order): whether it is of the batch argument."""
+        name = self.batch_name
+        if name is None:
+            return [False] * len(self.arrays)
+        inside = set(self.argument_leaves(self.names.index(name)))
+        return [i in inside for i in self.arrays]

@@ -2,12 +2,14 @@
 
 The child runs ``python -c "from einshard._cost._child import main; main()"`` with ``N``
 simulated CPU devices, reads the pickled step and arguments from stdin, and writes its answers
-to stdout.
+to stdout. A step defined in the script being run is found by running that script's top level
+again first (``_rerun``), with the script's own device settings left out.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import pickle
@@ -17,16 +19,18 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from .._language._errors import EinshardError
-from .._language._text import size_text
+from .._language._errors import EinshardError, EinshardWarning
+from .._language._text import seconds_text, size_text
 from .._sharding._devices import use_devices
 from .._trees._rules import RulesLike
 from ._analysis import Answer, answer
 from ._call import StepCall, abstract
 from ._progress import Progress
+from ._rerun import Script, defined, pickled, run_script, script_of_main, undefined_error
 from ._target import Target, target_devices
 
 __all__ = ["KILLED", "Crash", "Order", "child_error", "in_child", "killed_reason", "main"]
@@ -82,6 +86,7 @@ def in_child(
     tables: Sequence[RulesLike | None],
     target: Target | None = None,
     progress: Progress | None = None,
+    donate: bool = True,
     order: Order | None = None,
 ) -> dict[int, Answer]:
     """The answers of the tables compiled, by index, in a child process with ``n_devices`` CPU devices.
@@ -104,17 +109,10 @@ def in_child(
         "kwargs": abstract(kwargs),
         "tables": list(tables),
         "target": target,
+        "donate": donate,
     }
-    # A step defined in the script being run lives in __main__: the child runs that file as
-    # __mp_main__ first, as multiprocessing's spawn does, so that pickle finds it there.
-    main_module = sys.modules.get("__main__")
-    main_file = getattr(main_module, "__file__", None)
-    main_path = os.path.abspath(main_file) if main_file and main_file.endswith(".py") else None
     try:
-        data = pickle.dumps(payload)
-        if b"__main__" not in data:  # nothing from the running script: the child need not run it
-            main_path = None
-        data = pickle.dumps(main_path) + data
+        data, main_names = pickled(payload)
     except Exception as error:
         raise EinshardError(
             f"the step cannot cross into a child process with {n_devices} devices: {error}",
@@ -122,6 +120,10 @@ def in_child(
             "and arguments that pickle: arrays or ShapeDtypeStructs in ordinary pytrees; "
             "give their shardings with rules=.",
         ) from None
+    # A step defined in the script being run lives in __main__: the child runs that script again
+    # first (_rerun), as multiprocessing's spawn does, so that pickle finds it there.
+    script = script_of_main(main_names, n_devices)
+    data = pickle.dumps(script) + data
     flags = os.environ.get("XLA_FLAGS", "")
     flags = " ".join(f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
     env = {
@@ -140,19 +142,46 @@ def in_child(
         # libtpu takes a lock file per machine: this process (a TPU VM's) may hold it already.
         env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
     answers: dict[int, Answer] = {}
+    reruns: list[float] = []
     while (first := choose(answers)) is not None:
-        crashed = _run_child(data, env, first, answers, choose, n_devices, target, progress)
+        crashed = _run_child(data, env, first, answers, choose, n_devices, target, progress, reruns)
         if crashed is not None:
             # XLA aborts the whole process on some layouts (a failed CHECK in its partitioner):
             # that table gets the reason, and a new child compiles the ones after it.
             index, crash = crashed
             answers[index] = Answer(None, crash)
+    if script is not None and reruns and max(reruns) > SLOW_RERUN_SECONDS:
+        _warn_slow_rerun(script, max(reruns))
     return answers
 
 
 def _in_turn(count: int) -> Callable[[dict[int, Answer]], int | None]:
     """Every table in turn: the first without an answer."""
     return lambda answers: next((i for i in range(count) if i not in answers), None)
+
+
+SLOW_RERUN_SECONDS = 5.0
+"""A second run of the user's script longer than this is announced (an ``EinshardWarning``)."""
+
+
+def _warn_slow_rerun(script: Script, seconds: float) -> None:
+    name = os.path.basename(script.path)
+    warnings.warn(
+        f"the child process ran the top level of {name} again, to find the step defined in it, and that "
+        f"took {seconds_text(seconds)}: put the script's work under `if __name__ == '__main__':`, or "
+        "define the step in a module the script imports",
+        EinshardWarning,
+        stacklevel=_caller_level(),
+    )
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside einshard: the user's call."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def _run_child(
@@ -164,13 +193,16 @@ def _run_child(
     n_devices: int,
     target: Target | None = None,
     progress: Progress | None = None,
+    reruns: list[float] | None = None,
 ) -> tuple[int, Crash] | None:
     """One child, compiling table ``first`` and then those ``choose`` asks for, into ``answers``.
 
     Returns the table it died compiling and why, or ``None``. The parent sends each table's index
     when the one before is answered (``None``: the end); the child writes a ``('compiling', i)``
     record before each table and ``('answer', a)`` after it, so a child that dies names the table
-    it was compiling when it died. The records are read as they come, for the progress shown.
+    it was compiling when it died. The records are read as they come, for the progress shown. A
+    child that ran the user's script again says how long that took first (``('script', seconds)``,
+    added to ``reruns``).
     """
     spawned = time.perf_counter()
     child = subprocess.Popen(
@@ -207,6 +239,9 @@ def _run_child(
             break
         if kind == "error":
             failure = value
+        elif kind == "script":
+            if reruns is not None:
+                reruns.append(value)
         elif kind == "ready":
             if progress is not None:
                 progress.child_started(time.perf_counter() - spawned)
@@ -290,19 +325,20 @@ def main() -> None:
     count = int(os.environ["JAX_NUM_CPU_DEVICES"])
     with contextlib.suppress(AttributeError):  # older JAX: XLA_FLAGS does it
         jax.config.update("jax_num_cpu_devices", count)
-    jax.devices()  # start the backend now: the parent's script may set XLA_FLAGS when it runs
-    stream = sys.stdin.buffer
+    jax.devices()  # start the backend now: the parent's script sets its own devices when it runs again
+    stream = sys.stdin.buffer  # the payload, then each table's index as the parent sends it
     try:
-        main_path = pickle.load(stream)
-        if main_path is not None:
-            import runpy
-            import types
-
-            module = types.ModuleType("__mp_main__")
-            module.__dict__.update(runpy.run_path(main_path, run_name="__mp_main__"))
-            sys.modules["__main__"] = sys.modules["__mp_main__"] = module
+        script = pickle.load(stream)
+        if script is not None:
+            with _parents_device_settings_left_out():
+                rerun = run_script(script)
+            _write(out, ("script", rerun.seconds))
+            for name in script.names:
+                if not defined(rerun.module, name):
+                    raise undefined_error(script, rerun, name)
         payload = pickle.load(stream)
         call = StepCall.of(payload["fn"], payload["args"], payload["kwargs"])
+        call = dataclasses.replace(call, donate=payload.get("donate", True))
     except EinshardError as error:
         _write(out, ("error", error))
         return
@@ -337,6 +373,45 @@ def _next_index(stream: Any) -> int | None:
         return pickle.load(stream)
     except Exception:
         return None
+
+
+# What the user's script sets of the devices (JAX_NUM_CPU_DEVICES=8 at its top, as JAX's docs
+# show) is the parent's business: the child's devices (its count, or the target's) are made
+# before the script runs again, and JAX refuses a device count changed after that.
+_DEVICE_OPTIONS = frozenset({"jax_num_cpu_devices", "jax_platforms", "jax_platform_name"})
+_DEVICE_VARIABLES = ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES")
+
+
+@contextlib.contextmanager
+def _parents_device_settings_left_out() -> Iterator[None]:
+    """While the script runs again, its device settings do nothing: they are the parent's.
+
+    A ``jax.config.update`` of a device option is left out, and the environment's device
+    variables are the child's again afterwards. ``jax.config`` is one object, which the script's
+    ``jax.config.update`` and ``from jax import config`` both reach: its ``update`` is shadowed
+    by an attribute of the object for the while (``tests/test_child_script.py`` runs such a
+    script, and fails if JAX's config stops taking the attribute).
+    """
+    import jax
+
+    config: Any = jax.config
+    update = config.update
+
+    def update_unless_devices(name: str, value: Any) -> None:
+        if name not in _DEVICE_OPTIONS:
+            update(name, value)
+
+    environment = {name: os.environ.get(name) for name in _DEVICE_VARIABLES}
+    config.update = update_unless_devices
+    try:
+        yield
+    finally:
+        del config.update
+        for name, value in environment.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _write(out: Any, record: tuple[str, Any]) -> None:

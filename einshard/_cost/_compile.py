@@ -21,10 +21,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from .._arrays._leaves import is_jax_array
+from .._tracing._loops import LoopNote
 from ._call import StepCall
+from ._program import Program, step_program
 
-__all__ = ["Compiled", "compile_step", "compiler_messages"]
+__all__ = ["Compiled", "compile_step", "compiler_messages", "forget_traces"]
 
 # What XLA prints when its partitioner replicates an array to change its layout.
 REMAT_MARKER = "Involuntary full rematerialization"
@@ -40,6 +41,10 @@ class Compiled:
     seconds: float
     printed: tuple[str, ...] = ()
     """The rematerialization messages the compiler printed while compiling it."""
+    loops: tuple[LoopNote, ...] = ()
+    """The step's loops whose carry comes from the batch, and what the compile did to each."""
+    donated: str | None = None
+    """The argument einshard's compile donated (the step returns it updated), or ``None``."""
 
     def text(self) -> str:
         """The compiled program's HLO text."""
@@ -207,44 +212,40 @@ def _remembered(text: str, messages: tuple[str, ...]) -> tuple[str, ...]:
     return _SEEN.get(key, ())
 
 
+def forget_traces() -> None:
+    """Drops JAX's caches of traces and programs (``jax.clear_caches``), in this process."""
+    import jax
+
+    jax.clear_caches()
+
+
 def compile_step(call: StepCall) -> Compiled:
-    """Lowers and compiles the step for its arguments' shardings.
+    """Lowers and compiles the step for its arguments' shardings (``_program``: as training runs it).
 
     A step with a ``lower`` method (``jax.jit``, ``nnx.jit``) is lowered as it is, keeping its
     own shardings and donation; any other function is compiled with ``jax.jit``, its leaves that
-    are not arrays held static (as ``equinox.filter_jit`` does).
+    are not arrays held static (as ``equinox.filter_jit`` does), its first argument donated when
+    it comes back updated, and its loops' batch-major carries kept in a strategy's batch layout.
     """
     start = time.perf_counter()
     with compiler_messages() as lines:
-        compiled = _compiled(call)
+        program = step_program(call)
+        compiled = _compiled(program)
+        if not callable(getattr(compiled, "as_text", None)):
+            # equinox.filter_jit wraps JAX's Compiled without as_text: such a step is compiled
+            # inside a jit of einshard's own, like any function.
+            program = step_program(call, own=False)
+            compiled = _compiled(program)
     seconds = time.perf_counter() - start
-    return Compiled(compiled, seconds, tuple(line for line in lines if REMAT_MARKER in line))
+    printed = tuple(line for line in lines if REMAT_MARKER in line)
+    return Compiled(compiled, seconds, printed, program.loops, program.donated)
 
 
-def _compiled(call: StepCall) -> Any:
-    import jax
-
-    fn = call.fn
-    if callable(getattr(fn, "lower", None)):
-        lowered = fn.lower(*call.args, **call.kwargs)
-        try:
-            # An option at its default value: a program JAX compiled before (the user's own
-            # call) is compiled again rather than taken from the cache, so XLA speaks again.
-            compiled = lowered.compile(compiler_options={"xla_embed_ir_in_executable": False})
-        except Exception:
-            compiled = lowered.compile()
-        # jax.jit and nnx.jit give JAX's Compiled; equinox.filter_jit wraps it without as_text,
-        # so such a step is compiled below, inside a jit of our own, like any function.
-        if callable(getattr(compiled, "as_text", None)):
-            return compiled
-
-    def flat(*arrays: Any) -> Any:
-        call_args, call_kwargs = call.rebuilt(arrays)
-        # Outputs that are not arrays (an Equinox module's functions) stay out of the program.
-        return [
-            leaf for leaf in jax.tree_util.tree_leaves(fn(*call_args, **call_kwargs)) if is_jax_array(leaf)
-        ]
-
-    flat.__name__ = getattr(fn, "__name__", "step")
-    arrays = [call.leaves[i] for i in call.arrays]
-    return jax.jit(flat, keep_unused=True).lower(*arrays).compile()
+def _compiled(program: Program) -> Any:
+    lowered = program.lower()
+    try:
+        # An option at its default value: a program JAX compiled before (the user's own call) is
+        # compiled again rather than taken from the cache, so XLA speaks again.
+        return lowered.compile(compiler_options={"xla_embed_ir_in_executable": False})
+    except Exception:
+        return lowered.compile()

@@ -20,7 +20,8 @@ COPIED = "copied"
 RESHARD = "reshard"
 REMAT = "rematerialization"
 BATCH = "activations gathered over the batch"
-FINDING_KINDS = (REPEATED, UNSUMMED, SLICED, COPIED, RESHARD, REMAT, BATCH)
+LOOP = "activations reduced in a loop"
+FINDING_KINDS = (REPEATED, UNSUMMED, SLICED, COPIED, RESHARD, REMAT, BATCH, LOOP)
 
 REDUCTIONS = ("all-reduce", "reduce-scatter")
 # Names of JAX's collective primitives: a collective the user wrote (shard_map), not a reshard.

@@ -24,7 +24,7 @@ from .._trees._strategy import batch_pattern
 from ._detect import BATCH, Context, is_user_collective, rows_sources, rows_traffic
 from ._report import Finding
 
-__all__ = ["find_batch_gathers"]
+__all__ = ["batch_arrays", "find_batch_gathers"]
 
 BATCH_SPLIT = "b ... -> b* ..."
 # Collectives that move activations between layouts: with these among the rows that serve no
@@ -44,19 +44,11 @@ def find_batch_gathers(context: Context, extra: set[int]) -> list[Finding]:
     so that the detectors after it do not count them again); their bytes are what the split
     batch saves.
     """
-    if not context.layouts or not context.paths:
-        return []
-    batch = _batch_name(context.paths)
-    if batch is None:
-        return []
-    inside = [
-        leaf
-        for path, leaf in zip(context.paths, context.layouts, strict=False)
-        if leaf is not None and _under(path, batch)
-    ]
-    arrays = [leaf for leaf in inside if leaf.shape]
+    arrays = batch_arrays(context)
     if not arrays or any(leaf.layout.shards[0] > 1 for leaf in arrays):
         return []  # no batch array, or the table splits the batch on its batch axis
+    batch = _batch_name(context.paths)
+    assert batch is not None
     why = _why_whole(arrays[0], context.paths)
     if why is None:
         return []  # a rule written for the batch replicates it: on purpose
@@ -104,6 +96,20 @@ def find_batch_gathers(context: Context, extra: set[int]) -> list[Finding]:
         "the batch, as plan does."
     )
     return [Finding(BATCH, sent, 0, (), rows_sources(rows, positions), cause, fix, tuple(positions))]
+
+
+def batch_arrays(context: Context) -> list[Any]:
+    """The assignments of the batch argument's array leaves (not scalars), or ``[]``."""
+    if not context.layouts or not context.paths:
+        return []
+    batch = _batch_name(context.paths)
+    if batch is None:
+        return []
+    return [
+        leaf
+        for path, leaf in zip(context.paths, context.layouts, strict=False)
+        if leaf is not None and _under(path, batch) and leaf.shape
+    ]
 
 
 def _batch_name(paths: Sequence[str]) -> str | None:

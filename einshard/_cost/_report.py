@@ -9,8 +9,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TypeVar
 
 from .._language._errors import EinshardError
+from .._tracing._loops import LoopNote
 from ._hlo import KINDS
 from ._report_text import finding_headline, findings_text, report_text
+from ._rerun import stop_if_rerunning
 from ._target import FROM_SOURCE, GPU_EXTRA, GPUS, TPU_EXTRA, TPUS, Figures, Hardware
 from ._timing import Rates, Schedule, simulate
 
@@ -40,17 +42,25 @@ assert set(RING) == set(KINDS)  # a ring formula for every kind the reader knows
 
 
 def refuses_accelerator(*, step_kwargs: bool = False) -> Callable[[_F], _F]:
-    """A decorator: ``accelerator=``, which ``target=`` replaced, raises the error saying so.
+    """The cost wing's entry points' decorator: ``accelerator=`` raises the error naming ``target=``.
 
     The parameter is gone from the signature (``functools.wraps``: ``inspect.signature`` shows
     the function's own); an old call still learns what to write instead. With ``step_kwargs``
     (``explain_step``, whose other keywords go to the step, its first argument) the keyword is
     refused only when the step takes no ``accelerator`` of its own.
+
+    A function it decorates (``explain_step``, ``plan``, ``plan_batches``; not a method,
+    ``.at()``, which compiles nothing) also ends a child process's second run of the user's
+    script at its first call there (:func:`~einshard._cost._rerun.stop_if_rerunning`).
     """
 
     def decorator(fn: _F) -> _F:
+        stops_rerun = "." not in fn.__qualname__
+
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if stops_rerun:
+                stop_if_rerunning(fn.__name__)
             if "accelerator" in kwargs and not (step_kwargs and args and _takes_accelerator(args[0])):
                 _accelerator_error(kwargs["accelerator"])
             return fn(*args, **kwargs)
@@ -143,8 +153,8 @@ class Finding:
 
     Attributes:
         kind: ``'repeated'``, ``'unsummed'``, ``'sliced all-reduce'``, ``'copied'``,
-            ``'reshard'``, ``'rematerialization'`` or ``'activations gathered over the batch'``
-            (see the "What does my table cost?" page).
+            ``'reshard'``, ``'rematerialization'``, ``'activations gathered over the batch'`` or
+            ``'activations reduced in a loop'`` (see the "What does my table cost?" page).
         bytes: The bytes each device sends per step beyond the better program (ring formulas).
         memory_bytes: The bytes each device holds beyond the better program (``'copied'``).
         params: The parameter paths concerned (where the data flow names them).
@@ -226,6 +236,11 @@ class StepReport:
         exposed_seconds: Communication the kernels do not cover (simulated), or ``None``.
         hidden_seconds: Communication that runs while kernels do (simulated), or ``None``.
         kernels: The kernels that take the most time: ``(instruction, source, seconds)``.
+        loops: The step's loops whose carry comes from the batch (a scanned model's layers), each
+            with its source line and whether its carry was kept in the batch's layout (under a
+            strategy that splits the batch: :func:`~einshard.constrain_loops`), or why not.
+        donated: The name of the argument the compile donated because the step returns it
+            updated (``'state'``, ``'params'``), or ``None`` (see ``donate=``).
     """
 
     rows: tuple[StepRow, ...]
@@ -262,6 +277,8 @@ class StepReport:
     exposed_seconds: float | None = None
     hidden_seconds: float | None = None
     kernels: tuple[tuple[str, str | None, float], ...] = dataclasses.field(default=(), repr=False)
+    loops: tuple[LoopNote, ...] = ()
+    donated: str | None = None
 
     @property
     def waste_bytes(self) -> int:

@@ -13,7 +13,14 @@ from typing import Any
 from .._language._text import seconds_text, size_text, table_text
 from ._hlo import KINDS
 
-__all__ = ["collectives_text", "finding_headline", "findings_text", "memory_note", "report_text"]
+__all__ = [
+    "collectives_text",
+    "finding_headline",
+    "findings_text",
+    "loops_lines",
+    "memory_note",
+    "report_text",
+]
 
 
 def report_text(report: Any) -> str:
@@ -87,6 +94,13 @@ def _columns(report: Any) -> tuple[list[str], list[list[str]], list[str]]:
             f"aliased {size_text(report.alias_bytes or 0)}, "
             f"temporaries {size_text(report.temp_bytes or 0)})"
         )
+        if report.donated is not None:
+            footer += _wrapped(
+                f"  the step returns its first argument, {report.donated!r}, updated: compiled with it "
+                "donated, as a training loop runs it (its buffers hold the result: 'aliased'; "
+                "donate=False compiles it without)",
+                "  ",
+            )
         if report.hardware is not None:
             footer += _wrapped(f"  {memory_note(report)}", "  ")
     if report.flops is not None:
@@ -124,8 +138,32 @@ def _columns(report: Any) -> tuple[list[str], list[list[str]], list[str]]:
             + ", ".join(repr(pattern) for pattern in report.unmatched_rules),
             "  ",
         )
+    footer += loops_lines(report.loops)
     footer += _findings_lines(report)
     return header, body, footer
+
+
+def loops_lines(loops: Sequence[Any]) -> list[str]:
+    """The loops whose carry comes from the batch: where each was kept in the batch's layout, or why not."""
+    if not loops:
+        return []
+    kept = [loop for loop in loops if loop.constrained]
+    lines = []
+    if kept:
+        lines += _wrapped(
+            "loops kept in the batch's layout (their carry constrained to it, as einshard.like_batch "
+            "does; see einshard.constrain_loops): " + ", ".join(_loop_text(loop) for loop in kept),
+            "  ",
+        )
+    for loop in loops:
+        if not loop.constrained:
+            lines += _wrapped(f"loop not kept in the batch's layout: {_loop_text(loop)}: {loop.reason}", "  ")
+    return lines
+
+
+def _loop_text(loop: Any) -> str:
+    where = _short(loop.source) if loop.source else "a loop without a source line"
+    return f"{where} ({loop.primitive}{', backward' if loop.backward else ''})"
 
 
 def _simulated_lines(report: Any) -> list[str]:

@@ -15,18 +15,21 @@ planner (``einshard._planning``) calls.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._language._errors import EinshardWarning
 from .._language._numbers import checked_count
+from .._tracing._batch_layout import marks
 from .._trees._assign import as_rules
 from .._trees._rules import Rules, RulesLike
 from .._trees._strategy import with_batch
 from ._analysis import Answer, analyse, answer
 from ._call import StepCall
 from ._child import Order, child_error, in_child
+from ._compile import forget_traces
 from ._progress import Progress
 from ._report import Finding as Finding
 from ._report import StepReport as StepReport
@@ -58,6 +61,7 @@ def explain_step(
     latency: float | None = None,
     flops_per_second: float | None = None,
     quiet: bool = False,
+    donate: bool = True,
     **kwargs: Any,
 ) -> StepReport:
     """Compiles ``fn(*args, **kwargs)`` for its arguments' shardings and reports what it costs.
@@ -95,8 +99,10 @@ def explain_step(
             by its ``.batch``, as :func:`~einshard.plan` does, so the report is the plan's row:
             the batch is the argument named ``batch`` (by position or keyword), else the last
             positional one (``step(params, batch)``, ``step(params, opt_state, tokens)``), every
-            leaf of it. With a single argument there is no batch, and the strategy is a table
-            like any other.
+            leaf of it; and the step's loops whose carry comes from the batch (a scanned
+            model's layers) keep that carry in the batch's layout (as
+            :func:`~einshard.constrain_loops` compiles it: ``report.loops`` says where). With a
+            single argument there is no batch, and the strategy is a table like any other.
         target: What to compile for: ``'cpu'`` (simulated CPU devices, the default), a GPU
             (``'a100'``, ``'h100'``, ``'h200'``, ``'b200'``: needs the ``gpu-target`` extra)
             or a TPU generation (``'v5e'``, ``'v5p'``, ``'v6e'``, or a slice ``'v5e:2x4'``:
@@ -113,6 +119,11 @@ def explain_step(
             rate every dot runs at instead of its matrix units' per element type.
         quiet: Show no progress. A compile in a child process that runs over 10 seconds says
             so on standard error (``rich``'s bar on a terminal, else plain lines).
+        donate: Compile a plain step that returns its first argument updated (the whole result,
+            or its first element: same tree, shapes and dtypes) with that argument donated, as
+            a training loop runs it: its buffers hold the result, and the memory shows it
+            (``report.donated`` names it). ``False`` compiles it without. A ``jax.jit`` step
+            keeps its own ``donate_argnums``.
         **kwargs: Keyword arguments of ``fn``. (``accelerator=``, removed, raises an
             ``EinshardError`` naming ``target=``, unless ``fn`` takes an ``accelerator`` itself.)
 
@@ -122,7 +133,11 @@ def explain_step(
     Raises:
         EinshardError: When ``fn`` or the arguments cannot cross into the child process, or
             ``n_devices`` is not a positive integer, or the target is unknown, or its compiler
-            is not installed (the error names the extra to install), or as ``rules`` would.
+            is not installed (the error names the extra to install), or a figure is not one (a
+            bandwidth or FLOP/s not a finite number above 0, a latency negative, an efficiency
+            outside (0, 1], ``hardware=`` not a mapping of its names: before any compile), or as
+            ``rules`` would; or when a step defined in the script being run cannot be found by
+            running the script again in the child (the error names the line that failed there).
 
     >>> import jax, jax.numpy as jnp, einshard
     >>> w = einshard.einshard(jnp.ones((64, 32)), 'x y -> x* y')
@@ -138,17 +153,18 @@ def explain_step(
     )
     # Named here in every case: its checks (a float64 argument) speak in this process, and a
     # strategy's batch rule needs the batch argument's name.
-    call = StepCall.of(fn, args, kwargs)
+    call = dataclasses.replace(StepCall.of(fn, args, kwargs), donate=bool(donate))
     table = with_batch(rules, call.batch_name) if rules is not None else None
     if chosen.platform != "cpu":
         with Progress("explain_step", [chosen.label], quiet=quiet) as progress:
-            result = in_child(fn, args, kwargs, chosen.n_devices, [table], chosen, progress)[0]
+            answers = in_child(fn, args, kwargs, chosen.n_devices, [table], chosen, progress, call.donate)
+            result = answers[0]
         if result.report is None:
             raise child_error(result.error or "no report", chosen.n_devices, chosen)
         report = result.report
     elif n_devices is not None:
         with Progress("explain_step", [f"{n_devices} CPU devices"], quiet=quiet) as progress:
-            result = in_child(fn, args, kwargs, n_devices, [table], None, progress)[0]
+            result = in_child(fn, args, kwargs, n_devices, [table], None, progress, call.donate)[0]
         if result.report is None:
             raise child_error(result.error or "no report", n_devices)
         report = result.report
@@ -214,7 +230,8 @@ def reports(
             the child fails as a whole.
     """
     if n_devices is not None:
-        return in_child(call.given, call.args, call.kwargs, n_devices, list(tables), target, progress, order)
+        given = (call.given, call.args, call.kwargs)
+        return in_child(*given, n_devices, list(tables), target, progress, call.donate, order)
     answers: dict[int, Answer] = {}
     while True:
         index = (
@@ -224,6 +241,9 @@ def reports(
             return answers
         if progress is not None:
             progress.compiling(index)
+        marked = marks()
         answers[index] = answer(call, tables[index])
+        if marks() != marked:  # like_batch followed this table: no later table may reuse its traces
+            forget_traces()
         if progress is not None:
             progress.finished(index, "compiled" if answers[index].report is not None else "rejected")

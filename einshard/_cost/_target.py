@@ -20,12 +20,13 @@ import importlib.metadata
 import importlib.util
 import math
 import mmap
+import numbers
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .._language._errors import EinshardError
+from .._language._errors import EinshardError, short_repr
 
 __all__ = [
     "GPUS",
@@ -33,6 +34,9 @@ __all__ = [
     "Figures",
     "Hardware",
     "Target",
+    "checked_figure",
+    "checked_figures",
+    "checked_keywords",
     "gpu_spec_text",
     "hardware_of",
     "parse_target",
@@ -115,6 +119,29 @@ _FIGURES = (
     "network_latency",
 )
 
+# Every figure a user gives, in hardware= (a Hardware's names) or as a keyword of explain_step,
+# plan, plan_batches and .at(): what it is, what it means, and an example of it. What it is
+# decides its check: a rate is finite and above 0 (an estimate divides by it), a time finite and
+# not negative, a fraction above 0 and at most 1, a size a whole number of bytes above 0.
+_FIGURE_KINDS: dict[str, tuple[str, str, str]] = {
+    "memory_bytes": ("bytes", "the memory of each device, in bytes", "80e9"),
+    "memory_bandwidth": ("rate", "the bytes per second between a device and its memory", "3.35e12"),
+    "peak_flops_per_second": ("rate", "the device's peak bf16 FLOP/s", "989e12"),
+    "efficiency": ("fraction", "the share of the peak FLOP/s a large gemm reaches", "0.75"),
+    "memory_efficiency": (
+        "fraction",
+        "the share of the memory's bandwidth a streaming kernel reaches",
+        "0.85",
+    ),
+    "launch_seconds": ("time", "what each kernel costs at least, in seconds", "2e-6"),
+    "bandwidth": ("rate", "the bytes per second each device sends", "450e9"),
+    "network_bandwidth": ("rate", "the bytes per second each device sends to other hosts", "50e9"),
+    "latency": ("time", "the seconds each step of a ring algorithm takes", "1e-6"),
+    "network_latency": ("time", "the seconds each ring step across hosts takes", "5e-6"),
+    "flops_per_second": ("rate", "the FLOP/s each device computes at", "700e12"),
+    "memory_per_device": ("bytes", "the memory of each device, in bytes", "80e9"),
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
@@ -171,33 +198,107 @@ class Hardware:
         """These figures with some given instead (their source: ``'given'``).
 
         Raises:
-            EinshardError: For a name that is not a figure, or a value that is not a positive number.
+            EinshardError: For a name that is not a figure, or a value that is not one
+                (:func:`checked_figure`).
         """
         checked = checked_figures(figures)
         sources = {**self.sources, **dict.fromkeys(checked, "given")}
         return dataclasses.replace(self, **checked, sources=sources)
 
 
-def checked_figures(figures: Mapping[str, Any]) -> dict[str, float]:
-    """Figures a user gives (``hardware=``), checked: known names, positive numbers.
+def checked_figures(figures: Any) -> dict[str, Any]:
+    """Figures given as ``hardware=``, checked: a mapping of known names, each by :func:`checked_figure`.
 
     Raises:
-        EinshardError: For a name that is not a figure, or a value that is not a positive number.
+        EinshardError: For something not a mapping, a name that is not a figure, or a value that
+            is not one.
     """
-    checked: dict[str, float] = {}
+    if not isinstance(figures, Mapping):
+        raise EinshardError(
+            f"hardware= must be a mapping of figures by name, not {type(figures).__name__}",
+            hint=f"Give a dict such as hardware={{'efficiency': 0.6}}; the figures: {', '.join(_FIGURES)}.",
+        )
+    checked: dict[str, Any] = {}
     for name, value in figures.items():
         if name not in _FIGURES:
             raise EinshardError(
-                f"hardware={{{name!r}: ...}} is not a figure of a target",
+                f"hardware={{{short_repr(name)}: ...}} is not a figure of a target",
                 hint=f"Give any of {', '.join(_FIGURES)}.",
             )
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise EinshardError(
-                f"hardware={{{name!r}: {value!r}}} must be a positive number",
-                hint="Bytes, bytes per second, FLOP/s, seconds, or (an efficiency) a fraction such as 0.7.",
-            )
-        checked[name] = int(value) if name == "memory_bytes" else float(value)
+        checked[name] = checked_figure(name, value, in_hardware=True)
     return checked
+
+
+def checked_figure(name: str, value: Any, *, in_hardware: bool = False) -> Any:
+    """One figure a user gives, checked by what it is: the one check of every figure.
+
+    A rate (a bandwidth, FLOP/s) is a finite number above 0; a time (a latency, the launch
+    floor) a finite number of seconds, 0 or more; a fraction (an efficiency) above 0 and at most
+    1; a size in bytes (``memory_per_device``, ``memory_bytes``) a whole number above 0, an
+    integer or a float that is a whole number (``80e9``, not ``2.5``). A bool is not a number. Rates,
+    times and fractions come back as floats, sizes as ints.
+
+    Args:
+        name: The figure's name: a keyword of ``explain_step``, ``plan``, ``plan_batches`` or
+            ``.at()``, or a name of ``hardware=``.
+        value: What the user gave.
+        in_hardware: Given in ``hardware=`` (the message shows it so), else as a keyword.
+
+    Raises:
+        EinshardError: Naming the figure, the value and what it must be, with an example.
+
+    >>> checked_figure('memory_per_device', 80e9)
+    80000000000
+    >>> checked_figure('bandwidth', 0)
+    Traceback (most recent call last):
+        ...
+    einshard.EinshardError: bandwidth=0 must be a finite number above 0
+    Give the bytes per second each device sends, e.g. bandwidth=450e9.
+    """
+    kind, meaning, example = _FIGURE_KINDS[name]
+    shown = f"hardware={{{name!r}: {short_repr(value)}}}" if in_hardware else f"{name}={short_repr(value)}"
+    written = f"hardware={{{name!r}: {example}}}" if in_hardware else f"{name}={example}"
+    number = _real(value)
+    not_bool = "A bool is not a number. " if isinstance(value, bool) else ""
+    if kind == "bytes":
+        whole = isinstance(value, numbers.Integral) or (number is not None and number.is_integer())
+        if number is None or not whole or not number > 0:
+            raise EinshardError(
+                f"{shown} must be a whole number of bytes above 0",
+                hint=f"{not_bool}Give {meaning}, e.g. {written} or 80 << 30 (a float is taken when it is "
+                f"a whole number: 80e9, not 2.5).",
+            )
+        return int(value) if isinstance(value, numbers.Integral) else int(number)
+    if kind == "fraction":
+        if number is None or not 0 < number <= 1:
+            raise EinshardError(
+                f"{shown} must be a fraction above 0 and at most 1",
+                hint=f"{not_bool}Give {meaning}, e.g. {written} (1 is the whole peak).",
+            )
+        return number
+    if kind == "time":
+        if number is None or not (math.isfinite(number) and number >= 0):
+            raise EinshardError(
+                f"{shown} must be a finite number of seconds, 0 or more",
+                hint=f"{not_bool}Give {meaning}, e.g. {written}.",
+            )
+        return number
+    if number is None or not (math.isfinite(number) and number > 0):
+        raise EinshardError(
+            f"{shown} must be a finite number above 0", hint=f"{not_bool}Give {meaning}, e.g. {written}."
+        )
+    return number
+
+
+def _real(value: Any) -> float | None:
+    """A real number as a float (infinite beyond a float's range), or ``None``: bools are not numbers."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond a float's range
+        big: Any = value
+        return math.inf if big > 0 else -math.inf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -460,9 +561,12 @@ def hardware_of(target: Target, given: Mapping[str, Any] | None = None) -> Hardw
     """The target's figures, with the ``given`` ones instead; ``None`` for CPU devices.
 
     Raises:
-        EinshardError: The GPU's compiler is not installed (its spec is read from there), or a
-            given figure is unknown or not a positive number.
+        EinshardError: The GPU's compiler is not installed (its spec is read from there), or
+            ``given`` is not a mapping, or a figure of it is unknown or not one
+            (:func:`checked_figure`).
     """
+    if given is not None and not isinstance(given, Mapping):
+        checked_figures(given)  # the error saying what hardware= is, before any other
     if target.platform == "cpu":
         if given:
             raise EinshardError(
@@ -524,17 +628,40 @@ class Figures:
         flops_per_second: float | None = None,
         memory_per_device: int | None = None,
     ) -> Figures:
-        """These figures with those given instead; a bandwidth given is every collective's."""
+        """These figures with those given instead; a bandwidth given is every collective's.
+
+        The figures given are checked here (:func:`checked_figure`), for every path that takes
+        them: ``explain_step``, ``plan`` and ``plan_batches`` (through :func:`resolve_figures`),
+        ``StepReport.at`` and ``Plan.at``.
+
+        Raises:
+            EinshardError: For a figure that is not one.
+        """
+        given = checked_keywords(
+            bandwidth=bandwidth,
+            latency=latency,
+            flops_per_second=flops_per_second,
+            memory_per_device=memory_per_device,
+        )
         changed: dict[str, Any] = {}
-        if bandwidth is not None:
-            changed.update(bandwidth=bandwidth, network_bandwidth=None)
-        if latency is not None:
-            changed.update(latency=latency, network_latency=latency)
-        if flops_per_second is not None:
-            changed.update(flops_per_second=flops_per_second, flops_given=True)
-        if memory_per_device is not None:
-            changed.update(memory_per_device=memory_per_device)
+        if "bandwidth" in given:
+            changed.update(bandwidth=given["bandwidth"], network_bandwidth=None)
+        if "latency" in given:
+            changed.update(latency=given["latency"], network_latency=given["latency"])
+        if "flops_per_second" in given:
+            changed.update(flops_per_second=given["flops_per_second"], flops_given=True)
+        if "memory_per_device" in given:
+            changed.update(memory_per_device=given["memory_per_device"])
         return dataclasses.replace(self, **changed)
+
+
+def checked_keywords(**figures: Any) -> dict[str, Any]:
+    """The figure keywords given (not ``None``), each checked by :func:`checked_figure`.
+
+    Raises:
+        EinshardError: For a figure that is not one.
+    """
+    return {name: checked_figure(name, value) for name, value in figures.items() if value is not None}
 
 
 def resolve_figures(
@@ -548,9 +675,19 @@ def resolve_figures(
 ) -> Figures:
     """The figures of a report or plan: the target's, each one the caller gave instead.
 
+    The keywords are checked first, then ``hardware=``: a mistake in either is an error before
+    the target's compiler is looked for, and before any compile.
+
     Raises:
-        EinshardError: As :func:`hardware_of`.
+        EinshardError: For a figure that is not one (:func:`checked_figure`), and as
+            :func:`hardware_of`.
     """
+    checked_keywords(
+        bandwidth=bandwidth,
+        latency=latency,
+        flops_per_second=flops_per_second,
+        memory_per_device=memory_per_device,
+    )
     device = hardware_of(target, hardware)
     if device is None:
         base = Figures(target=target.name)

@@ -5,12 +5,11 @@ bounds that no program XLA makes for it can beat, from the step's jaxpr (read on
 candidate: :func:`step_costs`) and the candidate's layouts (known before compiling):
 
 - **memory**: the arguments' bytes per device as the table lays them out
-  (:func:`argument_bytes_per_device`), plus the outputs' bytes spread over every device, plus
-  the largest dot result the step goes on to use, spread the same way. XLA's peak is the
-  arguments, plus the outputs not aliased to them (none are: the step is compiled without
-  donation), plus its temporaries, of which that dot result is one while it lives; every device
-  runs the same program on blocks of one shape, so no device holds less than its share of a
-  whole array.
+  (:func:`argument_bytes_per_device`), plus the largest dot result the step goes on to use,
+  spread over every device, plus (when nothing is donated) the outputs spread the same way.
+  XLA's peak is the arguments, plus the outputs not aliased to a donated argument, plus its
+  temporaries, of which that dot result is one while it lives; every device runs the same
+  program on blocks of one shape, so no device holds less than its share of a whole array.
 - **time**: the step's dots at the rate the step time is simulated at (the fastest of the
   matrix units' rates its element types run at), their flops spread over every device; and the
   gradients the layout must sum over devices, at the links' bandwidths (:class:`Bounds`).
@@ -32,8 +31,8 @@ from .._arrays._leaves import is_jax_array, is_traced, itemsize
 from .._cost._call import StepCall, traced_dtype
 from .._cost._target import Figures
 from .._language._errors import EinshardError
+from .._tracing._jaxprs import inner_jaxpr, is_backward, is_jaxpr, scan_counts, var_nbytes, var_shape
 from .._trees._rules import RulesLike
-from ._values import inner_jaxpr, is_backward, is_jaxpr, scan_counts, var_nbytes, var_shape
 
 __all__ = ["Bounds", "StepCosts", "argument_bytes_per_device", "bounds", "step_costs"]
 
@@ -354,7 +353,11 @@ def bounds(
             arguments += math.prod(leaf.layout.shard_shape(leaf.shape)) * itemsize(leaf.dtype)
     if costs is None:  # the step was not traced: its arguments alone
         return Bounds(arguments, arguments, 0)
-    memory = arguments + (costs.output_bytes + costs.largest_dot_bytes) // n_devices
+    # A donated first argument's buffers may hold the outputs (einshard's compile donates it when
+    # the step returns it updated; a jitted step keeps its own donation): no floor for them then.
+    donated = call.donate or callable(getattr(call.fn, "lower", None))
+    outputs = 0 if donated else costs.output_bytes
+    memory = arguments + (outputs + costs.largest_dot_bytes) // n_devices
     hardware = figures.hardware
     per_host = hardware.devices_per_host if hardware is not None else None
     traffic, network = _gradient_sums(call, assignment, n_devices, costs.summed, per_host)

@@ -28,7 +28,19 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .._language._union import UnionFind
-from ._primitives import (
+from .._tracing._jaxprs import (
+    inner_jaxpr,
+    is_backward,
+    is_jaxpr,
+    keeps_shape,
+    reshape_groups,
+    scan_counts,
+    user_line,
+    var_nbytes,
+    var_rank,
+    var_shape,
+)
+from .._tracing._primitives import (
     CALLS,
     CONSTANT,
     CUMULATIVE,
@@ -38,26 +50,7 @@ from ._primitives import (
     REDUCE,
     STOPS,
 )
-from ._values import (
-    ACT,
-    BACK,
-    CONST,
-    EMPTY,
-    PARAM,
-    Value,
-    inner_jaxpr,
-    is_backward,
-    is_jaxpr,
-    keeps_shape,
-    plain,
-    reshape_groups,
-    same_value,
-    scan_counts,
-    user_line,
-    var_nbytes,
-    var_rank,
-    var_shape,
-)
+from ._values import ACT, BACK, CONST, EMPTY, PARAM, Value, plain, same_value
 
 __all__ = ["HANDLED", "READ", "Reader"]
 

@@ -1,17 +1,11 @@
-"""What the jaxpr reader knows of one value, and the small questions it asks of a program.
+"""What the jaxpr reader knows of one value.
 
-A :class:`Value` carries per axis the parameter axes it is a factor of; the functions read a
-jaxpr's variables and equations (shapes, bytes, inner jaxprs, scan counts, reshape groups, whether
-an operation belongs to the backward pass, and the user's line behind it).
+A :class:`Value` carries per axis the parameter axes it is a factor of. The small questions asked
+of a program (shapes, bytes, inner jaxprs, scan counts, reshape groups, the backward pass, the
+user's line) are ``_tracing._jaxprs``'s.
 """
 
 from __future__ import annotations
-
-from typing import Any
-
-from .._arrays._leaves import nbytes
-from .._language._errors import EinshardError
-from ._primitives import AXIS_PARAMS
 
 CONST, PARAM, ACT, BACK = 0, 1, 2, 3
 """What a value derives from, in increasing precedence: constants only, parameters (a weight
@@ -44,108 +38,5 @@ def plain(kind: int, rank: int) -> Value:
     return Value(kind, (EMPTY,) * rank)
 
 
-def var_rank(var: Any) -> int:
-    return len(getattr(var.aval, "shape", ()))
-
-
-def var_shape(var: Any) -> tuple[int, ...]:
-    return tuple(getattr(var.aval, "shape", ()))
-
-
-def var_nbytes(var: Any) -> int:
-    aval = var.aval
-    try:
-        return nbytes(aval.shape, aval.dtype)
-    except Exception:  # extended dtypes (keys): no meaningful size
-        return 0
-
-
-def inner_jaxpr(jaxpr: Any) -> Any:
-    """The open jaxpr of a ``ClosedJaxpr`` (older JAX) or of a ``Jaxpr`` (newer JAX: itself)."""
-    inner = getattr(jaxpr, "jaxpr", None)
-    return inner if inner is not None and hasattr(inner, "eqns") else jaxpr
-
-
-def is_jaxpr(value: Any) -> bool:
-    return hasattr(inner_jaxpr(value), "eqns")
-
-
 def same_value(a: Value, b: Value) -> bool:
     return a.kind == b.kind and a.axes == b.axes and a.leaves == b.leaves
-
-
-def scan_counts(params: dict, n_inputs: int) -> tuple[int, int]:
-    """How many of a scan's inputs are constants and carries (the rest are scanned over)."""
-    if "num_consts" in params and "num_carry" in params:
-        return int(params["num_consts"]), int(params["num_carry"])
-    tree = params.get("ft_in")  # newer JAX: the inputs' structure, (consts, carries, xs)
-    if tree is not None:
-        try:
-            consts, carries, _ = tree.unpack()
-            return len(consts), len(carries)
-        except Exception:
-            pass
-    raise EinshardError(
-        "cannot read a scan of this JAX version: its parameters name no constants or carries",
-        hint="Report this with your JAX version; meanwhile give the table by names: "
-        "einshard.strategies.tensor_parallel(column=..., row=...).",
-    )
-
-
-def keeps_shape(eqn: Any) -> bool:
-    """Whether an unknown primitive looks elementwise: every array in and out has one shape."""
-    if AXIS_PARAMS & set(eqn.params):
-        return False
-    shapes = {var_shape(v) for v in (*eqn.invars, *eqn.outvars) if var_rank(v)}
-    return len(shapes) <= 1
-
-
-def reshape_groups(
-    in_shape: tuple[int, ...], out_shape: tuple[int, ...]
-) -> list[tuple[list[int], list[int]]]:
-    """Runs of input and output axes with equal products: each run is merged, then split."""
-    groups: list[tuple[list[int], list[int]]] = []
-    i = j = 0
-    n, m = len(in_shape), len(out_shape)
-    while i < n or j < m:
-        ins: list[int] = []
-        outs: list[int] = []
-        a = b = 1
-        while not (ins and outs and a == b):
-            if (a <= b or j >= m) and i < n:
-                a *= in_shape[i]
-                ins.append(i)
-                i += 1
-            elif j < m:
-                b *= out_shape[j]
-                outs.append(j)
-                j += 1
-            else:
-                break
-        while i < n and in_shape[i] == 1:  # trailing size-1 axes join the run
-            ins.append(i)
-            i += 1
-        while j < m and out_shape[j] == 1:
-            outs.append(j)
-            j += 1
-        groups.append((ins, outs))
-    return groups
-
-
-def is_backward(eqn: Any) -> bool:
-    """Whether JAX's name stack marks the operation as part of a transposed (backward) pass."""
-    try:
-        return "transpose(" in str(eqn.source_info.name_stack)
-    except AttributeError:
-        return False
-
-
-def user_line(eqn: Any) -> str:
-    """``file:line`` of the innermost user code behind an operation (not JAX's own), or ``''``."""
-    frames = getattr(getattr(eqn.source_info, "traceback", None), "frames", None) or ()
-    for frame in frames:
-        name = str(getattr(frame, "file_name", ""))
-        if not any(f"/{package}/" in name for package in ("jax", "jaxlib", "einshard")):
-            line = getattr(frame, "line_num", None) or getattr(frame, "start_line", "")
-            return f"{name.rsplit('/', 1)[-1]}:{line}"
-    return ""

@@ -105,14 +105,21 @@ def with_batch(rules: RulesLike, batch_name: str | None) -> RulesLike:
 
     One function for every verb that takes a strategy and a step (``plan``, ``explain_step``), so
     that one strategy gives one program wherever it goes. The batch rule matches the argument
-    ``batch_name`` (a path ``batch`` or ``batch/...``) and gives it ``.batch``. A table that is not
-    a :class:`Strategy`, or a step without a batch argument (``batch_name`` ``None``), is returned
-    as it is.
+    ``batch_name`` (a path ``batch`` or ``batch/...``) and gives it ``.batch``; the result is still
+    the strategy (its name, batch expression and model axis), so the compile knows the batch's
+    layout for the step's loops. A table that is not a :class:`Strategy`, or a step without a
+    batch argument (``batch_name`` ``None``), is returned as it is.
     """
     if not isinstance(rules, Strategy) or batch_name is None:
         return rules
     batch_rule = (batch_pattern(batch_name), rules.batch)
-    return Rules([batch_rule, *rules.pairs()], **rules._policies())
+    return Strategy(
+        [batch_rule, *rules.pairs()],
+        batch=rules.batch,
+        name=rules.name,
+        model=rules.model,
+        **rules._policies(),
+    )
 
 
 def batch_pattern(batch_name: str) -> str:

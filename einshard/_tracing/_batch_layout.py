@@ -1,0 +1,184 @@
+"""The batch's layout inside a step: ``use_strategy``, ``like_batch`` and ``constrain_loops``.
+
+Model code marks a batch-major activation once (``x = einshard.like_batch(x)``, in a scanned
+layer's body); the layout comes from the strategy the step runs under: the candidate's while
+:func:`~einshard.plan` compiles it, the one in a :func:`use_strategy` block when the user runs
+the step. Outside any, ``like_batch`` returns its argument: the model still runs on one device.
+
+:func:`constrain_loops` does the same for a step nobody marked: it finds the loops whose carry
+comes from the batch (``_loops``) and constrains their carries, so the step the user runs is
+the program ``plan`` ranked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .._arrays._arrays import einshard
+from .._language._errors import EinshardError, short_repr
+from .._language._expression import parse
+from .._language._layout import carried_expression, compile_layout
+from .._sharding._devices import call_devices
+from .._trees._strategy import Strategy
+
+__all__ = [
+    "batch_expression_for",
+    "batch_split",
+    "current_batch",
+    "like_batch",
+    "traced_under",
+    "use_strategy",
+]
+
+_BATCH: contextvars.ContextVar[str | None] = contextvars.ContextVar("einshard_batch", default=None)
+_MARKED = 0  # how many times like_batch met a strategy in this process
+
+
+def marks() -> int:
+    """How many times :func:`like_batch` has met a strategy in this process.
+
+    A step traced under one strategy may be kept by ``jax.jit``'s caches (an inner jitted
+    function of the model): the in-process planner clears them between candidates when this
+    count moved, so that each candidate's trace is its own.
+    """
+    return _MARKED
+
+
+def current_batch() -> str | None:
+    """The batch expression of the innermost :func:`use_strategy` block, or ``None``."""
+    return _BATCH.get()
+
+
+def strategy_batch(strategy: Any, caller: str) -> str:
+    """The batch expression of a strategy, or the expression given instead (checked)."""
+    return _batch_of(strategy, caller)
+
+
+def _batch_of(strategy: Any, caller: str) -> str:
+    if isinstance(strategy, Strategy):
+        return strategy.batch
+    if isinstance(strategy, str):
+        parse(strategy)  # an expression: its mistakes are the parser's
+        return strategy
+    raise EinshardError(
+        f"{caller} takes a Strategy or a batch expression, not {short_repr(strategy)}",
+        hint="Give plan(...).best, einshard.strategies.fsdp(), or the batch's expression "
+        "('b ... -> b* ...').",
+    )
+
+
+@contextlib.contextmanager
+def use_strategy(strategy: Strategy | str) -> Iterator[str]:
+    """Runs a block of code under a strategy: :func:`like_batch` lays activations out as its batch.
+
+    Blocks nest; the innermost wins. ``jax.jit`` traces a function once and keeps the program,
+    so the block must be around the call that traces it (the first), or use
+    :func:`constrain_loops`, which carries the strategy into every trace of the step.
+
+    Args:
+        strategy: A :class:`~einshard.strategies.Strategy` (its ``.batch``), or the batch's
+            expression itself (``'b ... -> b* ...'``).
+
+    Yields:
+        The batch expression.
+
+    Raises:
+        EinshardError: For anything else, or an expression that does not parse.
+
+    >>> import jax, jax.numpy as jnp, einshard
+    >>> with einshard.use_strategy(einshard.strategies.fsdp()):
+    ...     x = einshard.like_batch(jnp.zeros((16, 4)))
+    >>> x.sharding.shard_shape(x.shape)
+    (2, 4)
+    """
+    token = _BATCH.set(_batch_of(strategy, "use_strategy"))
+    try:
+        yield _BATCH.get() or ""
+    finally:
+        _BATCH.reset(token)
+
+
+def like_batch(x: Any) -> Any:
+    """Lays out a batch-major activation (its first axis the batch) as the strategy lays out the batch.
+
+    Inside a step that is traced under a strategy (a :func:`use_strategy` block, the candidates
+    of :func:`~einshard.plan`, :func:`~einshard.explain_step` with a strategy, a step wrapped by
+    :func:`constrain_loops`), it is a sharding constraint: the batch axis is split as the
+    strategy's ``.batch`` splits the batch, the other axes are not. Outside any, it returns
+    ``x`` as it is, so model code that calls it still runs on one device.
+
+    Its place is the body of a scanned model's layer (``jax.lax.scan``, Flax's ``nn.scan`` or
+    ``nnx.scan``, Equinox's scan over stacked layers): inside a loop, XLA's partitioner may drop
+    the activations' split, and then every layer reduces the whole batch's activations.
+
+    Args:
+        x: An array (or traced value) whose first axis is the batch.
+
+    Returns:
+        ``x``, constrained (traced) or placed (concrete) under a strategy; else ``x`` itself.
+
+    Raises:
+        EinshardError: Under a strategy: ``x`` is a scalar, or its first axis does not divide
+            by the batch's split.
+
+    >>> import jax, jax.numpy as jnp, einshard
+    >>> einshard.like_batch(jnp.ones(8)).sharding.num_devices  # no strategy: as it is
+    1
+    >>> @jax.jit
+    ... def layer(x, w):
+    ...     return einshard.like_batch(jnp.tanh(x @ w))
+    >>> with einshard.use_strategy('b ... -> b* ...'):
+    ...     y = layer(jnp.ones((16, 4)), jnp.ones((4, 4)))
+    >>> y.sharding.shard_shape(y.shape)
+    (2, 4)
+    """
+    expression = _BATCH.get()
+    if expression is None:
+        return x
+    global _MARKED
+    _MARKED += 1
+    rank = len(getattr(x, "shape", ()))
+    if rank == 0:
+        raise EinshardError(
+            "like_batch takes a batch-major array (its first axis the batch), not a scalar "
+            f"({short_repr(x)})",
+            hint="Call it on the activations, e.g. x = einshard.like_batch(x) with x of shape (batch, ...).",
+        )
+    return einshard(x, batch_expression_for(expression, rank, call_devices(None).count))
+
+
+@functools.lru_cache(maxsize=256)
+def batch_expression_for(expression: str, rank: int, n_devices: int) -> str:
+    """The batch expression's split of the batch axis, for an array of ``rank`` whose first axis is it.
+
+    Only the batch axis's split is carried (an activation's other axes are its own), on the same
+    device mesh: ``'b ... -> b* ...'`` gives ``'b ... -> b* ...'`` for rank 1 and
+    ``'b a c -> b* a c'`` for rank 3; ``'b s -> b* s'`` gives the same.
+    """
+    parsed = parse(expression)
+    named = len(parsed.left_names)
+    source_rank = max(named, rank) if parsed.has_ellipsis else max(named, 1)
+    layout = compile_layout(expression, source_rank, n_devices)
+    return carried_expression(layout, (0, *([None] * (rank - 1))))
+
+
+def batch_split(expression: str, n_devices: int) -> int:
+    """Into how many parts the batch expression splits the batch axis (1: not split, as TP's copies)."""
+    return compile_layout(batch_expression_for(expression, 1, n_devices), 1, n_devices).shards[0]
+
+
+def traced_under(expression: str | None, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with every call (and so every trace) inside ``use_strategy(expression)``."""
+    if expression is None:
+        return fn
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with use_strategy(expression):
+            return fn(*args, **kwargs)
+
+    return wrapped
