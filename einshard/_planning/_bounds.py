@@ -142,9 +142,9 @@ def trace(call: StepCall) -> Any:
     abstract = [jax.ShapeDtypeStruct(np.shape(leaves[i]), traced_dtype(leaves[i].dtype)) for i in call.arrays]
     try:
         return jax.make_jaxpr(flat)(*abstract)
-    except EinshardError:
-        raise
     except Exception as error:
+        if isinstance(error, EinshardError):  # the step's own einshard call: its message stands
+            raise
         raise EinshardError(
             f"cannot read the step's dataflow: tracing step(params, batch) failed: "
             f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",

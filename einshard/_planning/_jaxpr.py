@@ -238,9 +238,7 @@ class Reader:
         return [ins[i] if i < len(ins) else plain(ACT, var_rank(v)) for i, v in enumerate(eqn.outvars)]
 
     def broadcast_in_dim(self, eqn: Any, ins: list[Value]) -> list[Value]:
-        value = ins[0]
-        out_shape = var_shape(eqn.outvars[0])
-        in_shape = var_shape(eqn.invars[0])
+        value, in_shape, out_shape = ins[0], var_shape(eqn.invars[0]), var_shape(eqn.outvars[0])
         axes = [EMPTY] * len(out_shape)
         for i, d in enumerate(eqn.params["broadcast_dimensions"]):
             if in_shape[i] == out_shape[d]:
@@ -492,24 +490,28 @@ class Reader:
         if kind == PARAM:  # weights only: a weight computed from others (LoRA, a tied transpose)
             for i, j in zip(lc, rc, strict=True):
                 self.join(node for node, _, _ in lhs.axes[i] | rhs.axes[j])
-            batch = []
-            for i, j in zip(lb, rb, strict=True):
-                merged = lhs.axes[i] | rhs.axes[j]
-                self.join(node for node, _, _ in merged)
-                batch.append(merged)
+            batch = self.batch_axes(lhs, rhs, lb, rb)
             axes = batch + [lhs.axes[i] for i in lfree] + [rhs.axes[i] for i in rfree]
             return [Value(PARAM, tuple(axes), lhs.leaves | rhs.leaves)]
         # Two activations (attention's scores and values), or an activation and a constant.
         for i, j in zip(lc, rc, strict=True):
             self.brk(lhs.axes[i] | rhs.axes[j], "contracted with another activation (as q with k)")
+        batch = self.batch_axes(lhs, rhs, lb, rb, mark="heads")
+        axes = batch + [lhs.axes[i] for i in lfree] + [rhs.axes[i] for i in rfree]
+        return [Value(ACT, tuple(axes))]
+
+    def batch_axes(
+        self, lhs: Value, rhs: Value, lb: Sequence[int], rb: Sequence[int], mark: str | None = None
+    ) -> list[frozenset]:
+        """A dot's batch axes: each pair's tags joined (and marked, for two activations' heads)."""
         batch = []
         for i, j in zip(lb, rb, strict=True):
             merged = lhs.axes[i] | rhs.axes[j]
             self.join(node for node, _, _ in merged)
-            self.mark(merged, "heads")
+            if mark is not None:
+                self.mark(merged, mark)
             batch.append(merged)
-        axes = batch + [lhs.axes[i] for i in lfree] + [rhs.axes[i] for i in rfree]
-        return [Value(ACT, tuple(axes))]
+        return batch
 
     def weight(
         self,

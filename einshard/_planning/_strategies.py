@@ -257,10 +257,10 @@ def hybrid(
     row: Sequence[str] = ROW,
     min_bytes: int = DEFAULT_MIN_BYTES,
     *,
+    n_devices: int | None = None,
     step: Callable[..., Any] | str | None = None,
     params: Any = None,
     batch: Any = None,
-    n_devices: int | None = None,
 ) -> Strategy:
     """FSDP × tensor parallelism on a (data, model) factorization of the devices.
 
