@@ -51,7 +51,12 @@ HARDWARE = _target.Hardware(
 
 def figures(**changes) -> _target.Figures:
     hardware = dataclasses.replace(HARDWARE, **changes)
-    return _target.Figures(target="round", hardware=hardware, bandwidth=hardware.bandwidth)
+    return _target.Figures(
+        target="round",
+        hardware=hardware,
+        bandwidth=hardware.bandwidth,
+        flops_per_second=hardware.flops_per_second,
+    )
 
 
 # --- the computations the programs call ------------------------------------------------------------
@@ -573,8 +578,9 @@ def test_nested_loops_multiply_their_trip_counts():
     assert _hlo_kernels.program_matmul_flops(module) == 12 * 2e9
 
 
-def test_a_loop_whose_trip_count_is_unknown_is_counted_once():
-    """No ``known_trip_count``: the body (a DOT and AR20) counted once, 40 us; the row says unknown."""
+def test_a_loop_whose_trip_count_is_unknown_is_counted_once_and_the_report_says_so():
+    """No ``known_trip_count``: the body (a DOT and AR20) counted once, 40 us; the row says its
+    count is unknown, and the report names the loop, in its field and its printed footer."""
     body, entry = loop(
         "l",
         "  %l.f = bf16[1000,1000]{1,0} fusion(%l.x, %l.x), kind=kCustom, calls=%fused_dot\n"
@@ -583,12 +589,98 @@ def test_a_loop_whose_trip_count_is_unknown_is_counted_once():
     )
     text = program(ZERO + entry, body)
     (item,) = _timing.schedule_of(_hlo.parse_module(text))
-    assert isinstance(item, _timing.Loop) and item.times == 1
+    assert isinstance(item, _timing.Loop) and (item.times, item.known, item.name) == (1, False, "l")
     report = simulated(text)
     assert report.seconds == pytest.approx(40 * US)
     (row,) = report.rows
     assert (row.times, row.times_known) == (1, False)
     assert _hlo.parse_module(text).times()["l.body"] == (1, False)
+    assert report.unknown_loops == ("l",)
+    assert "1 loop of a trip count XLA does not know, each counted as running once: l" in str(report)
+
+
+def test_a_known_trip_count_is_not_reported_as_assumed():
+    """Nested loops of known counts, an unknown one inside a known one: only that one is named."""
+    inner_body, inner_entry = loop(
+        "inner",
+        "  %inner.f = bf16[1000,1000]{1,0} fusion(%inner.x, %inner.x), kind=kCustom, calls=%fused_dot\n",
+        trip=None,
+    )
+    outer_body, outer_entry = loop("outer", inner_entry.replace("%zero, %x", "%outer.i, %outer.x"), trip=3)
+    report = simulated(program(ZERO + outer_entry, inner_body, outer_body))
+    assert report.unknown_loops == ("inner",)
+    assert report.seconds == pytest.approx(3 * 20 * US)
+    known = simulated(_gathering_loop(500))
+    assert known.unknown_loops == ()
+    assert "does not know" not in str(known)
+
+
+def counted_loop(start: int, limit: str, step: int, compare: str) -> str:
+    """A loop of a DOT per trip without XLA's ``known_trip_count`` (as TPU's compiler prints a
+    ``scan``): its counter starts at ``start`` and grows by ``step``; ``compare`` is the
+    condition's root, of the counter ``%c.qi`` and ``limit``'s line ``%c.n``."""
+    return program(
+        ZERO
+        + f"  %c.start = s32[] constant({start})\n"
+        + "  %c.init = (s32[], bf16[1000,1000]{1,0}) tuple(%c.start, %x)\n"
+        + "  %c = (s32[], bf16[1000,1000]{1,0}) while(%c.init), condition=%c.cond, body=%c.body\n",
+        f"""
+%c.body (c.p: (s32[], bf16[1000,1000])) -> (s32[], bf16[1000,1000]) {{
+  %c.p = (s32[], bf16[1000,1000]{{1,0}}) parameter(0)
+  %c.i = s32[] get-tuple-element(%c.p), index=0
+  %c.copy = s32[] copy(%c.i)
+  %c.x = bf16[1000,1000]{{1,0}} get-tuple-element(%c.p), index=1
+  %c.f = bf16[1000,1000]{{1,0}} fusion(%c.x, %c.x), kind=kCustom, calls=%fused_dot
+  %c.step = s32[] constant({step})
+  %c.next = s32[] add(%c.copy, %c.step)
+  ROOT %c.t = (s32[], bf16[1000,1000]{{1,0}}) tuple(%c.next, %c.f)
+}}
+
+%c.cond (c.q: (s32[], bf16[1000,1000])) -> pred[] {{
+  %c.q = (s32[], bf16[1000,1000]{{1,0}}) parameter(0)
+  %c.qi = s32[] get-tuple-element(%c.q), index=0
+  %c.n = {limit}
+  ROOT %c.lt = pred[] {compare}
+}}
+""",
+    )
+
+
+@pytest.mark.parametrize(
+    ("start", "limit", "step", "compare", "trips"),
+    [
+        (0, 4, 1, "compare(%c.qi, %c.n), direction=LT", 4),  # a scan of 4
+        (0, 4, 1, "compare(%c.qi, %c.n), direction=LE", 5),
+        (1, 8, 2, "compare(%c.qi, %c.n), direction=LT", 4),  # 1, 3, 5, 7
+        (0, 4, 1, "compare(%c.n, %c.qi), direction=GT", 4),  # 4 > i
+        (5, 4, 1, "compare(%c.qi, %c.n), direction=LT", 0),  # never runs
+    ],
+)
+def test_a_loop_s_trip_count_is_read_from_its_counter_when_xla_does_not_print_it(
+    start, limit, step, compare, trips
+):
+    """``i = start; while i < limit: i += step``: ``ceil((limit - start) / step)`` trips of a DOT
+    (20 us each), known; the program's flops and the walk's agree."""
+    text = counted_loop(start, f"s32[] constant({limit})", step, compare)
+    module = _hlo.parse_module(text)
+    (item,) = _timing.schedule_of(module)
+    assert isinstance(item, _timing.Loop) and (item.times, item.known) == (trips, True)
+    assert module.times()["c.body"] == (trips, True)
+    assert _hlo_kernels.program_matmul_flops(module) == _flops_walked((item,)) == trips * 2e9
+    report = simulated(text)
+    assert report.unknown_loops == ()
+    assert report.seconds == pytest.approx(trips * 20 * US, rel=1e-5)
+
+
+def test_a_counter_compared_with_a_value_the_text_does_not_fix_is_unknown():
+    """The limit an element of the state (not a constant): the trip count is unknown, counted
+    once, and the report says so."""
+    text = counted_loop(0, "s32[] get-tuple-element(%c.q), index=0", 1, "compare(%c.qi, %c.n), direction=LT")
+    module = _hlo.parse_module(text)
+    (item,) = _timing.schedule_of(module)
+    assert (item.times, item.known) == (1, False)
+    assert module.times()["c.body"] == (1, False)
+    assert simulated(text).unknown_loops == ("c",)
 
 
 # --- conditionals -----------------------------------------------------------------------------------
@@ -609,35 +701,60 @@ BRANCHES = """
 
 %third (third.p: bf16[1000,1000]) -> bf16[1000,1000] {
   %third.p = bf16[1000,1000]{1,0} parameter(0)
-  ROOT %third.r = bf16[1000,1000]{1,0} bitcast(%third.p)
+  ROOT %third.ar = bf16[1000,1000]{1,0} all-reduce(%third.p), channel_id=3, replica_groups={{0,1}}, use_global_device_ids=true, to_apply=%add
 }
 """
 
 
-def test_a_conditional_runs_its_longest_branch():
-    """``then``: a DOT (one kernel, 20 us); ``else``: two ADDs (two kernels, 24 us): the walk takes
-    the branch of the most kernels, ``else``: 24 us."""
+def _flops_walked(schedule, times: int = 1) -> float:
+    """The matrix flops of the schedule's kernels, each times its loops' trips."""
+    total = 0.0
+    for item in schedule:
+        if isinstance(item, _timing.KernelRun):
+            total += times * item.flops
+        elif isinstance(item, _timing.Loop):
+            total += _flops_walked(item.items, times * item.times)
+    return total
+
+
+def test_a_conditional_counts_every_branch_as_run():
+    """``then``: a DOT (20 us); ``else``: two ADDs (24 us). Which one runs is decided by data: each
+    is counted as run, 44 us (an upper bound); the flops are the DOT's 2e9, in the walk and in
+    the program's flops alike."""
     text = program(
         "  %pred = pred[] constant(true)\n"
         "  %c = bf16[1000,1000]{1,0} conditional(%pred, %x, %x), true_computation=%then, false_computation=%else\n",
         BRANCHES,
     )
-    names = [item.name for item in _timing.schedule_of(_hlo.parse_module(text))]
-    assert names == ["else.a1", "else.a2"]
-    assert simulated(text).seconds == pytest.approx(24 * US)
+    module = _hlo.parse_module(text)
+    schedule = _timing.schedule_of(module)
+    assert [item.name for item in schedule] == ["then.f", "else.a1", "else.a2"]
+    assert simulated(text).seconds == pytest.approx(44 * US)
+    assert module.times()["then"] == module.times()["else"] == (1, True)
+    assert _flops_walked(schedule) == _hlo_kernels.program_matmul_flops(module) == 2e9
 
 
 @pytest.mark.parametrize("branches", ["%then, %else, %third", "%third, %then, %else"])
-def test_a_switch_runs_its_longest_branch(branches):
-    """``lax.switch``'s three branches (``branch_computations``): one kernel, two, none: two, 24 us."""
+def test_a_switch_counts_every_branch_and_its_collectives(branches):
+    """``lax.switch``'s three branches (``branch_computations``): a DOT (20 us), two ADDs (24 us),
+    an AR20: all on the schedule, in their order, 64 us; the all-reduce's row is on it (a row the
+    schedule left out would be an error), its 20 us exposed."""
     text = program(
         "  %index = s32[] constant(0)\n"
         f"  %c = bf16[1000,1000]{{1,0}} conditional(%index, %x, %x, %x), branch_computations={{{branches}}}\n",
         BRANCHES,
     )
-    names = [item.name for item in _timing.schedule_of(_hlo.parse_module(text))]
-    assert names == ["else.a1", "else.a2"]
-    assert simulated(text).seconds == pytest.approx(24 * US)
+    module = _hlo.parse_module(text)
+    schedule = _timing.schedule_of(module)
+    order = [name.strip("% ") for name in branches.split(",")]
+    first = {"then": "then.f", "else": "else.a1", "third": "third.ar"}
+    names = [item.name if isinstance(item, _timing.KernelRun) else item.collective for item in schedule]
+    assert [name for name in names if name in first.values()] == [first[b] for b in order]
+    report = simulated(text)
+    assert [row.instruction for row in report.rows] == ["third.ar"]
+    assert report.seconds == pytest.approx(64 * US)
+    assert report.exposed_seconds == pytest.approx(20 * US)
+    assert _flops_walked(schedule) == _hlo_kernels.program_matmul_flops(module) == 2e9
 
 
 # --- in-place updates and sliced reads (a scanned model's loop) --------------------------------------
@@ -745,3 +862,323 @@ def test_a_scanned_layer_without_fusions_costs_its_slices_on_every_trip(trips):
     assert seconds == pytest.approx(
         {"scan.f": trips * 20 * US, "scan.d": trips * 4 * US, "scan.u": trips * 4 * US}
     )
+
+
+# --- in place and sliced, in every form: behind views, converts and copies, async -------------------
+
+FORMS = """
+%fused_update_bitcast (ub.p0: bf16[8000,1000], ub.p1: bf16[1000,1000], ub.p2: s32[]) -> bf16[8000,1000] {
+  %ub.p0 = bf16[8000,1000]{1,0} parameter(0)
+  %ub.stack = bf16[8,1000,1000]{2,1,0} bitcast(%ub.p0)
+  %ub.p1 = bf16[1000,1000]{1,0} parameter(1)
+  %ub.layer = bf16[1,1000,1000]{2,1,0} bitcast(%ub.p1)
+  %ub.p2 = s32[] parameter(2)
+  %ub.zero = s32[] constant(0)
+  %ub.dus = bf16[8,1000,1000]{2,1,0} dynamic-update-slice(%ub.stack, %ub.layer, %ub.p2, %ub.zero, %ub.zero)
+  ROOT %ub.r = bf16[8000,1000]{1,0} bitcast(%ub.dus)
+}
+
+%fused_update_reshape (ur.p0: bf16[8000,1000], ur.p1: bf16[1000,1000], ur.p2: s32[]) -> (bf16[8000,1000]) {
+  %ur.p0 = bf16[8000,1000]{1,0} parameter(0)
+  %ur.stack = bf16[8,1000,1000]{2,1,0} reshape(%ur.p0)
+  %ur.p1 = bf16[1000,1000]{1,0} parameter(1)
+  %ur.layer = bf16[1,1000,1000]{2,1,0} reshape(%ur.p1)
+  %ur.p2 = s32[] parameter(2)
+  %ur.zero = s32[] constant(0)
+  %ur.dus = bf16[8,1000,1000]{2,1,0} dynamic-update-slice(%ur.stack, %ur.layer, %ur.p2, %ur.zero, %ur.zero)
+  %ur.r = bf16[8000,1000]{1,0} reshape(%ur.dus)
+  ROOT %ur.t = (bf16[8000,1000]{1,0}) tuple(%ur.r)
+}
+
+%fused_update_convert (uc.p0: bf16[8,1000,1000], uc.p1: f32[1,1000,1000], uc.p2: s32[]) -> (bf16[8,1000,1000], f32[10]) {
+  %uc.p0 = bf16[8,1000,1000]{2,1,0} parameter(0)
+  %uc.p1 = f32[1,1000,1000]{2,1,0} parameter(1)
+  %uc.cv = bf16[1,1000,1000]{2,1,0} convert(%uc.p1)
+  %uc.p2 = s32[] parameter(2)
+  %uc.zero = s32[] constant(0)
+  %uc.dus = bf16[8,1000,1000]{2,1,0} dynamic-update-slice(%uc.p0, %uc.cv, %uc.p2, %uc.zero, %uc.zero)
+  %uc.small = f32[10]{0} constant({...})
+  ROOT %uc.t = (bf16[8,1000,1000]{2,1,0}, f32[10]{0}) tuple(%uc.dus, %uc.small)
+}
+
+%fused_read_convert (rc.p0: bf16[8,1000,1000], rc.p1: s32[]) -> f32[1000,1000] {
+  %rc.p0 = bf16[8,1000,1000]{2,1,0} parameter(0)
+  %rc.cv = f32[8,1000,1000]{2,1,0} convert(%rc.p0)
+  %rc.p1 = s32[] parameter(1)
+  %rc.zero = s32[] constant(0)
+  %rc.ds = f32[1,1000,1000]{2,1,0} dynamic-slice(%rc.cv, %rc.p1, %rc.zero, %rc.zero), dynamic_slice_sizes={1,1000,1000}
+  ROOT %rc.r = f32[1000,1000]{1,0} bitcast(%rc.ds)
+}
+
+%fused_read_copy (rp.p0: bf16[8,1000,1000], rp.p1: s32[]) -> bf16[1000,1000] {
+  %rp.p0 = bf16[8,1000,1000]{2,1,0} parameter(0)
+  %rp.cp = bf16[8,1000,1000]{2,0,1} copy(%rp.p0)
+  %rp.p1 = s32[] parameter(1)
+  %rp.zero = s32[] constant(0)
+  %rp.ds = bf16[1,1000,1000]{2,0,1} dynamic-slice(%rp.cp, %rp.p1, %rp.zero, %rp.zero), dynamic_slice_sizes={1,1000,1000}
+  ROOT %rp.r = bf16[1000,1000]{1,0} bitcast(%rp.ds)
+}
+
+%fused_read_and_sum (rs.p0: bf16[8,1000,1000]) -> f32[8,1000,1000] {
+  %rs.p0 = bf16[8,1000,1000]{2,1,0} parameter(0)
+  ROOT %rs.cv = f32[8,1000,1000]{2,1,0} convert(%rs.p0)
+}
+
+%wrapped_update (wu.p0: bf16[8,1000,1000], wu.p1: bf16[1,1000,1000], wu.p2: s32[]) -> bf16[8,1000,1000] {
+  %wu.p0 = bf16[8,1000,1000]{2,1,0} parameter(0)
+  %wu.p1 = bf16[1,1000,1000]{2,1,0} parameter(1)
+  %wu.p2 = s32[] parameter(2)
+  ROOT %wu.f = bf16[8,1000,1000]{2,1,0} fusion(%wu.p0, %wu.p1, %wu.p2), kind=kLoop, calls=%fused_update
+}
+
+%wrapped_slice (ws.p0: bf16[8,1000,1000], ws.p1: s32[]) -> bf16[1,1000,1000] {
+  %ws.p0 = bf16[8,1000,1000]{2,1,0} parameter(0)
+  %ws.p1 = s32[] parameter(1)
+  %ws.zero = s32[] constant(0)
+  ROOT %ws.ds = bf16[1,1000,1000]{2,1,0} dynamic-slice(%ws.p0, %ws.p1, %ws.zero, %ws.zero), dynamic_slice_sizes={1,1000,1000}
+}
+"""
+FORMS_ENTRY = STACK_ENTRY + (
+    "  %flat = bf16[8000,1000]{1,0} bitcast(%w)\n"
+    "  %wide = f32[1,1000,1000]{2,1,0} bitcast(%y)\n"
+    "  %ub = bf16[8000,1000]{1,0} fusion(%flat, %x, %zero), kind=kLoop, calls=%fused_update_bitcast\n"
+    "  %ur = (bf16[8000,1000]{1,0}) fusion(%flat, %x, %zero), kind=kLoop, calls=%fused_update_reshape\n"
+    "  %uc = (bf16[8,1000,1000]{2,1,0}, f32[10]{0}) fusion(%stack, %wide, %zero), kind=kLoop, calls=%fused_update_convert\n"
+    "  %rc = f32[1000,1000]{1,0} fusion(%stack, %zero), kind=kLoop, calls=%fused_read_convert\n"
+    "  %rp = bf16[1000,1000]{1,0} fusion(%stack, %zero), kind=kLoop, calls=%fused_read_copy\n"
+    "  %rs = f32[8,1000,1000]{2,1,0} fusion(%stack), kind=kLoop, calls=%fused_read_and_sum\n"
+    "  %fs = ((bf16[8,1000,1000]{2,1,0}, bf16[1,1000,1000]{2,1,0}, s32[]), bf16[8,1000,1000]{2,1,0}, u32[]) fusion-start(%stack, %layer, %zero), kind=kLoop, calls=%fused_update\n"
+    "  %fd = bf16[8,1000,1000]{2,1,0} fusion-done(%fs)\n"
+    "  %as = ((bf16[8,1000,1000]{2,1,0}, bf16[1,1000,1000]{2,1,0}, s32[]), bf16[8,1000,1000]{2,1,0}, s32[]) async-start(%stack, %layer, %zero), calls=%wrapped_update\n"
+    "  %ad = bf16[8,1000,1000]{2,1,0} async-done(%as)\n"
+    "  %ss = ((bf16[8,1000,1000]{2,1,0}, s32[]), bf16[1,1000,1000]{2,1,0}, s32[]) async-start(%stack, %zero), calls=%wrapped_slice\n"
+    "  %sd = bf16[1,1000,1000]{2,1,0} async-done(%ss)\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "moved"),
+    [
+        # The root a bitcast of the update: reads the layer (2e6 B) and index, writes the layer.
+        ("ub", 4_000_004),
+        # The same through reshapes, the root a tuple of it.
+        ("ur", 4_000_004),
+        # The update a convert of an f32 layer (4e6 B read), one output of a tuple: writes the
+        # bf16 layer (2e6 B) and the other output (40 B).
+        ("uc", 6_000_044),
+        # An async fusion's start: what its fusion moves (its done moves nothing).
+        ("fs", 4_000_004),
+        # An async computation's start: what the fusion it runs moves.
+        ("as", 4_000_004),
+    ],
+)
+def test_an_in_place_update_costs_its_update_in_every_form(name, moved):
+    """A ``bf16[1,1000,1000]`` layer (2e6 B) written into its ``bf16[8,1000,1000]`` stack (16e6 B),
+    never the stack: behind a bitcast, from a convert, in a tuple, async."""
+    found = kernels(program(FORMS_ENTRY, STACK, FORMS))
+    assert found[name].bytes == moved
+    assert "fd" not in found and "ad" not in found
+
+
+@pytest.mark.parametrize(
+    ("name", "moved"),
+    [
+        # Through a convert: the slice's 1e6 elements at bf16 read (2e6 B) and the index, the
+        # f32 layer written (4e6 B).
+        ("rc", 6_000_004),
+        # Through a copy (a relayout): the slice read, the layer written.
+        ("rp", 4_000_004),
+        # An async computation's start running an unfused slice: it read and written.
+        ("ss", 4_000_000),
+        # Not a slice: the whole stack read (16e6 B) and written as f32 (32e6 B).
+        ("rs", 48_000_000),
+    ],
+)
+def test_a_sliced_read_costs_its_slice_in_every_form(name, moved):
+    """One layer read from the stack behind a convert or a copy, or async: the slice, not the
+    stack (and a kernel that does read the whole stack costs it)."""
+    assert kernels(program(FORMS_ENTRY, STACK, FORMS))[name].bytes == moved
+
+
+def _forms_in_a_loop(line: str, trips: int = 4) -> str:
+    """``line`` (of ``FORMS``' entry, its operands renamed into the loop) run ``trips`` times."""
+    line = line.replace("%stack", "%l.stack").replace("%layer", "%l.layer").replace("%zero", "%l.i")
+    line = line.replace("%wide", "%l.wide")
+    body, entry = loop(
+        "l",
+        "  %l.stack = bf16[8,1000,1000]{2,1,0} bitcast(%l.x)\n"
+        "  %l.layer = bf16[1,1000,1000]{2,1,0} bitcast(%l.x)\n" + line,
+        trip=trips,
+    )
+    return program(ZERO + entry, STACK, FORMS, body)
+
+
+def test_a_slice_read_through_a_convert_in_a_loop_costs_its_slice_on_every_trip():
+    """The layer read through a convert, 4 trips: 4 * 6,000,004 B at 1e12 B/s = 24.000016 us."""
+    text = _forms_in_a_loop(
+        "  %l.rc = f32[1000,1000]{1,0} fusion(%stack, %zero), kind=kLoop, calls=%fused_read_convert\n"
+    )
+    report = simulated(text)
+    assert report.kernels == (("l.rc", None, pytest.approx(24.000016 * US)),)
+    assert report.seconds == pytest.approx(24.000016 * US)
+
+
+def test_an_update_behind_a_bitcast_in_a_loop_costs_its_update_on_every_trip():
+    """The layer written into the stack seen through bitcasts (the fusion's root one of the
+    update), 4 trips: 4 * 4,000,004 B = 16.000016 us, not 4 * 18e6 B."""
+    text = _forms_in_a_loop(
+        "  %l.flat = bf16[8000,1000]{1,0} bitcast(%l.x)\n"
+        "  %l.ub = bf16[8000,1000]{1,0} fusion(%l.flat, %l.x, %zero), kind=kLoop, calls=%fused_update_bitcast\n"
+    )
+    report = simulated(text)
+    assert report.kernels == (("l.ub", None, pytest.approx(16.000016 * US)),)
+
+
+def test_async_computations_in_a_loop_cost_what_they_run_on_every_trip():
+    """An in-place update (4,000,004 B) and a slice (4e6 B), each an async computation, 4 trips:
+    4 * 8,000,004 B = 32.000016 us; their dones move nothing."""
+    text = (
+        _forms_in_a_loop(
+            "  %as = ((bf16[8,1000,1000]{2,1,0}, bf16[1,1000,1000]{2,1,0}, s32[]), bf16[8,1000,1000]{2,1,0}, s32[]) async-start(%stack, %layer, %zero), calls=%wrapped_update\n"
+            "  %ad = bf16[8,1000,1000]{2,1,0} async-done(%as)\n"
+            "  %ss = ((bf16[8,1000,1000]{2,1,0}, s32[]), bf16[1,1000,1000]{2,1,0}, s32[]) async-start(%stack, %zero), calls=%wrapped_slice\n"
+            "  %sd = bf16[1,1000,1000]{2,1,0} async-done(%ss)\n"
+        )
+        .replace("%as ", "%l.as ")
+        .replace("(%as)", "(%l.as)")
+        .replace("%ss ", "%l.ss ")
+        .replace("(%ss)", "(%l.ss)")
+    )
+    report = simulated(text)
+    seconds = {name: s for name, _, s in report.kernels}
+    assert seconds == pytest.approx({"l.as": 16.000016 * US, "l.ss": 16 * US})
+    assert report.seconds == pytest.approx(32.000016 * US)
+
+
+ISSUE_STACK = """
+%fused_dynamic_update_slice (s.p0: bf16[16,2048,8192], s.p1: s32[], s.p2: bf16[2048,8192]) -> bf16[16,2048,8192] {
+  %s.p0 = bf16[16,2048,8192]{2,1,0} parameter(0)
+  %s.p2 = bf16[2048,8192]{1,0} parameter(2)
+  %s.update = bf16[1,2048,8192]{2,1,0} bitcast(%s.p2)
+  %s.p1 = s32[] parameter(1)
+  %s.zero = s32[] constant(0)
+  ROOT %s.dus = bf16[16,2048,8192]{2,1,0} dynamic-update-slice(%s.p0, %s.update, %s.p1, %s.zero, %s.zero)
+}
+"""
+
+
+def test_the_scanned_stack_of_the_issue_costs_its_slice_on_each_of_its_16_trips():
+    """A ``bf16[2048,8192]`` slice (33,554,432 B) written into its ``bf16[16,2048,8192]`` stack
+    (536,870,912 B) by an async fusion in a 16-trip loop (as XLA's GPU compiler writes a scanned
+    model's stacked activations). Each trip reads the slice and the index and writes the slice:
+    67,108,868 B, 67.108868 us at 1e12 B/s; 16 trips: 1.073741888 ms (the stack's bytes on every
+    trip would be 16 times that, and more)."""
+    body, entry = loop(
+        "scan",
+        "  %scan.i32 = s32[] bitcast(%scan.i)\n"
+        "  %scan.layer = bf16[2048,8192]{1,0} bitcast(%scan.x)\n"
+        "  %scan.stack = bf16[16,2048,8192]{2,1,0} bitcast(%scan.x)\n"
+        "  %fusion-start.21 = ((bf16[16,2048,8192]{2,1,0}, s32[], bf16[2048,8192]{1,0}), bf16[16,2048,8192]{2,1,0}, u32[]) fusion-start(%scan.stack, %scan.i32, %scan.layer), kind=kLoop, calls=%fused_dynamic_update_slice\n"
+        "  %fusion-done.21 = bf16[16,2048,8192]{2,1,0} fusion-done(%fusion-start.21)\n",
+        trip=16,
+    )
+    report = simulated(program(ZERO + entry, ISSUE_STACK, body))
+    assert report.kernels == (("fusion-start.21", None, pytest.approx(16 * 67.108868 * US)),)
+    assert report.seconds == pytest.approx(16 * 67.108868 * US)
+
+
+# --- collectives launched inside fusions (TPU's async collective fusions) ----------------------------
+
+CHAIN = """
+%ag.start (sp0: bf16[{rows},1000]) -> (bf16[{rows},1000], bf16[{rows2},1000], u32[]) {{
+  %sp0 = bf16[{rows},1000]{{1,0}} parameter(0)
+  %ag.1 = bf16[{rows2},1000]{{1,0}} all-gather(%sp0), channel_id=6, replica_groups={{{{0,1}}}}, dimensions={{0}}, use_global_device_ids=true, frontend_attributes={{chain_id="0"}}
+  ROOT %cc.1 = (bf16[{rows},1000]{{1,0}}, bf16[{rows2},1000]{{1,0}}, u32[]) custom-call(%ag.1), custom_call_target="{start}"
+}}
+
+%ag.during (dp0: bf16[{rows},1000], dp1: bf16[{rows2},1000], dp2: u32[], dp3: bf16[1000,1000]) -> (bf16[1000,1000], bf16[{rows},1000], bf16[{rows2},1000], u32[]) {{
+  %dp3 = bf16[1000,1000]{{1,0}} parameter(3)
+  %during.dot = bf16[1000,1000]{{1,0}} dot(%dp3, %dp3), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+  %dp0 = bf16[{rows},1000]{{1,0}} parameter(0)
+  %dp1 = bf16[{rows2},1000]{{1,0}} parameter(1)
+  %ag.2 = bf16[{rows2},1000]{{1,0}} all-gather(%dp0), channel_id=6, replica_groups={{{{0,1}}}}, dimensions={{0}}, use_global_device_ids=true, frontend_attributes={{chain_id="0"}}
+  %dp2 = u32[] parameter(2)
+  ROOT %during.t = (bf16[1000,1000]{{1,0}}, bf16[{rows},1000]{{1,0}}, bf16[{rows2},1000]{{1,0}}, u32[]) tuple(%during.dot, %dp0, %dp1, %dp2)
+}}
+
+%ag.done (ep0: bf16[{rows},1000], ep1: bf16[{rows2},1000], ep2: u32[]) -> bf16[{rows2},1000] {{
+  %ep0 = bf16[{rows},1000]{{1,0}} parameter(0)
+  %ep1 = bf16[{rows2},1000]{{1,0}} parameter(1)
+  %ag.3 = bf16[{rows2},1000]{{1,0}} all-gather(%ep0), channel_id=6, replica_groups={{{{0,1}}}}, dimensions={{0}}, use_global_device_ids=true, frontend_attributes={{chain_id="0"}}
+  %ep2 = u32[] parameter(2)
+  ROOT %cc.3 = bf16[{rows2},1000]{{1,0}} custom-call(%ep0, %ep1, %ag.3, %ep2), custom_call_target="{done}"
+}}
+
+%all-reduce-scatter (rp0: bf16[1000,1000]) -> bf16[500,1000] {{
+  %rp0 = bf16[1000,1000]{{1,0}} parameter(0)
+  %ars.ar = bf16[1000,1000]{{1,0}} all-reduce(%rp0), channel_id=7, replica_groups={{{{0,1}}}}, use_global_device_ids=true, to_apply=%add
+  ROOT %ars.s = bf16[500,1000]{{1,0}} slice(%ars.ar), slice={{[0:500], [0:1000]}}
+}}
+"""
+CHAIN_ENTRY = """\
+  %acs = (bf16[{rows},1000]{{1,0}}, bf16[{rows2},1000]{{1,0}}, u32[]) fusion(%w.{rows}), kind=kCustom, calls=%ag.start
+  %acs.0 = bf16[{rows},1000]{{1,0}} get-tuple-element(%acs), index=0
+  %acs.1 = bf16[{rows2},1000]{{1,0}} get-tuple-element(%acs), index=1
+  %acs.2 = u32[] get-tuple-element(%acs), index=2
+  %during = (bf16[1000,1000]{{1,0}}, bf16[{rows},1000]{{1,0}}, bf16[{rows2},1000]{{1,0}}, u32[]) fusion(%acs.0, %acs.1, %acs.2, %x), kind=kOutput, calls=%ag.during
+  %during.1 = bf16[{rows},1000]{{1,0}} get-tuple-element(%during), index=1
+  %during.2 = bf16[{rows2},1000]{{1,0}} get-tuple-element(%during), index=2
+  %during.3 = u32[] get-tuple-element(%during), index=3
+  %acd = bf16[{rows2},1000]{{1,0}} fusion(%during.1, %during.2, %during.3), kind=kCustom, calls=%ag.done
+  %ars = bf16[500,1000]{{1,0}} fusion(%g), kind=kCustom, calls=%all-reduce-scatter
+"""
+
+
+def _chained(rows: int, marked: bool = True) -> str:
+    marks = ("AsyncCollectiveStart", "AsyncCollectiveDone") if marked else ("Unmarked", "Unmarked")
+    fields = {"rows": rows, "rows2": 2 * rows, "start": marks[0], "done": marks[1]}
+    return program(CHAIN_ENTRY.format(**fields), CHAIN.format(**fields))
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_a_collective_copied_over_async_collective_fusions_runs_beside_the_fusions_between(marked):
+    """TPU's form: an all-gather (AG10) started by one fusion, run beside a fusion with a DOT
+    (20 us), waited for by a third (each fusion a copy of it, one ``chain_id``); then an
+    all-reduce fused with its slice (AR20), waited for where it stands. The gather is hidden:
+    20 + 20 = 40 us, 20 us exposed. The chain is named by its first copy (``ag.1``), as the
+    report's row; the fusion between moves its DOT's bytes, not the gather's buffers it passes on.
+    Without TPU's markers, the chain's first fusion starts it and its last waits for it."""
+    text = _chained(500, marked)
+    schedule = _timing.schedule_of(_hlo.parse_module(text))
+    assert schedule == (
+        _timing.Start("ag.1"),
+        _timing.KernelRun("during", 2e9, "bf16", 4_000_000, None),
+        _timing.Done("ag.1"),
+        _timing.Sync("ars.ar"),
+    )
+    report = simulated(text)
+    assert sorted(row.instruction for row in report.rows) == ["ag.1", "ars.ar"]
+    assert report.communication_seconds == pytest.approx(30 * US)
+    assert report.seconds == pytest.approx(40 * US)
+    assert report.exposed_seconds == pytest.approx(20 * US)
+    assert report.hidden_seconds == pytest.approx(10 * US)
+
+
+def test_an_async_collective_fusion_longer_than_its_kernels_is_waited_for():
+    """AG30 in the same chain: the DOT covers 20 us of it, the done waits 10: 20 + 10 + 20 = 50 us."""
+    report = simulated(_chained(1500))
+    assert report.seconds == pytest.approx(50 * US)
+    assert report.exposed_seconds == pytest.approx(30 * US)
+    assert report.hidden_seconds == pytest.approx(20 * US)
+
+
+def test_a_report_row_the_schedule_leaves_out_is_an_error():
+    """Every row of the report is on the schedule the step time is simulated from; a schedule
+    without one (a collective the walk did not see) is refused, not simulated without it."""
+    text = _chained(500)
+    report = report_of_text(text)
+    schedule = tuple(
+        item for item in _timing.schedule_of(_hlo.parse_module(text)) if item != _timing.Sync("ars.ar")
+    )
+    with pytest.raises(AssertionError, match=r"leaves out the collectives ars\.ar"):
+        estimated(dataclasses.replace(report, schedule=schedule), figures())

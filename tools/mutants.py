@@ -479,6 +479,7 @@ STEP_TIME = (
     "tests/test_step_time_rules.py",
     "tests/test_step_time_properties.py",
     "tests/test_step_time.py::test_a_gather_hidden_behind_a_gemm_ranks_first_only_when_overlap_is_simulated",
+    "tests/test_step_time_programs.py",
 )
 BOUND_TESTS = ("tests/test_bounds_rules.py", "tests/test_plan_bounds.py")
 TIMING_MUTANTS = [
@@ -567,12 +568,55 @@ TIMING_MUTANTS = [
         "hidden communication counts the exposed too",
     ),
     Mutant(
-        "conditional-shortest-branch",
+        "conditional-first-branch-only",
         TIMING,
-        "items += max(branches, key=len)",
-        "items += min(branches, key=len)",
+        "            for role, name in instruction.called:\n"
+        "                times, known = _hlo_loops.runs_per_call(role, None)",
+        "            for role, name in instruction.called[:1]:\n"
+        "                times, known = _hlo_loops.runs_per_call(role, None)",
         STEP_TIME,
-        "a conditional runs its shortest branch",
+        "the walk runs a conditional's first branch only (the flops count them all)",
+    ),
+    Mutant(
+        "unknown-trip-count-said-known",
+        "einshard/_cost/_hlo_loops.py",
+        "        if trip_count is None:\n            return 1, False",
+        "        if trip_count is None:\n            return 1, True",
+        STEP_TIME,
+        "a loop of unknown trip count counted once and said known",
+    ),
+    Mutant(
+        "counter-not-read",
+        HLO,
+        "        return known if known is not None else _hlo_loops.counted_trips(self, loop)",
+        "        return known",
+        STEP_TIME,
+        "a loop without XLA's known_trip_count (a TPU program's) is not counted from its counter",
+    ),
+    Mutant(
+        "unknown-loops-not-named",
+        TIMING,
+        "            if not item.known:",
+        "            if False:",
+        STEP_TIME,
+        "the report names no loop of unknown trip count",
+    ),
+    Mutant(
+        "fused-collective-missed",
+        KERNELS,
+        "    return next((inner for inner in module.computations[body] "
+        "if inner.opcode in COLLECTIVES), None)",
+        "    return None",
+        STEP_TIME,
+        "a collective inside a fusion (TPU's async collective fusions) is not on the schedule",
+    ),
+    Mutant(
+        "chain-named-by-its-copy",
+        TIMING,
+        "        head = heads.get(key, collective.name)",
+        "        head = collective.name",
+        STEP_TIME,
+        "a TPU chain's start and done name their own copies, not the report row's",
     ),
     Mutant(
         "dot-flops-halved",
@@ -595,8 +639,8 @@ TIMING_MUTANTS = [
     Mutant(
         "update-writes-the-whole-target",
         KERNELS,
-        "            written += sum(s.bytes for s in update.shapes) if update is not None else 0",
-        "            written += sum(s.bytes for s in output.shapes)",
+        "                written += sum(s.bytes for s in update.shapes)",
+        "                written += sum(s.bytes for s in output.shapes)",
         STEP_TIME,
         "a fused in-place update writes its whole target, not the update",
     ),
@@ -611,10 +655,42 @@ TIMING_MUTANTS = [
     Mutant(
         "sliced-read-whole",
         KERNELS,
-        "                taken += sum(s.bytes for s in user.shapes)",
-        "                return whole",
+        "                count += sum(s.size for s in user.shapes)",
+        "                return None",
         STEP_TIME,
         "a fused operand read only through a slice costs the whole operand",
+    ),
+    Mutant(
+        "update-behind-views-not-seen",
+        KERNELS,
+        "        value = beneath_views(output.name)",
+        "        value = output",
+        STEP_TIME,
+        "an in-place update behind a bitcast or reshape (the fusion's root) writes its whole target",
+    ),
+    Mutant(
+        "slice-through-convert-reads-whole",
+        KERNELS,
+        '_ELEMENTWISE = _VIEWS | {"convert", "copy"}',
+        "_ELEMENTWISE = _VIEWS",
+        STEP_TIME,
+        "a fused slice read through a convert or copy costs its whole operand",
+    ),
+    Mutant(
+        "async-fusion-not-a-fusion",
+        KERNELS,
+        'FUSIONS = frozenset({"fusion", "fusion-start"})',
+        'FUSIONS = frozenset({"fusion"})',
+        STEP_TIME,
+        "an async fusion's start costs its operands and results (a stack), not its fused computation",
+    ),
+    Mutant(
+        "async-computation-not-read",
+        KERNELS,
+        '    if opcode == "async-start":\n        body = _called(instruction)\n        wrapped',
+        '    if opcode == "async-start-never":\n        body = _called(instruction)\n        wrapped',
+        STEP_TIME,
+        "an async computation's start costs its operands and results, not what it runs",
     ),
     Mutant(
         "program-flops-once-per-computation",
