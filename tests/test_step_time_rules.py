@@ -14,6 +14,13 @@ compiled). The figures are round (``HARDWARE``): 1e14 FLOP/s for bf16 dots, 1e12
   its result (``(n-1)/n``): ``AG10`` (N = 500) 1e6 B, **10 us**; ``AG15`` (N = 750) **15 us**;
   ``AG30`` (N = 1500) **30 us**. An all-reduce of ``bf16[1000,1000]`` sends ``2(n-1)/n`` of its
   2e6 B: ``AR20``, **20 us**.
+
+The rules, each pinned by at least two test functions: the roofline and each element type's
+rate, the launch floor; async collectives hidden fully, partly or not, sync ones, queueing on the
+link (TPU's async collective fusions too); loops of a known trip count, nested, of a count read
+from the loop's counter, and of an unknown count (counted once, and the report says so); every
+branch of a conditional; an in-place update costing its update and a sliced read its slice, in
+every form (fused or not, async or not, behind views, converts and copies), in a loop.
 """
 
 from __future__ import annotations
