@@ -277,13 +277,14 @@ def tests(session: nox.Session) -> None:
 @nox.session(python=NEWEST_PYTHON)
 def fuzz(session: nox.Session) -> None:
     """Hypothesis with many examples over expressions, rule tables, trees, the shared mesh, the
-    planner's ranking and FSDP's choice (not run by default)."""
+    planner's ranking, FSDP's choice and the simulated step time (not run by default)."""
     session.install("--upgrade", "-e", ".[all]", "jax", *_group("test"))
     session.run(
         "pytest",
         "tests/test_fuzz.py",
         "tests/test_expression.py",
         "tests/test_meet.py",
+        "tests/test_step_time_properties.py",
         "tests/test_planner.py::test_the_ranking_is_the_reference_order_at_any_figures",
         "tests/test_strategies.py::test_fsdp_splits_the_largest_axis_that_divides_like_the_reference",
         *session.posargs,

@@ -3,7 +3,8 @@
 Every mutant below is a one-line bug in code added since einshard 0.2.0 (the step report, the
 planner, the strategies, the shared mesh, ``shardings_of``, multi-process agreement, the optax
 derivations, the tensor-parallel roles read from the step's dataflow and the tables derived from
-them, the planner's split share). For each, this script copies the repository to a temporary
+them, the planner's split share, the simulated step time, the kernels' costs and the plan's
+memory bound). For each, this script copies the repository to a temporary
 directory once, writes the mutated module there, runs that mutant's test files at 8 simulated
 devices (the whole suite with ``--full``) and restores the module. A mutant is **caught** when
 at least 3 tests, in at least 2 test functions (parametrizations of one function count as one
@@ -470,7 +471,262 @@ FINDING_MUTANTS = [
     ),
 ]
 
-ALL = MUTANTS + DATAFLOW_ROLES + FINDING_MUTANTS
+# --- the simulated step time, the kernels' costs and the plan's memory bound ---
+TIMING = "einshard/_cost/_timing.py"
+KERNELS = "einshard/_cost/_hlo_kernels.py"
+BOUNDS = "einshard/_planning/_bounds.py"
+STEP_TIME = (
+    "tests/test_step_time_rules.py",
+    "tests/test_step_time_properties.py",
+    "tests/test_step_time.py::test_a_gather_hidden_behind_a_gemm_ranks_first_only_when_overlap_is_simulated",
+    "tests/test_step_time_programs.py",
+)
+BOUND_TESTS = ("tests/test_bounds_rules.py", "tests/test_plan_bounds.py")
+TIMING_MUTANTS = [
+    Mutant(
+        "kernel-flops-plus-bytes",
+        TIMING,
+        "    return max(flops, kernel.bytes / rates.memory) + rates.launch",
+        "    return flops + kernel.bytes / rates.memory + rates.launch",
+        STEP_TIME,
+        "a kernel costs its flops time plus its bytes time, not the larger of the two",
+    ),
+    Mutant(
+        "kernel-no-launch-floor",
+        TIMING,
+        "    return max(flops, kernel.bytes / rates.memory) + rates.launch",
+        "    return max(flops, kernel.bytes / rates.memory)",
+        STEP_TIME,
+        "a kernel costs no launch floor",
+    ),
+    Mutant(
+        "kernel-every-dot-at-the-fallback",
+        TIMING,
+        "rates.matmul.get(kernel.matmul, rates.fallback)",
+        "rates.fallback",
+        STEP_TIME,
+        "every dot at the fallback rate, whatever its element type",
+    ),
+    Mutant(
+        "async-done-never-waits",
+        TIMING,
+        "            finish = finishes.pop(item.collective, clock)",
+        "            finish = min(finishes.pop(item.collective, clock), clock)",
+        STEP_TIME,
+        "an async collective never makes the step wait at its -done",
+    ),
+    Mutant(
+        "loop-body-once",
+        TIMING,
+        "            clock += inner[0] * item.times",
+        "            clock += inner[0]",
+        STEP_TIME,
+        "a loop body's time counted once instead of its trip count",
+    ),
+    Mutant(
+        "slowest-kernels-per-trip",
+        TIMING,
+        "            entry[1] += seconds * times",
+        "            entry[1] += seconds",
+        STEP_TIME,
+        "the slowest kernels' seconds counted for one trip of their loops, not every run",
+    ),
+    Mutant(
+        "start-does-not-queue",
+        TIMING,
+        "            begin = max(clock, link_free)\n            link_free = begin + seconds\n"
+        "            finishes[item.collective] = link_free",
+        "            begin = clock\n            link_free = begin + seconds\n"
+        "            finishes[item.collective] = link_free",
+        STEP_TIME,
+        "an async collective does not queue behind those in flight on the link",
+    ),
+    Mutant(
+        "sync-does-not-queue",
+        TIMING,
+        "            begin = max(clock, link_free)\n            link_free = begin + seconds\n"
+        "            exposed += link_free - clock",
+        "            begin = clock\n            link_free = begin + seconds\n"
+        "            exposed += link_free - clock",
+        STEP_TIME,
+        "a sync collective does not queue behind those in flight on the link",
+    ),
+    Mutant(
+        "sync-not-waited-for",
+        TIMING,
+        "            exposed += link_free - clock\n            clock = link_free",
+        "            exposed += link_free - clock",
+        STEP_TIME,
+        "the step does not wait for a sync collective (its time exposed, the clock unmoved)",
+    ),
+    Mutant(
+        "hidden-is-all-communication",
+        TIMING,
+        "hidden_seconds=max(communication - exposed, 0.0)",
+        "hidden_seconds=communication",
+        STEP_TIME,
+        "hidden communication counts the exposed too",
+    ),
+    Mutant(
+        "conditional-first-branch-only",
+        TIMING,
+        "            for role, name in instruction.called:\n"
+        "                times, known = _hlo_loops.runs_per_call(role, None)",
+        "            for role, name in instruction.called[:1]:\n"
+        "                times, known = _hlo_loops.runs_per_call(role, None)",
+        STEP_TIME,
+        "the walk runs a conditional's first branch only (the flops count them all)",
+    ),
+    Mutant(
+        "unknown-trip-count-said-known",
+        "einshard/_cost/_hlo_loops.py",
+        "        if trip_count is None:\n            return 1, False",
+        "        if trip_count is None:\n            return 1, True",
+        STEP_TIME,
+        "a loop of unknown trip count counted once and said known",
+    ),
+    Mutant(
+        "counter-not-read",
+        HLO,
+        "        return known if known is not None else _hlo_loops.counted_trips(self, loop)",
+        "        return known",
+        STEP_TIME,
+        "a loop without XLA's known_trip_count (a TPU program's) is not counted from its counter",
+    ),
+    Mutant(
+        "unknown-loops-not-named",
+        TIMING,
+        "            if not item.known:",
+        "            if False:",
+        STEP_TIME,
+        "the report names no loop of unknown trip count",
+    ),
+    Mutant(
+        "fused-collective-missed",
+        KERNELS,
+        "    return next((inner for inner in module.computations[body] "
+        "if inner.opcode in COLLECTIVES), None)",
+        "    return None",
+        STEP_TIME,
+        "a collective inside a fusion (TPU's async collective fusions) is not on the schedule",
+    ),
+    Mutant(
+        "chain-named-by-its-copy",
+        TIMING,
+        "        head = heads.get(key, collective.name)",
+        "        head = collective.name",
+        STEP_TIME,
+        "a TPU chain's start and done name their own copies, not the report row's",
+    ),
+    Mutant(
+        "dot-flops-halved",
+        KERNELS,
+        'instruction.numbers("lhs_contracting_dims"))\n'
+        "        return 2.0 * instruction.shapes[0].size * contracted",
+        'instruction.numbers("lhs_contracting_dims"))\n'
+        "        return instruction.shapes[0].size * contracted",
+        STEP_TIME,
+        "a dot's flops one per multiply-add instead of two",
+    ),
+    Mutant(
+        "f32-default-at-full-precision",
+        KERNELS,
+        '        return "f32"\n    return "tf32"',
+        '        return "f32"\n    return "f32"',
+        STEP_TIME,
+        "an f32 dot at the default precision runs at full f32, not through TF32",
+    ),
+    Mutant(
+        "update-writes-the-whole-target",
+        KERNELS,
+        "                written += sum(s.bytes for s in update.shapes)",
+        "                written += sum(s.bytes for s in output.shapes)",
+        STEP_TIME,
+        "a fused in-place update writes its whole target, not the update",
+    ),
+    Mutant(
+        "unfused-update-whole",
+        KERNELS,
+        "return Kernel(instruction, flops, kind, 2 * sum(s.bytes for s in update))",
+        "return Kernel(instruction, flops, kind, 2 * sum(s.bytes for s in instruction.shapes))",
+        STEP_TIME,
+        "an unfused in-place update moves its whole result",
+    ),
+    Mutant(
+        "sliced-read-whole",
+        KERNELS,
+        "                count += sum(s.size for s in user.shapes)",
+        "                return None",
+        STEP_TIME,
+        "a fused operand read only through a slice costs the whole operand",
+    ),
+    Mutant(
+        "update-behind-views-not-seen",
+        KERNELS,
+        "        value = beneath_views(output.name)",
+        "        value = output",
+        STEP_TIME,
+        "an in-place update behind a bitcast or reshape (the fusion's root) writes its whole target",
+    ),
+    Mutant(
+        "slice-through-convert-reads-whole",
+        KERNELS,
+        '_ELEMENTWISE = _VIEWS | {"convert", "copy"}',
+        "_ELEMENTWISE = _VIEWS",
+        STEP_TIME,
+        "a fused slice read through a convert or copy costs its whole operand",
+    ),
+    Mutant(
+        "async-fusion-not-a-fusion",
+        KERNELS,
+        'FUSIONS = frozenset({"fusion", "fusion-start"})',
+        'FUSIONS = frozenset({"fusion"})',
+        STEP_TIME,
+        "an async fusion's start costs its operands and results (a stack), not its fused computation",
+    ),
+    Mutant(
+        "async-computation-not-read",
+        KERNELS,
+        '    if opcode == "async-start":\n        body = _called(instruction)\n        wrapped',
+        '    if opcode == "async-start-never":\n        body = _called(instruction)\n        wrapped',
+        STEP_TIME,
+        "an async computation's start costs its operands and results, not what it runs",
+    ),
+    Mutant(
+        "program-flops-once-per-computation",
+        KERNELS,
+        "                total += times * matmul_flops(module, instruction)",
+        "                total += matmul_flops(module, instruction)",
+        STEP_TIME,
+        "a program's flops count a loop body's dots once, not per trip",
+    ),
+    Mutant(
+        "bound-leaf-whole",
+        BOUNDS,
+        "math.prod(leaf.layout.shard_shape(leaf.shape))",
+        "math.prod(leaf.shape)",
+        BOUND_TESTS,
+        "the bound counts every argument whole on each device, not its block",
+    ),
+    Mutant(
+        "bound-four-bytes-each",
+        BOUNDS,
+        "* itemsize(leaf.dtype)",
+        "* 4",
+        BOUND_TESTS,
+        "the bound counts 4 bytes per element, whatever the element type",
+    ),
+    Mutant(
+        "bound-at-the-memory-rejects",
+        PLANNER,
+        "        if needed is not None and needed > memory_per_device:",
+        "        if needed is not None and needed >= memory_per_device:",
+        BOUND_TESTS,
+        "a candidate whose arguments fill the memory exactly is not compiled",
+    ),
+]
+
+ALL = MUTANTS + DATAFLOW_ROLES + FINDING_MUTANTS + TIMING_MUTANTS
 
 
 # --- anchors ----------------------------------------------------------------------------------------

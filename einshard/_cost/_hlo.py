@@ -29,6 +29,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from .._language._union import UnionFind
+from . import _hlo_loops
 
 __all__ = [
     "COLLECTIVES",
@@ -38,6 +39,7 @@ __all__ = [
     "Module",
     "Remat",
     "Shape",
+    "chain_key",
     "device_groups",
     "parse_module",
     "parse_remat",
@@ -154,6 +156,7 @@ class Instruction:
         computation: The computation it is in.
         root: Whether it is its computation's result.
         parameter_number: A parameter's number in its computation (``parameter(3)``: 3), else ``None``.
+        literal: A constant's value as printed (``constant(4)``: ``'4'``), else ``None``.
     """
 
     name: str
@@ -164,6 +167,7 @@ class Instruction:
     computation: str
     root: bool = False
     parameter_number: int | None = None
+    literal: str | None = None
 
     @functools.cached_property
     def shapes(self) -> tuple[Shape, ...]:
@@ -407,9 +411,12 @@ class Module:
     def times(self) -> dict[str, tuple[int, bool]]:
         """How many times each computation runs per call of the entry, and whether that is known.
 
-        A ``while`` body runs its known trip count times (unknown: counted once, marked unknown);
-        a conditional's branches count as run; the done half of an async pair adds nothing.
+        Each call by :func:`~._hlo_loops.runs_per_call` (the walk's rule too); an async done adds none.
         """
+        return dict(self._times)
+
+    @functools.cached_property
+    def _times(self) -> dict[str, tuple[int, bool]]:
         calls: dict[str, list[tuple[str, int, bool]]] = {}
         for computation, lines in self.computations.lines.items():
             for line in lines:
@@ -419,17 +426,12 @@ class Module:
                     continue
                 trip = None
                 if " while(" in line:
-                    match = _TRIP.search(line)
-                    trip = int(match.group(1)) if match else None
-                for role, callee, branches in roles:
+                    parsed = _parse_instruction(line, computation)
+                    trip = self.trip_count(parsed) if parsed is not None else None
+                for key, callee, branches in roles:
+                    factor, known = _hlo_loops.runs_per_call(_CALL_ROLES[key], trip)
                     for name in _NAMES.findall(branches) if branches else (callee,):
-                        if role in ("body", "condition"):
-                            factor, known = (trip, True) if trip is not None else (1, False)
-                            if role == "condition" and trip is not None:
-                                factor = trip + 1
-                            calls.setdefault(name, []).append((computation, factor, known))
-                        else:
-                            calls.setdefault(name, []).append((computation, 1, True))
+                        calls.setdefault(name, []).append((computation, factor, known))
         memo: dict[str, tuple[int, bool]] = {self.entry: (1, True)}
 
         def times(name: str, seen: frozenset[str]) -> tuple[int, bool]:
@@ -446,6 +448,14 @@ class Module:
             return memo[name]
 
         return {name: times(name, frozenset()) for name in self.computations}
+
+    def trip_count(self, loop: Instruction) -> int | None:
+        """How many times a ``while`` runs its body, or ``None`` (unknown).
+
+        XLA's ``known_trip_count``, else read from its counter (:func:`~._hlo_loops.counted_trips`).
+        """
+        known = loop.trip_count()
+        return known if known is not None else _hlo_loops.counted_trips(self, loop)
 
     def source(self, instruction: Instruction) -> tuple[str, str | None, int | None]:
         """``(op_name, file, line)`` of an instruction, from either form of its metadata."""
@@ -515,7 +525,10 @@ def _parse_instruction(line: str, computation: str) -> Instruction | None:
         operands = tuple(part.split()[-1] for part in operand_text.split(",") if part.split())
     attributes = rest[end + 1 :].lstrip(", ")
     parameter_number = int(number) if number.isdigit() else None
-    return Instruction(name, type_, opcode, operands, attributes, computation, bool(root), parameter_number)
+    literal = operand_text.strip() if opcode == "constant" else None
+    return Instruction(
+        name, type_, opcode, operands, attributes, computation, bool(root), parameter_number, literal
+    )
 
 
 def parse_instruction(text: str) -> Instruction | None:
@@ -769,12 +782,27 @@ class Collective:
     times_known: bool
 
 
+def chain_key(instruction: Instruction) -> tuple[str, str, str] | None:
+    """``(kind, channel_id, chain_id)`` of a copy of a collective in TPU's async collective fusions.
+
+    ``None`` for any other instruction.
+    """
+    kind = COLLECTIVES.get(instruction.opcode)
+    if kind is None:
+        return None
+    channel = instruction.attribute("channel_id")
+    chain = _CHAIN.search(instruction.attribute("frontend_attributes") or "")
+    if channel is None or chain is None:
+        return None
+    return kind, channel, chain.group(1)
+
+
 def collectives(module: Module) -> list[Collective]:
     """Every collective of the program that runs, with its groups and how often it runs.
 
     TPU's compiler splits one collective over several async collective fusions (each fusion
     carries a copy of the instruction, with the same ``channel_id`` and a ``chain_id``): such a
-    run is counted once, at its first copy in the text.
+    run is counted once, at its first copy in the text (:func:`chain_key`).
     """
     runs = module.times()
     out = []
@@ -787,10 +815,8 @@ def collectives(module: Module) -> list[Collective]:
             kind = COLLECTIVES.get(instruction.opcode)
             if kind is None:
                 continue
-            channel = instruction.attribute("channel_id")
-            chain = _CHAIN.search(instruction.attribute("frontend_attributes") or "")
-            if channel is not None and chain is not None:
-                key = (kind, channel, chain.group(1))
+            key = chain_key(instruction)
+            if key is not None:
                 if key in chained:
                     continue
                 chained.add(key)

@@ -18,8 +18,11 @@ from ._hlo import COLLECTIVES, Instruction, Module, Shape
 
 __all__ = [
     "FREE_OPCODES",
+    "FUSIONS",
     "Kernel",
     "async_collective",
+    "chain_role",
+    "fused_collective",
     "is_async_done",
     "kernel",
     "matmul_flops",
@@ -30,14 +33,25 @@ FREE_OPCODES = frozenset(
     {
         "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
         "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain", "token",
-        "get-dimension-size", "set-dimension-size",
+        "get-dimension-size", "set-dimension-size", "async-update",
     }
 )  # fmt: skip
+# A fused computation launched as one kernel: a fusion, or the start of an async one (its done
+# waits for it and moves nothing).
+FUSIONS = frozenset({"fusion", "fusion-start"})
 # Custom calls that are library matrix multiplications; their backend config has the dimension numbers.
 _GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8", "__cudnn$matmul")
 # A fused parameter read only through these reads only what they take.
 _SLICING = frozenset({"dynamic-slice", "slice", "gather"})
+# The same elements in another shape: an in-place update's target and result may pass through them.
 _VIEWS = frozenset({"bitcast", "reshape"})
+# Element for element: a fused slice of their result reads only those elements of their operand
+# (a fusion computes only the elements it takes).
+_ELEMENTWISE = _VIEWS | {"convert", "copy"}
+# TPU's markers of an async collective fusion's start and done (the roots of those fusions);
+# tests/test_targets.py fails loudly when a TPU program stops carrying them.
+_CHAIN_MARKS = {"AsyncCollectiveStart": "start", "AsyncCollectiveDone": "done"}
+_COLLECTIVE_OPCODES = frozenset(COLLECTIVES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,57 +162,105 @@ def _matmuls(module: Module, computation: str) -> tuple[float, str]:
 
 
 def _fusion_bytes(module: Module, computation: str) -> int:
-    """What a fusion reads and writes: a parameter only sliced, its slices; an updated one, the update."""
+    """What a fused computation reads and writes, per run.
+
+    * An output that is, behind bitcasts and reshapes, a ``dynamic-update-slice`` of a parameter
+      (behind the same) is written in place: it writes the update, and its target is not read.
+    * A parameter read only through slices (``dynamic-slice``, ``slice``, ``gather``), behind
+      bitcasts, reshapes, converts and copies, reads those elements only (at its own element type).
+    * A parameter passed to the root tuple as it is (an async collective's buffers) or to a
+      collective (whose bytes the link carries, as the report's rows) moves nothing.
+    * Everything else: every parameter read whole, every output written whole.
+    """
     instructions = module.computations.get(computation, [])
+    by_name = {i.name: i for i in instructions}
     users: dict[str, list[Instruction]] = {}
     for instruction in instructions:
-        for operand in instruction.operands:
+        for operand in dict.fromkeys(instruction.operands):
             users.setdefault(operand, []).append(instruction)
     root = next((i for i in instructions if i.root), None)
     if root is None:
         return 0
-    by_name = {i.name: i for i in instructions}
+
+    def beneath_views(name: str) -> Instruction | None:
+        value = by_name.get(name)
+        while value is not None and value.opcode in _VIEWS and value.operands:
+            value = by_name.get(value.operands[0])
+        return value
+
     outputs = [by_name[o] for o in root.operands if o in by_name] if root.opcode == "tuple" else [root]
     in_place: set[str] = set()
     written = 0
     for output in outputs:
-        if output.opcode == "dynamic-update-slice" and len(output.operands) > 1:
-            target = output.operands[0]
-            while target in by_name and by_name[target].opcode in _VIEWS:
-                target = by_name[target].operands[0]
-            in_place.add(target)
-            update = by_name.get(output.operands[1])
-            written += sum(s.bytes for s in update.shapes) if update is not None else 0
-        else:
-            written += sum(s.bytes for s in output.shapes)
-
-    def read(name: str, whole: int) -> int:
-        taken = 0
-        for user in users.get(name, ()):
-            if user.opcode in _VIEWS:
-                taken += read(user.name, whole)
-            elif user.opcode in _SLICING and user.operands and user.operands[0] == name:
-                taken += sum(s.bytes for s in user.shapes)
-            elif user.opcode == "dynamic-update-slice" and user.operands and user.operands[0] == name:
+        value = beneath_views(output.name)
+        if value is not None and value.opcode == "dynamic-update-slice" and len(value.operands) > 1:
+            target = beneath_views(value.operands[0])
+            update = by_name.get(value.operands[1])
+            if target is not None and target.opcode == "parameter" and update is not None:
+                in_place.add(value.name)
+                written += sum(s.bytes for s in update.shapes)
                 continue
+        if root.opcode == "tuple" and output.opcode == "parameter":
+            continue  # passed through: the same buffer
+        if output.opcode in COLLECTIVES:
+            continue
+        written += sum(s.bytes for s in output.shapes)
+
+    def taken(name: str) -> int | None:
+        """How many elements of ``name`` its users read, or ``None``: all of them."""
+        if name == root.name:
+            return None  # the fusion's result: every element of it is computed
+        count = 0
+        for user in users.get(name, ()):
+            first = bool(user.operands) and user.operands[0] == name
+            if first and user.opcode in _ELEMENTWISE:
+                inner = taken(user.name)
+                if inner is None:
+                    return None
+                count += inner
+            elif first and user.opcode in _SLICING:
+                count += sum(s.size for s in user.shapes)
+            elif (first and user.name in in_place) or user.opcode in COLLECTIVES:
+                continue  # written in place, or sent by the link
+            elif user is root and root.opcode == "tuple" and by_name[name].opcode == "parameter":
+                continue  # passed through
             else:
-                return whole
-        return min(taken, whole)
+                return None
+        return count
 
     reads = 0
     for instruction in instructions:
-        if instruction.opcode == "parameter" and instruction.name not in in_place:
-            reads += read(instruction.name, sum(s.bytes for s in instruction.shapes))
+        if instruction.opcode != "parameter":
+            continue
+        whole = sum(s.bytes for s in instruction.shapes)
+        elements = taken(instruction.name)
+        if elements is None or len(instruction.shapes) != 1:
+            reads += whole
+        else:
+            reads += min(Shape(instruction.shapes[0].dtype, (elements,)).bytes, whole)
     return reads + written
 
 
 def kernel(module: Module, instruction: Instruction) -> Kernel:
-    """What an instruction that launches work computes and moves (see :class:`Kernel`)."""
+    """What an instruction that launches work computes and moves (see :class:`Kernel`).
+
+    A fusion (or the start of an async one) costs what its fused computation reads and writes
+    (:func:`_fusion_bytes`: an in-place update its update, a sliced read its slice); the start
+    of an async computation (``async-start``), what the instruction it runs costs; an unfused
+    in-place update or slice, its update or slice read and written; a library gemm, its operands
+    and its result (not its workspace); anything else, its operands and its results.
+    """
     opcode = instruction.opcode
-    if opcode == "fusion":
+    if opcode in FUSIONS:
         body = _called(instruction)
         flops, kind = _matmuls(module, body) if body else (0.0, "")
         return Kernel(instruction, flops, kind, _fusion_bytes(module, body) if body else 0)
+    if opcode == "async-start":
+        body = _called(instruction)
+        wrapped = next((i for i in module.computations.get(body, ()) if i.root), None) if body else None
+        if wrapped is not None:
+            inner = kernel(module, wrapped)
+            return Kernel(instruction, inner.flops, inner.matmul, inner.bytes)
     flops = matmul_flops(module, instruction)
     kind = matmul_type(module, instruction) if flops else ""
     result = instruction.shapes
@@ -207,9 +269,12 @@ def kernel(module: Module, instruction: Instruction) -> Kernel:
     if opcode == "dynamic-update-slice":
         update = _operand_shapes(module, instruction)[1:2]
         return Kernel(instruction, flops, kind, 2 * sum(s.bytes for s in update))
-    if opcode in ("dynamic-slice", "slice", "gather"):
+    if opcode in _SLICING:
         return Kernel(instruction, flops, kind, 2 * sum(s.bytes for s in result))
-    moved = sum(s.bytes for s in _operand_shapes(module, instruction)) + sum(s.bytes for s in result)
+    operands = sum(s.bytes for s in _operand_shapes(module, instruction))
+    if opcode == "copy-start":  # an async copy: its operand read and written once
+        return Kernel(instruction, flops, kind, 2 * operands)
+    moved = operands + sum(s.bytes for s in result)
     return Kernel(instruction, flops, kind, moved)
 
 
@@ -246,3 +311,29 @@ def async_collective(module: Module, instruction: Instruction) -> Instruction | 
 def is_async_done(instruction: Instruction) -> bool:
     """Whether the instruction waits for an async ``-start`` (its first operand)."""
     return instruction.opcode.endswith("-done") or instruction.opcode == "async-done"
+
+
+def fused_collective(module: Module, instruction: Instruction) -> Instruction | None:
+    """The collective a fusion runs inside its fused computation, or ``None``.
+
+    TPU's async collective fusions; a reduce-scatter written as a fused all-reduce and slice.
+    """
+    if instruction.opcode not in FUSIONS:
+        return None
+    body = _called(instruction)
+    if body is None or body not in module.computations or not module.has_opcode(body, _COLLECTIVE_OPCODES):
+        return None
+    return next((inner for inner in module.computations[body] if inner.opcode in COLLECTIVES), None)
+
+
+def chain_role(module: Module, instruction: Instruction) -> str | None:
+    """A TPU async collective fusion's part in its chain: ``'start'``, ``'done'``, or ``None``.
+
+    ``None``: a fusion the collective runs beside, or one without TPU's markers.
+    """
+    body = _called(instruction)
+    root = next((i for i in module.computations.get(body, ()) if i.root), None) if body else None
+    if root is None or root.opcode != "custom-call":
+        return None
+    target = (root.attribute("custom_call_target") or "").strip('"')
+    return _CHAIN_MARKS.get(target)

@@ -14,7 +14,7 @@ from ._hlo import KINDS
 from ._report_text import finding_headline, findings_text, report_text
 from ._rerun import stop_if_rerunning
 from ._target import FROM_SOURCE, GPU_EXTRA, GPUS, TPU_EXTRA, TPUS, Figures, Hardware
-from ._timing import Rates, Schedule, simulate
+from ._timing import Rates, Schedule, collectives_of, simulate, unknown_loops
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -304,6 +304,14 @@ class StepReport:
         return self.seconds
 
     @property
+    def unknown_loops(self) -> tuple[str, ...]:
+        """The loops of a target's program whose trip count XLA does not know: counted once each.
+
+        As ``'while.3 (model.py:12)'``; ``()`` on CPU devices (their rows say ``1?``).
+        """
+        return unknown_loops(self.schedule)
+
+    @property
     def model_flops_utilisation(self) -> float | None:
         """The share of the device's bf16 peak that the step's matrix flops in :attr:`seconds` imply."""
         seconds, hardware = self.seconds, self.hardware
@@ -421,6 +429,12 @@ def estimated(report: StepReport, figures: Figures) -> StepReport:
     compute = report.flops / flops_per_second if flops_per_second and report.flops is not None else None
     simulated = {}
     if figures.hardware is not None and report.schedule:
+        unscheduled = {row.instruction for row in report.rows} - collectives_of(report.schedule)
+        if unscheduled:
+            raise AssertionError(
+                "einshard cannot read this XLA text (please report it): the step time's schedule "
+                f"leaves out the collectives {', '.join(sorted(unscheduled))}"
+            )
         time = simulate(report.schedule, per_run, _rates(figures.hardware, figures))
         compute = time.compute_seconds
         simulated = {

@@ -190,6 +190,13 @@ def _simulated_lines(report: Any) -> list[str]:
             for name, source, seconds in report.kernels[:3]
         )
         lines += _wrapped(f"  slowest kernels: {slowest}", "    ")
+    if report.unknown_loops:
+        count = len(report.unknown_loops)
+        lines += _wrapped(
+            f"  {count} loop{'s' if count > 1 else ''} of a trip count XLA does not know, each counted "
+            f"as running once: {', '.join(report.unknown_loops)}",
+            "    ",
+        )
     figures = report.figures
     rates = (
         f"every dot at the given {report.flops_per_second:.3g} FLOP/s"

@@ -2,12 +2,19 @@
 
 The compiled program's text lists each computation's instructions in the order they run. The
 walk goes through the entry computation (a ``while`` body its trip count times, a called
-computation where it is called) and gives each kernel (a fusion, a library gemm, a copy, a sort
-...) ``max(matrix flops / the rate of its element type, bytes read and written / the memory's
-bandwidth)`` plus a launch floor. A collective costs its ring formula at its link (the report's
-rows, with a latency per hop); an async one (``-start`` ... ``-done``) runs beside the kernels
-scheduled between its start and its done, and costs only what they do not cover. One link per
-device: collectives in flight at once queue on it.
+computation where it is called, every branch of a conditional: how many times each runs is
+:func:`~._hlo_loops.runs_per_call`'s one answer, which the program's flops follow too) and gives each
+kernel (a fusion, an async fusion's start, a library gemm, a copy, a sort ...) ``max(matrix
+flops / the rate of its element type, bytes read and written / the memory's bandwidth)`` plus a
+launch floor. A kernel moves what it touches: an in-place update its update, a sliced read its
+slice (:func:`~._hlo_kernels.kernel`), so a scanned layer's loop costs its layer per trip, not
+its stack. A loop whose trip count XLA does not know is walked once, and the report names it
+(:attr:`Loop.known`). A collective costs its ring formula at its link (the report's rows, with a
+latency per hop); an async one (``-start`` ... ``-done``, or TPU's async collective fusions) runs
+beside the kernels scheduled between its start and its done, and costs only what they do not
+cover; one launched inside a fusion is on the schedule too. One link per device: collectives in
+flight at once queue on it. Every row of the report is a collective of the schedule
+(:func:`collectives_of`).
 
 What is assumed (``Hardware``'s figures, each with its source): the fraction of the matrix
 units' peak a large gemm reaches, the fraction of the memory bandwidth a streaming kernel
@@ -21,9 +28,9 @@ simulated CPU devices share one host's cores, and a schedule of them describes n
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
-from . import _hlo, _hlo_kernels
+from . import _hlo, _hlo_kernels, _hlo_loops
 
 __all__ = [
     "Done",
@@ -34,8 +41,10 @@ __all__ = [
     "Start",
     "StepTime",
     "Sync",
+    "collectives_of",
     "schedule_of",
     "simulate",
+    "unknown_loops",
 ]
 
 
@@ -73,10 +82,17 @@ class Sync:
 
 @dataclasses.dataclass(frozen=True)
 class Loop:
-    """A loop body (``items``) run ``times`` times."""
+    """A loop body (``items``) run ``times`` times.
+
+    ``known``: whether XLA knows the trip count (when it does not, ``times`` is 1 and the report
+    says so); ``name`` and ``source``: the ``while`` instruction and its source line.
+    """
 
     times: int
     items: tuple[Item, ...]
+    known: bool = True
+    name: str = ""
+    source: str | None = None
 
 
 Item = KernelRun | Start | Done | Sync | Loop
@@ -85,16 +101,30 @@ Schedule = tuple[Item, ...]
 
 def schedule_of(module: _hlo.Module) -> Schedule:
     """The program's kernels and collectives in the order they run."""
-    return _walk(module, module.entry, frozenset())
+    heads: dict[tuple[str, str, str], str] = {}  # a chain of TPU copies -> the copy the rows name
+    for collective in _hlo.collectives(module):
+        key = _hlo.chain_key(collective.instruction)
+        if key is not None:
+            heads[key] = collective.instruction.name
+    return _walk(module, module.entry, frozenset(), heads)
 
 
-def _walk(module: _hlo.Module, computation: str, seen: frozenset[str]) -> Schedule:
+def _source(module: _hlo.Module, instruction: _hlo.Instruction) -> str | None:
+    _, file, line = module.source(instruction)
+    return f"{file}:{line}" if file is not None else None
+
+
+def _walk(
+    module: _hlo.Module, computation: str, seen: frozenset[str], heads: Mapping[tuple[str, str, str], str]
+) -> Schedule:
     if computation in seen:
         return ()
     seen = seen | {computation}
+    instructions = module.computations.get(computation, ())
     items: list[Item] = []
     starts: dict[str, str] = {}  # an async start's name -> its collective's
-    for instruction in module.computations.get(computation, ()):
+    chains = _chains(module, instructions, heads)
+    for instruction in instructions:
         opcode = instruction.opcode
         if opcode in _hlo_kernels.FREE_OPCODES:
             continue
@@ -103,6 +133,8 @@ def _walk(module: _hlo.Module, computation: str, seen: frozenset[str]) -> Schedu
             starts[instruction.name] = collective.name
             items.append(Start(collective.name))
         elif _hlo_kernels.is_async_done(instruction):
+            # The done of an async collective waits for it; an async fusion's or copy's done
+            # waits for work its start was costed with.
             started = starts.get(instruction.operands[0]) if instruction.operands else None
             if started is not None:
                 items.append(Done(started))
@@ -111,18 +143,95 @@ def _walk(module: _hlo.Module, computation: str, seen: frozenset[str]) -> Schedu
         elif opcode == "while":
             body = next((name for role, name in instruction.called if role == "body"), None)
             if body is not None:
-                items.append(Loop(instruction.trip_count() or 1, _walk(module, body, seen)))
+                times, known = _hlo_loops.runs_per_call("body", module.trip_count(instruction))
+                inner = _walk(module, body, seen, heads)
+                items.append(Loop(times, inner, known, instruction.name, _source(module, instruction)))
         elif opcode in ("call", "conditional"):
-            # A conditional runs one branch: the longest is taken (by its kernels' count).
-            branches = [_walk(module, name, seen) for _, name in instruction.called]
-            if branches:
-                items += max(branches, key=len)
+            for role, name in instruction.called:
+                times, known = _hlo_loops.runs_per_call(role, None)
+                inner = _walk(module, name, seen, heads)
+                items += inner if times == 1 else (Loop(times, inner, known, instruction.name),)
+        elif instruction.name in chains:
+            items += chains[instruction.name]
         else:
-            kernel = _hlo_kernels.kernel(module, instruction)
-            _, file, line = module.source(instruction)
-            source = f"{file}:{line}" if file is not None else None
-            items.append(KernelRun(instruction.name, kernel.flops, kernel.matmul, kernel.bytes, source))
+            items.append(_kernel_run(module, instruction))
     return tuple(items)
+
+
+def _kernel_run(module: _hlo.Module, instruction: _hlo.Instruction) -> KernelRun:
+    kernel = _hlo_kernels.kernel(module, instruction)
+    source = _source(module, instruction)
+    return KernelRun(instruction.name, kernel.flops, kernel.matmul, kernel.bytes, source)
+
+
+def _chains(
+    module: _hlo.Module, instructions: Sequence[_hlo.Instruction], heads: Mapping[tuple[str, str, str], str]
+) -> dict[str, tuple[Item, ...]]:
+    """What each fusion that runs a collective inside it is on the schedule, by its name.
+
+    A collective copied over TPU's async collective fusions (:func:`~._hlo.chain_key`) starts
+    at the fusion that starts it and is waited for at the one that ends it (their markers, else
+    the first and last fusion of its chain here); the fusions between are kernels that run
+    beside it. Named as the report's row names it (``heads``: its first copy in the text). A
+    collective fused with other work and no chain (an all-reduce and its slice) is waited for
+    where it stands, beside the fusion's matrix work if it has any.
+    """
+    fused: list[tuple[_hlo.Instruction, _hlo.Instruction]] = []
+    for instruction in instructions:
+        collective = _hlo_kernels.fused_collective(module, instruction)
+        if collective is not None:
+            fused.append((instruction, collective))
+    if not fused:
+        return {}
+    members: dict[tuple[str, str, str], list[str]] = {}
+    for instruction, collective in fused:
+        key = _hlo.chain_key(collective)
+        if key is not None:
+            members.setdefault(key, []).append(instruction.name)
+    out: dict[str, tuple[Item, ...]] = {}
+    for instruction, collective in fused:
+        key = _hlo.chain_key(collective)
+        run = _kernel_run(module, instruction)
+        work: tuple[Item, ...] = (run,) if run.flops else ()
+        if key is None:
+            out[instruction.name] = (*work, Sync(collective.name))
+            continue
+        head = heads.get(key, collective.name)
+        chain = members[key]
+        role = _hlo_kernels.chain_role(module, instruction)
+        if role is None and len(chain) > 1:  # no markers: the chain's first and last fusion here
+            role = {chain[0]: "start", chain[-1]: "done"}.get(instruction.name)
+        if len(chain) == 1 and role is None:
+            out[instruction.name] = (*work, Sync(head))
+        elif role == "start":
+            out[instruction.name] = (Start(head), *work)
+        elif role == "done":
+            out[instruction.name] = (*work, Done(head))
+        else:
+            out[instruction.name] = (run,)
+    return out
+
+
+def collectives_of(schedule: Schedule) -> set[str]:
+    """The collectives a schedule runs (started or waited for where they stand), by name."""
+    names: set[str] = set()
+    for item in schedule:
+        if isinstance(item, (Start, Sync)):
+            names.add(item.collective)
+        elif isinstance(item, Loop):
+            names |= collectives_of(item.items)
+    return names
+
+
+def unknown_loops(schedule: Schedule) -> tuple[str, ...]:
+    """The loops whose trip count XLA does not know, each walked once: ``'while.3 (model.py:12)'``."""
+    found: list[str] = []
+    for item in schedule:
+        if isinstance(item, Loop):
+            if not item.known:
+                found.append(item.name + (f" ({item.source})" if item.source else ""))
+            found += unknown_loops(item.items)
+    return tuple(dict.fromkeys(found))
 
 
 @dataclasses.dataclass(frozen=True)
