@@ -14,8 +14,12 @@ suite runs at (6, 8, 16). On N devices, each device holds:
 * FSDP (``SplitLargest``, ``min_bytes=0``): every leaf split on its largest axis but the count
   (no axis): 6,912 + (96 / N) * (2 + 4 + 4) + 4 + 1,152 = **8,188 B** at 8.
 
-A candidate whose arguments need more than the memory is not compiled; one whose arguments need
-exactly the memory is (its peak may still exceed it: then it is rejected after its compile).
+The plan's memory bound adds to the arguments the largest dot result the step goes on to use,
+spread over the devices (no device holds less than its share of it while it lives): ``batch @ w``,
+``f32[48,96]``, 18,432 / N B (**2,304 B** at 8); the outputs add nothing, since the step returns
+its state updated and its compile donates it. A candidate whose bound is more than the memory is
+not compiled (its text says when its arguments alone are); one whose bound is exactly the memory
+is (its peak may still exceed it: then it is rejected after its compile).
 """
 
 from __future__ import annotations
@@ -79,6 +83,8 @@ BY_HAND = {
     FSDP.name: 3 * W_BLOCK + (96 // N) * (2 + 4 + 4) + COUNT + BATCH_BLOCK,
 }
 CANDIDATES = [SPLIT_W, DATA_PARALLEL, FSDP]
+DOT = 48 * 96 * 4 // N  # batch @ w, spread over the devices
+BOUND = {name: needed + DOT for name, needed in BY_HAND.items()}
 
 
 def test_the_figures_by_hand_at_8_devices():
@@ -124,41 +130,53 @@ def compiles(monkeypatch) -> list:
 
 
 def _plan(memory: int):
-    return einshard.plan(step, STATE, BATCH, candidates=CANDIDATES, memory_per_device=memory, quiet=True)
+    return einshard.plan(
+        step, STATE, BATCH, candidates=CANDIDATES, memory_per_device=memory, quiet=True, exhaustive=True
+    )
 
 
 @pytest.mark.skipif(N < 2, reason="a split needs two devices")
 def test_one_byte_over_the_memory_is_not_compiled_and_says_its_blocks(compiles):
-    """At the split table's bytes less one: it and data parallel are bounded out (not compiled),
-    with the bytes worked out above; FSDP, below the memory, is compiled."""
-    memory = BY_HAND[SPLIT_W.name] - 1
+    """At FSDP's bound: data parallel's arguments alone are over (bounded out, with its bytes
+    worked out above); the split table's arguments fit, but with the dot result they do not (bounded
+    out, its bound in the text); FSDP, at the memory exactly, is compiled."""
+    memory = BOUND[FSDP.name]
+    assert BY_HAND[SPLIT_W.name] <= memory < BOUND[SPLIT_W.name]
     plan = _plan(memory)
     assert len(compiles) == 1
     rows = {row.name: row for row in plan.rows}
-    for name in (SPLIT_W.name, DATA_PARALLEL.name):
-        row = rows[name]
-        assert row.report is None and row.argument_bytes == BY_HAND[name]
-        assert row.rejected == (
-            f"does not fit memory: its arguments alone need {size_text(BY_HAND[name])} > "
-            f"{size_text(memory)} per device (not compiled)"
-        )
+    dp = rows[DATA_PARALLEL.name]
+    assert dp.report is None and dp.argument_bytes == BY_HAND[DATA_PARALLEL.name]
+    assert dp.rejected == (
+        f"does not fit memory: its arguments alone need {size_text(BY_HAND[DATA_PARALLEL.name])} > "
+        f"{size_text(memory)} per device (not compiled)"
+    )
+    split = rows[SPLIT_W.name]
+    assert split.report is None and split.argument_bytes == BY_HAND[SPLIT_W.name]
+    assert split.bounds.memory_bytes == BOUND[SPLIT_W.name]
+    assert split.rejected == (
+        f"does not fit memory: it needs at least {size_text(BOUND[SPLIT_W.name])} > {size_text(memory)} "
+        f"per device (its arguments {size_text(BY_HAND[SPLIT_W.name])}, with its outputs and largest dot "
+        "result spread over the devices) (not compiled)"
+    )
     fsdp = rows[FSDP.name]
     assert fsdp.report is not None and fsdp.argument_bytes is None
     assert fsdp.report.argument_bytes == BY_HAND[FSDP.name]  # XLA's own count agrees
+    assert fsdp.bounds.memory_bytes <= fsdp.peak_bytes
 
 
 @pytest.mark.skipif(N < 2, reason="a split needs two devices")
 @pytest.mark.parametrize("strategy", [SPLIT_W, FSDP], ids=lambda s: s.name)
 def test_arguments_that_fill_the_memory_exactly_are_compiled(compiles, strategy):
-    """At exactly a candidate's bytes: it is compiled (its peak, with its outputs, is over: it is
+    """At exactly a candidate's bound: it is compiled (its peak, with its outputs, is over: it is
     rejected after the compile, by the compiled peak); the candidates above are bounded out."""
-    memory = BY_HAND[strategy.name]
+    memory = BOUND[strategy.name]
     plan = _plan(memory)
     rows = {row.name: row for row in plan.rows}
     row = rows[strategy.name]
     assert row.report is not None and row.argument_bytes is None
-    assert row.report.argument_bytes == memory
-    above = {name for name, needed in BY_HAND.items() if needed > memory}
+    assert row.report.argument_bytes == BY_HAND[strategy.name]
+    above = {name for name, needed in BOUND.items() if needed > memory}
     assert DATA_PARALLEL.name in above
     assert len(compiles) == len(CANDIDATES) - len(above)
     for name in above:
@@ -166,10 +184,11 @@ def test_arguments_that_fill_the_memory_exactly_are_compiled(compiles, strategy)
 
 
 def test_at_the_largest_candidate_s_bytes_every_candidate_is_compiled(compiles):
-    """At data parallel's bytes exactly, no candidate's arguments exceed the memory: all three
+    """At data parallel's bound exactly, no candidate's bound exceeds the memory: all three
     compile, and each compiled program's arguments are the bytes worked out by hand."""
-    plan = _plan(BY_HAND[DATA_PARALLEL.name])
+    plan = _plan(BOUND[DATA_PARALLEL.name])
     assert len(compiles) == 3
     for row in plan.rows:
         assert row.report is not None and row.argument_bytes is None
         assert row.report.argument_bytes == BY_HAND[row.name]
+        assert row.bounds.memory_bytes == BOUND[row.name] <= row.peak_bytes
