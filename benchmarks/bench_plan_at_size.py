@@ -286,7 +286,7 @@ def one(name: str, n_candidates: int | None, exhaustive: bool = False) -> dict:
                 "peak_bytes": row.peak_bytes,
                 "step_seconds": row.seconds,
                 "sent_bytes": row.traffic,
-                "loops_kept": sum(bool(loop.constrained) for loop in row.report.loops)
+                "loops_kept": sum(bool(loop.constrained) for loop in row.report.batch_loops)
                 if row.report is not None
                 else None,
             }

@@ -202,7 +202,7 @@ def test_a_plain_table_reduces_the_whole_batch_in_every_layer_and_the_finding_na
     report = reports["plain"]
     reduced = full_batch_reductions(report)
     assert reduced and all(row.times == L and row.shape == (B, S, H) for row in reduced)
-    assert not report.loops  # a plain table: nothing was constrained
+    assert not report.batch_loops  # a plain table: nothing was constrained
     (finding,) = [f for f in report.findings if f.kind == "activations reduced in a loop"]
     assert finding.bytes == sum(row.traffic for row in reduced)
     assert [report.rows[i] for i in finding.rows] == reduced
@@ -216,11 +216,11 @@ def test_the_strategy_keeps_the_carry_split_and_the_activations_are_not_reduced(
     says so with the loop's line, and the program reduces no activation: it sends less, and its
     peak is lower (each device holds its part of the batch)."""
     plain, report = reports["plain"], reports["strategy"]
-    assert [(loop.primitive, loop.backward, loop.constrained) for loop in report.loops] == [
+    assert [(loop.primitive, loop.backward, loop.constrained) for loop in report.batch_loops] == [
         ("scan", False, 1),
         ("scan", True, 1),
     ]
-    assert all(loop.source.startswith("test_scanned.py:") for loop in report.loops)
+    assert all(loop.source.startswith("test_scanned.py:") for loop in report.batch_loops)
     assert not full_batch_reductions(report)
     assert "activations reduced in a loop" not in [f.kind for f in report.findings]
     assert report.traffic < plain.traffic
@@ -314,7 +314,7 @@ def test_a_jitted_scanned_step_is_kept_split_and_keeps_its_own_donation(reports)
     params = make_params()
     jitted = einshard.explain_step(jax.jit(step, donate_argnums=0), params, BATCH, rules=FSDP)
     expected = reports["strategy"]
-    assert [(loop.backward, loop.constrained) for loop in jitted.loops] == [(False, 1), (True, 1)]
+    assert [(loop.backward, loop.constrained) for loop in jitted.batch_loops] == [(False, 1), (True, 1)]
     assert jitted.bytes_by_kind == expected.bytes_by_kind
     # Each device's block of the params, split by FSDP: what both alias.
     assert jitted.donated is None and jitted.alias_bytes == expected.alias_bytes > 0

@@ -38,7 +38,7 @@ def check(step, state, marked_step=None):
     kept = einshard.explain_step(step, state, TOKENS, rules=FSDP)
     assert reduced_in_loop(plain), "the partitioner kept the batch split: nothing to show"
     assert "activations reduced in a loop" in [f.kind for f in plain.findings]
-    assert [(loop.backward, loop.constrained) for loop in kept.loops] == [(False, 1), (True, 1)]
+    assert [(loop.backward, loop.constrained) for loop in kept.batch_loops] == [(False, 1), (True, 1)]
     assert not reduced_in_loop(kept)
     assert "activations reduced in a loop" not in [f.kind for f in kept.findings]
     assert kept.traffic < plain.traffic and kept.peak_bytes <= plain.peak_bytes

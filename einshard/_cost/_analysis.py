@@ -107,7 +107,7 @@ def _read(call: StepCall, compiled: Compiled, *, matmul_flops: bool = False) -> 
     flops = _hlo_kernels.program_matmul_flops(module) if matmul_flops else compiled.flops()
     analysis_seconds = time.perf_counter() - start
     report = report_of(rows, n, mesh, memory, flops, compiled.seconds, analysis_seconds, findings)
-    report = dataclasses.replace(report, loops=compiled.loops, donated=compiled.donated)
+    report = dataclasses.replace(report, batch_loops=compiled.loops, donated=compiled.donated)
     if matmul_flops:  # a target's program: the order its kernels run in, to simulate its time
         report = dataclasses.replace(report, schedule=_timing.schedule_of(module))
     if call.unmatched:

@@ -236,7 +236,7 @@ class StepReport:
         exposed_seconds: Communication the kernels do not cover (simulated), or ``None``.
         hidden_seconds: Communication that runs while kernels do (simulated), or ``None``.
         kernels: The kernels that take the most time: ``(instruction, source, seconds)``.
-        loops: The step's loops whose carry comes from the batch (a scanned model's layers), each
+        batch_loops: The step's loops whose carry comes from the batch (a scanned model's layers), each
             with its source line and whether its carry was kept in the batch's layout (under a
             strategy that splits the batch: :func:`~einshard.constrain_loops`), or why not.
         donated: The name of the argument the compile donated because the step returns it
@@ -277,7 +277,7 @@ class StepReport:
     exposed_seconds: float | None = None
     hidden_seconds: float | None = None
     kernels: tuple[tuple[str, str | None, float], ...] = dataclasses.field(default=(), repr=False)
-    loops: tuple[LoopNote, ...] = ()
+    batch_loops: tuple[LoopNote, ...] = ()
     donated: str | None = None
 
     @property

@@ -138,7 +138,7 @@ def _columns(report: Any) -> tuple[list[str], list[list[str]], list[str]]:
             + ", ".join(repr(pattern) for pattern in report.unmatched_rules),
             "  ",
         )
-    footer += loops_lines(report.loops)
+    footer += loops_lines(report.batch_loops)
     footer += _findings_lines(report)
     return header, body, footer
 

@@ -101,7 +101,7 @@ def explain_step(
             positional one (``step(params, batch)``, ``step(params, opt_state, tokens)``), every
             leaf of it; and the step's loops whose carry comes from the batch (a scanned
             model's layers) keep that carry in the batch's layout (as
-            :func:`~einshard.constrain_loops` compiles it: ``report.loops`` says where). With a
+            :func:`~einshard.constrain_loops` compiles it: ``report.batch_loops`` says where). With a
             single argument there is no batch, and the strategy is a table like any other.
         target: What to compile for: ``'cpu'`` (simulated CPU devices, the default), a GPU
             (``'a100'``, ``'h100'``, ``'h200'``, ``'b200'``: needs the ``gpu-target`` extra)
