@@ -54,7 +54,7 @@ def find_batch_gathers(context: Context, extra: set[int]) -> list[Finding]:
         return []  # a rule written for the batch replicates it: on purpose
     split = [
         leaf
-        for path, leaf in zip(context.paths, context.layouts, strict=False)
+        for path, leaf in zip(context.paths, context.layouts or (), strict=False)
         if leaf is not None and not _under(path, batch) and math.prod(leaf.layout.shards) > 1
     ]
     rows = context.rows

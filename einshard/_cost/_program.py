@@ -29,6 +29,7 @@ from .._arrays._arrays import einshard
 from .._arrays._leaves import is_jax_array
 from .._sharding._devices import call_devices
 from .._tracing._batch_layout import batch_expression_for, batch_split, strategy_batch, traced_under
+from .._tracing._jaxprs import evaluate
 from .._tracing._loops import LoopNote, constrained_jaxpr, has_loop
 from .._trees._strategy import Strategy
 from ._call import StepCall
@@ -75,7 +76,7 @@ def step_program(call: StepCall, *, own: bool = True) -> Program:
     donate = _argument_arrays(call, 0) if donated is not None else ()
 
     def run(*arrays: Any) -> Any:
-        return jax.core.eval_jaxpr(jaxpr, closed.consts, *arrays)
+        return evaluate(jaxpr, closed.consts, *arrays)
 
     run.__name__ = flat.__name__
     program = jax.jit(run, keep_unused=True, donate_argnums=donate)
@@ -156,7 +157,7 @@ def constrain_loops(step: Callable[..., Any], strategy: Strategy | str) -> Calla
         structure, leaves = outputs
         outputs.clear()
         jaxpr, _ = _constrained(call, closed)
-        results = iter(jax.core.eval_jaxpr(jaxpr, closed.consts, *arrays))
+        results = iter(evaluate(jaxpr, closed.consts, *arrays))
         rebuilt = [next(results) if is_jax_array(leaf) else leaf for leaf in leaves]
         return jax.tree_util.tree_unflatten(structure, rebuilt)
 
@@ -192,7 +193,7 @@ def _traced_through(call: StepCall, traced: Any) -> Program:
         return Program(traced.lower)
 
     def run(*arrays: Any) -> Any:
-        return jax.core.eval_jaxpr(jaxpr, closed.consts, *arrays)
+        return evaluate(jaxpr, closed.consts, *arrays)
 
     run.__name__ = getattr(call.fn, "__name__", "step")
     program = jax.jit(run, keep_unused=True, donate_argnums=donate)

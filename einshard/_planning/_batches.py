@@ -244,6 +244,7 @@ def plan_batches(
     hardware: Mapping[str, float] | None = None,
     isolate: bool = False,
     quiet: bool = False,
+    donate: bool = True,
     batch_sizes: Sequence[int] | None = None,
     max_compiles: int = DEFAULT_MAX_COMPILES,
 ) -> BatchPlan:
@@ -290,6 +291,7 @@ def plan_batches(
         hardware: As for :func:`plan`.
         isolate: As for :func:`plan`.
         quiet: As for :func:`plan`.
+        donate: As for :func:`plan`.
         batch_sizes: Global batch sizes to choose among, by bisection (each a positive
             integer, a multiple of every candidate's split).
         max_compiles: Compiles per candidate at most (a positive integer).
@@ -331,7 +333,7 @@ def plan_batches(
     )
     leaves, start = _batch_leaves(batch)
     ladder = None if batch_sizes is None else _checked_sizes(batch_sizes)
-    call = StepCall.of(step, (params, batch), {})
+    call = dataclasses.replace(StepCall.of(step, (params, batch), {}), donate=bool(donate))
     strategies = candidate_strategies(call, candidates, where, min_bytes)
     granularities = [_granularity(strategy, leaves, count) for strategy in strategies]
     for strategy, unit in zip(strategies, granularities, strict=True):

@@ -294,6 +294,7 @@ def plan(
     hardware: Mapping[str, float] | None = None,
     isolate: bool = False,
     quiet: bool = False,
+    donate: bool = True,
     exhaustive: bool = False,
     max_seconds: float | None = None,
 ) -> Plan:
@@ -349,6 +350,9 @@ def plan(
         quiet: Show no progress. A plan that runs over 10 seconds shows which candidate it is
             compiling, how many are done and left, and their times, on standard error
             (``rich``'s bar on a terminal, else plain lines).
+        donate: Compile a step that returns its first argument updated (``params``, or a train
+            state) with it donated, as a training loop runs it (see
+            :func:`~einshard.explain_step`); ``False`` compiles every candidate without.
         exhaustive: Compile every candidate that fits the memory, even those that cannot win
             (to see their figures).
         max_seconds: Stop compiling when this many seconds have passed (a compile that has
@@ -383,7 +387,7 @@ def plan(
     figures, count = where.figures, where.count
     # The step is resolved and its arguments named and flattened once, here, for the roles
     # reader, every candidate's table and compile, and the split shares.
-    call = StepCall.of(step, (params, batch), {})
+    call = dataclasses.replace(StepCall.of(step, (params, batch), {}), donate=bool(donate))
     ready = prepared(call, candidates, where, min_bytes)
     strategies, tables, bounds = ready.strategies, ready.tables, ready.bounds
     memory = figures.memory_per_device

@@ -18,6 +18,8 @@ from .._language._errors import EinshardError
 from ._primitives import AXIS_PARAMS
 
 __all__ = [
+    "closed_jaxpr",
+    "evaluate",
     "inner_jaxpr",
     "is_backward",
     "is_jaxpr",
@@ -132,3 +134,21 @@ def user_line(eqn: Any) -> str:
             line = getattr(frame, "line_num", None) or getattr(frame, "start_line", "")
             return f"{name.rsplit('/', 1)[-1]}:{line}"
     return ""
+
+
+def evaluate(jaxpr: Any, consts: Any, *args: Any) -> list[Any]:
+    """``jaxpr``'s outputs for ``args``: ``jax.core.eval_jaxpr``.
+
+    Each equation is bound again with its source line and name stack, so a program traced from
+    it reads as the step's own.
+    """
+    import jax.core
+
+    return jax.core.eval_jaxpr(jaxpr, list(consts), *args)
+
+
+def closed_jaxpr(jaxpr: Any, consts: Any) -> Any:
+    """``jax.extend.core.ClosedJaxpr(jaxpr, consts)``."""
+    from jax.extend import core
+
+    return core.ClosedJaxpr(jaxpr, list(consts))  # pyright: ignore[reportPrivateImportUsage]

@@ -25,7 +25,16 @@ from typing import Any
 
 from .._language._errors import EinshardError
 from ._batch_axes import ABSENT, REDUCED, UNKNOWN, Axis, loop_carries, read
-from ._jaxprs import inner_jaxpr, is_backward, is_jaxpr, scan_counts, user_line, var_shape
+from ._jaxprs import (
+    closed_jaxpr,
+    evaluate,
+    inner_jaxpr,
+    is_backward,
+    is_jaxpr,
+    scan_counts,
+    user_line,
+    var_shape,
+)
 
 __all__ = ["LoopNote", "constrained_jaxpr", "has_loop"]
 
@@ -163,9 +172,7 @@ def _with_param(
     place); an open program takes none.
     """
     if hasattr(original, "consts"):
-        from jax.extend.core import ClosedJaxpr
-
-        value: Any = ClosedJaxpr(open_jaxpr, list(original.consts if consts is None else consts))
+        value: Any = closed_jaxpr(open_jaxpr, original.consts if consts is None else consts)
     else:
         assert not consts, "an open jaxpr takes no constants"
         value = open_jaxpr
@@ -195,9 +202,7 @@ def _branches(eqn: Any, operands: list[Axis], rewrite: _Rewrite) -> Any:
         if rewritten is inner:
             new.append(branch)
         elif hasattr(branch, "consts"):
-            from jax.extend.core import ClosedJaxpr
-
-            new.append(ClosedJaxpr(rewritten, branch.consts))
+            new.append(closed_jaxpr(rewritten, branch.consts))
         else:
             new.append(rewritten)
     if all(a is b for a, b in zip(new, branches, strict=True)):
@@ -286,7 +291,7 @@ def _retraced(
         args_list = list(args)
         for i in targets:
             args_list[first + i] = constrain(args_list[first + i])
-        outs = jax.core.eval_jaxpr(body, list(consts), *args_list)
+        outs = evaluate(body, consts, *args_list)
         for i in targets:
             outs[i] = constrain(outs[i])
         return outs
