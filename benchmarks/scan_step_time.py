@@ -26,7 +26,9 @@ its extra dots: the rematerialised forward's other kernels (the attention scores
 softmax and transposes again), the stacked weights sliced out and the gradients written back
 each trip (5 ms), and a forward that writes its masked scores out (8 ms). That work is real: on
 one H200 the scanned form takes 1.32x the unrolled one's time (``gpu_scan_time.py``), and their
-programs compiled there simulate at 1.38x.
+programs compiled there simulate at 1.38x. (Those figures compared it with an unrolled form
+without rematerialisation. Both forms now rematerialise each layer, the twins differing only in
+the loop: 113.8 against 95.3 ms, 1.19x, with no extra dots to take out.)
 """
 
 from __future__ import annotations
