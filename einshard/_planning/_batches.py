@@ -527,9 +527,10 @@ class _Search:
             return None
         guess = None if self.bisect else self._linear_guess()
         if self.hi is None:  # no miss yet: double, or the guess where the peak meets the limit
-            # (at most 64 times the last fit: a peak that hardly grows puts the guess far off)
+            # (at most 4 times the last fit: a peak that hardly grows, as with the first argument
+            # donated, puts the guess far off, and XLA's peak far from the fits is no line)
             # (a guess at or below the last fit: the next size up, to confirm it)
-            units = 2 * self.lo if guess is None else max(self.lo + 1, min(guess, 64 * self.lo))
+            units = 2 * self.lo if guess is None else max(self.lo + 1, min(guess, 4 * self.lo))
         elif self.lo == 0:  # no fit yet: halve, or the guess
             units = self.hi // 2 if guess is None else guess
         else:
