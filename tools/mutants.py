@@ -81,6 +81,7 @@ class Mutant:
 REPORT = "einshard/_cost/_report.py"
 ATTRIBUTION = "einshard/_cost/_attribution.py"
 PLANNER = "einshard/_planning/_planner.py"
+CANDIDATES = "einshard/_planning/_candidates.py"
 STRATEGIES = "einshard/_planning/_strategies.py"
 STRATEGY = "einshard/_trees/_strategy.py"
 MESH = "einshard/_sharding/_mesh.py"
@@ -158,17 +159,17 @@ MUTANTS = [
     ),
     Mutant(
         "planner-tie-to-the-later",
-        PLANNER,
-        "        pick = min((row for row in usable if measure(row) <= limit), key=lambda row: row.index)",
-        "        pick = max((row for row in usable if measure(row) <= limit), key=lambda row: row.index)",
+        CANDIDATES,
+        "        pick = min(near, key=index)",
+        "        pick = max(near, key=index)",
         PLANNING,
         "estimates within the margin go to the candidate given later",
     ),
     Mutant(
         "planner-no-tie-margin",
-        PLANNER,
-        "        limit = measure(usable[0]) * (1 + TIE)",
-        "        limit = measure(usable[0])",
+        CANDIDATES,
+        "            near = [row for row in left if measure(row) <= best * (1 + TIE)]",
+        "            near = [row for row in left if measure(row) <= best]",
         PLANNING,
         "no tie margin: the fastest by any amount wins",
     ),
@@ -719,8 +720,8 @@ TIMING_MUTANTS = [
     Mutant(
         "bound-at-the-memory-rejects",
         PLANNER,
-        "        if needed is not None and needed > memory_per_device:",
-        "        if needed is not None and needed >= memory_per_device:",
+        "        if bound is not None and memory is not None and bound.memory_bytes > memory",
+        "        if bound is not None and memory is not None and bound.memory_bytes >= memory",
         BOUND_TESTS,
         "a candidate whose arguments fill the memory exactly is not compiled",
     ),

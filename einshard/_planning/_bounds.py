@@ -49,12 +49,12 @@ def argument_bytes_per_device(call: StepCall, table: RulesLike, n_devices: int) 
     assignment = call.fitted(table, n_devices)
     if assignment is None:
         return None
-    total = 0
-    for _, leaf in assignment.leaves:
-        if leaf is None:
-            continue
-        total += math.prod(leaf.layout.shard_shape(leaf.shape)) * itemsize(leaf.dtype)
-    return total
+    return sum(block_bytes(leaf) for _, leaf in assignment.leaves if leaf is not None)
+
+
+def block_bytes(leaf: Any) -> int:
+    """The bytes of the block each device holds of an assigned leaf (split axes divided)."""
+    return math.prod(leaf.layout.shard_shape(leaf.shape)) * itemsize(leaf.dtype)
 
 
 # --- what the step computes, read once ----------------------------------------------------------
@@ -347,10 +347,7 @@ def bounds(
     assignment = call.fitted(table, n_devices)
     if assignment is None:
         return None
-    arguments = 0
-    for _, leaf in assignment.leaves:
-        if leaf is not None:
-            arguments += math.prod(leaf.layout.shard_shape(leaf.shape)) * itemsize(leaf.dtype)
+    arguments = sum(block_bytes(leaf) for _, leaf in assignment.leaves if leaf is not None)
     if costs is None:  # the step was not traced: its arguments alone
         return Bounds(arguments, arguments, 0)
     # A donated first argument's buffers may hold the outputs (einshard's compile donates it when
@@ -387,7 +384,7 @@ def _gradient_sums(
         leaf = assignment.leaves[position][1]
         if leaf is None or not is_traced(call.leaves[position]):
             continue
-        block = math.prod(leaf.layout.shard_shape(leaf.shape)) * itemsize(leaf.dtype)
+        block = block_bytes(leaf)
         holders: dict[Any, list[int]] = collections.defaultdict(list)
         for device in range(n_devices):
             holders[leaf.layout.block_index(device)].append(device)
