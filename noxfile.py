@@ -174,6 +174,10 @@ COMPILES_STEPS = [
     "tests/test_progress.py",
     "tests/test_figures_contract.py",
     "tests/test_child_script.py",
+    "tests/test_scanned.py",
+    "tests/test_scanned_frameworks.py",
+    "tests/test_bounds_rules.py",
+    "tests/test_step_time_programs.py",
 ]
 
 
