@@ -96,3 +96,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if type(item).__name__ == "DoctestItem":
             item.add_marker(skip)
+
+
+@pytest.fixture
+def compiles(monkeypatch) -> list:
+    """The table of every step compiled in this process."""
+    from einshard._cost import _analysis
+
+    seen: list = []
+    compile_step = _analysis.compile_step
+
+    def counting(call):
+        seen.append(call.table)
+        return compile_step(call)
+
+    monkeypatch.setattr(_analysis, "compile_step", counting)
+    return seen

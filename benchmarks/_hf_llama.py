@@ -29,8 +29,8 @@ REQUIREMENT = "transformers>=4.57,<4.58"
 
 
 @dataclasses.dataclass(frozen=True)
-class HFSize:
-    """A LLaMA configuration and the batch and device count it is planned for."""
+class Size:
+    """A LLaMA configuration and the batch and device count it is planned for (both models' sizes)."""
 
     hidden: int
     mlp: int
@@ -42,12 +42,16 @@ class HFSize:
     vocab: int = 128256
     seq: int = 2048
 
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
 
 SIZES = {
-    "hf-1.5b": HFSize(2048, 8192, 16, 32, 8, batch=8, devices=8),
-    "hf-8b": HFSize(4096, 14336, 32, 32, 8, batch=64, devices=64),  # LLaMA-3-8B's shape
+    "hf-1.5b": Size(2048, 8192, 16, 32, 8, batch=8, devices=8),
+    "hf-8b": Size(4096, 14336, 32, 32, 8, batch=64, devices=64),  # LLaMA-3-8B's shape
     # What CI's bounded run plans: the same code at a size that compiles in seconds.
-    "hf-tiny": HFSize(256, 1024, 2, 8, 4, batch=8, devices=8, vocab=4096, seq=256),
+    "hf-tiny": Size(256, 1024, 2, 8, 4, batch=8, devices=8, vocab=4096, seq=256),
 }
 
 

@@ -48,7 +48,6 @@ Exits with status 1 when a bar is missed, unless ``--no-fail``.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -72,21 +71,7 @@ TARGET = "h100"
 OPTIMIZER = optax.adamw(1e-4)
 
 
-@dataclasses.dataclass(frozen=True)
-class Size:
-    hidden: int
-    mlp: int
-    layers: int
-    heads: int
-    kv_heads: int
-    batch: int
-    devices: int
-    vocab: int = 128256
-    seq: int = 2048
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+Size = _hf_llama.Size  # one LLaMA shape for both models
 
 
 SIZES = {

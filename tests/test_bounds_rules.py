@@ -30,7 +30,6 @@ import pytest
 
 import einshard
 from einshard import strategies
-from einshard._cost import _analysis
 from einshard._cost._call import StepCall
 from einshard._language._text import size_text
 from einshard._planning._bounds import argument_bytes_per_device
@@ -113,20 +112,6 @@ def test_the_optimizer_state_s_blocks_are_in_the_bound():
     without = argument_bytes_per_device(StepCall.of(params_step, (params_only, BATCH), {}), table, N)
     assert with_state is not None and without is not None
     assert with_state - without == 2 * W_BLOCK + 2 * 96 * 4 + COUNT
-
-
-@pytest.fixture
-def compiles(monkeypatch) -> list:
-    """The table of every step compiled in this process."""
-    seen: list = []
-    compile_step = _analysis.compile_step
-
-    def counting(call):
-        seen.append(call.table)
-        return compile_step(call)
-
-    monkeypatch.setattr(_analysis, "compile_step", counting)
-    return seen
 
 
 def _plan(memory: int):

@@ -10,7 +10,6 @@ import pytest
 
 import einshard
 from einshard import strategies
-from einshard._cost import _analysis
 from einshard._cost._call import StepCall
 from einshard._language._text import size_text
 from einshard._planning._bounds import argument_bytes_per_device
@@ -27,20 +26,6 @@ WEIGHTS = 2 * D * HIDDEN * 4
 BATCH_BLOCK = 8 * D * 4
 DP_ARGUMENTS = WEIGHTS + BATCH_BLOCK
 FSDP_ARGUMENTS = WEIGHTS // N + BATCH_BLOCK
-
-
-@pytest.fixture
-def compiles(monkeypatch) -> list:
-    """The table of every step compiled in this process."""
-    seen: list = []
-    compile_step = _analysis.compile_step
-
-    def counting(call):
-        seen.append(call.table)
-        return compile_step(call)
-
-    monkeypatch.setattr(_analysis, "compile_step", counting)
-    return seen
 
 
 def test_the_bound_is_xlas_own_argument_size():

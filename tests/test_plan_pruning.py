@@ -15,7 +15,6 @@ import pytest
 
 import einshard
 from einshard import strategies
-from einshard._cost import _analysis
 from einshard._cost._call import StepCall
 from einshard._cost._target import Figures
 from einshard._planning._bounds import bounds, step_costs
@@ -29,20 +28,6 @@ N = jax.device_count()
 MLP_CANDIDATES = [strategies.data_parallel(), strategies.fsdp(min_bytes=0), strategies.tensor_parallel()]
 # (bandwidth, flops_per_second): ranked by bytes sent; by communication; by both.
 FIGURES = [(None, None), (1e9, None), (1e10, 1e12)]
-
-
-@pytest.fixture
-def compiles(monkeypatch) -> list:
-    """The table of every step compiled in this process."""
-    seen: list = []
-    compile_step = _analysis.compile_step
-
-    def counting(call):
-        seen.append(call.table)
-        return compile_step(call)
-
-    monkeypatch.setattr(_analysis, "compile_step", counting)
-    return seen
 
 
 def _bench_llama(form: str) -> tuple:

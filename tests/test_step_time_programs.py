@@ -28,19 +28,10 @@ from jax.sharding import PartitionSpec as P
 
 from einshard._cost import _hlo, _hlo_kernels, _target, _timing
 from einshard._cost._analysis import report_of_text
+from tests.test_step_time_rules import _flops_walked
 from tests.test_targets import H200, STEPS, needs_gpu, needs_shared, needs_tpu
 
 LAYERS, HIDDEN, MLP, BATCH, SEQ = 4, 256, 1024, 16, 128
-
-
-def _flops_walked(schedule, times: int = 1) -> float:
-    total = 0.0
-    for item in schedule:
-        if isinstance(item, _timing.KernelRun):
-            total += times * item.flops
-        elif isinstance(item, _timing.Loop):
-            total += _flops_walked(item.items, times * item.times)
-    return total
 
 
 def _loops(schedule) -> list[_timing.Loop]:

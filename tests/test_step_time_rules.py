@@ -33,27 +33,14 @@ import pytest
 from einshard._cost import _hlo, _hlo_kernels, _target, _timing
 from einshard._cost._analysis import report_of_text
 from einshard._cost._report import estimated
+from tests import test_step_time as step_time
 
 # ruff: noqa: E501  (the programs below are XLA's lines, as it prints them)
 
 US = 1e-6
 
-HARDWARE = _target.Hardware(
-    device="round",
-    memory_bytes=2**40,
-    memory_bandwidth=1e12,
-    peak_flops_per_second=1e14,
-    efficiency=1.0,
-    bandwidth=1e11,
-    network_bandwidth=None,
-    devices_per_host=None,
-    sources={},
-    memory_efficiency=1.0,
-    launch_seconds=0.0,
-    latency=0.0,
-    network_latency=None,
-    matmul_peaks={"f32": 1e13, "tf32": 5e13, "f8e4m3fn": 2e14},
-)
+# test_step_time's round figures, with a rate for each element type's dots beside bf16's 1e14.
+HARDWARE = dataclasses.replace(step_time.HARDWARE, matmul_peaks={"f32": 1e13, "tf32": 5e13, "f8e4m3fn": 2e14})
 
 
 def figures(**changes) -> _target.Figures:
