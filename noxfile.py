@@ -182,7 +182,8 @@ COMPILES_STEPS = [
 
 
 # Tests whose subject does not depend on the device count (source reading, fresh interpreters,
-# regex semantics, checkpoints restored between fixed counts): the 16-device run leaves them out too.
+# regex semantics, checkpoints restored between fixed counts, program text read by the step-time
+# walk): the 16-device run leaves them out too.
 COUNT_INDEPENDENT = [
     "tests/test_checkpoint.py",
     "tests/test_rule_search.py",
@@ -190,6 +191,8 @@ COUNT_INDEPENDENT = [
     "tests/test_signatures.py",
     "tests/test_error_catalogue.py",
     "tests/test_layers.py",
+    "tests/test_step_time_rules.py",
+    "tests/test_step_time_properties.py",
 ]
 
 
