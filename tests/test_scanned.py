@@ -319,3 +319,17 @@ def test_a_jitted_scanned_step_is_kept_split_and_keeps_its_own_donation(reports)
     assert jitted.bytes_by_kind == expected.bytes_by_kind
     # Each device's block of the params, split by FSDP: what both alias.
     assert jitted.donated is None and jitted.alias_bytes == expected.alias_bytes > 0
+
+
+@pytest.mark.parametrize("value", [0, 1, None, "no", "", [], float("nan")])
+def test_donate_takes_true_or_false_on_every_verb(value):
+    """donate= is checked before any compile: a truthy "no" must not donate silently."""
+    params = make_params()
+    verbs = [
+        (einshard.explain_step, {}),
+        (einshard.plan, {}),
+        (einshard.plan_batches, {"memory_per_device": 2**30}),
+    ]
+    for verb, figures in verbs:
+        with pytest.raises(einshard.EinshardError, match="donate= takes True or False"):
+            verb(step, params, BATCH, donate=value, **figures)

@@ -141,6 +141,19 @@ class StepCall:
     batch_layout: str | None = None
     donate: bool = True
 
+    def donating(self, donate: Any) -> StepCall:
+        """The call with ``donate=`` as given: ``True`` or ``False``, nothing else.
+
+        (``"no"`` is truthy: ``bool()`` would donate where the user asked not to.)
+        """
+        if not isinstance(donate, bool):
+            raise EinshardError(
+                f"donate= takes True or False, not {donate!r} ({type(donate).__name__}).",
+                hint="donate=False compiles the step without donating its first argument; "
+                "the default, True, donates it when the step returns it updated.",
+            )
+        return dataclasses.replace(self, donate=donate)
+
     @classmethod
     def of(cls, fn: Callable[..., Any] | str, args: tuple, kwargs: dict) -> StepCall:
         """Resolves the step and names its arguments."""

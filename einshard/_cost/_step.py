@@ -15,7 +15,6 @@ planner (``einshard._planning``) calls.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -153,7 +152,7 @@ def explain_step(
     )
     # Named here in every case: its checks (a float64 argument) speak in this process, and a
     # strategy's batch rule needs the batch argument's name.
-    call = dataclasses.replace(StepCall.of(fn, args, kwargs), donate=bool(donate))
+    call = StepCall.of(fn, args, kwargs).donating(donate)
     table = with_batch(rules, call.batch_name) if rules is not None else None
     if chosen.platform != "cpu":
         with Progress("explain_step", [chosen.label], quiet=quiet) as progress:

@@ -333,7 +333,7 @@ def plan_batches(
     )
     leaves, start = _batch_leaves(batch)
     ladder = None if batch_sizes is None else _checked_sizes(batch_sizes)
-    call = dataclasses.replace(StepCall.of(step, (params, batch), {}), donate=bool(donate))
+    call = StepCall.of(step, (params, batch), {}).donating(donate)
     strategies = candidate_strategies(call, candidates, where, min_bytes)
     granularities = [_granularity(strategy, leaves, count) for strategy in strategies]
     for strategy, unit in zip(strategies, granularities, strict=True):

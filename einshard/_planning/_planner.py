@@ -387,7 +387,7 @@ def plan(
     figures, count = where.figures, where.count
     # The step is resolved and its arguments named and flattened once, here, for the roles
     # reader, every candidate's table and compile, and the split shares.
-    call = dataclasses.replace(StepCall.of(step, (params, batch), {}), donate=bool(donate))
+    call = StepCall.of(step, (params, batch), {}).donating(donate)
     ready = prepared(call, candidates, where, min_bytes)
     strategies, tables, bounds = ready.strategies, ready.tables, ready.bounds
     memory = figures.memory_per_device
