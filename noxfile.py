@@ -182,6 +182,7 @@ COMPILES_STEPS = [
     "tests/test_scanned_frameworks.py",
     "tests/test_bounds_rules.py",
     "tests/test_step_time_programs.py",
+    "tests/test_children.py",
 ]
 
 

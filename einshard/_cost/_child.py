@@ -52,8 +52,20 @@ default); an option set in ``XLA_FLAGS`` is kept instead.
 """
 
 
-Order = Callable[[dict[int, Answer]], "int | None"]
-"""Which table compiles next, given the answers so far by index (``None``: no more)."""
+Order = Callable[[dict[int, Answer], "frozenset[int]"], "int | None"]
+"""Which table compiles next, given the answers so far by index and the tables compiling now
+(``None``: no more)."""
+
+MAX_CHILDREN = 4
+"""The most child processes that compile a plan's tables side by side (each compile is on one core)."""
+
+SECOND_CHILD_AFTER = 10.0
+"""Seconds the first table's compile must take before more children start: below it, starting
+one (importing JAX, reading the step: a second or more) would cost more than it saves."""
+
+MEMORY_PER_CHILD = 2.0
+"""A child is started only where this machine's available memory holds this many times the
+first child's peak for it: the first child's next compile grows back to its peak too."""
 
 
 class Crash(str):
@@ -96,9 +108,10 @@ def in_child(
     the tables lay the arguments out over that target's ``n_devices`` compile-only devices, and
     its compiler compiles the step (the CPU devices count its flops).
 
-    ``order`` says which table compiles next, given the answers so far (``None``: stop); without
-    it, every table in turn. The child waits for each index, so a table ``order`` leaves out is
-    never compiled.
+    ``order`` says which table compiles next, given the answers so far and the tables compiling
+    now (``None``: stop); without it, every table in turn. A child waits for each index, so a
+    table ``order`` leaves out is never compiled. Where each compile is long, several children
+    compile side by side (:class:`_Compiles`).
     """
     choose = order if order is not None else _in_turn(len(tables))
     if target is not None and target.platform == "cpu":
@@ -141,23 +154,128 @@ def in_child(
     if target is not None and target.platform == "tpu":
         # libtpu takes a lock file per machine: this process (a TPU VM's) may hold it already.
         env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
-    answers: dict[int, Answer] = {}
-    reruns: list[float] = []
-    while (first := choose(answers)) is not None:
-        crashed = _run_child(data, env, first, answers, choose, n_devices, target, progress, reruns)
-        if crashed is not None:
-            # XLA aborts the whole process on some layouts (a failed CHECK in its partitioner):
-            # that table gets the reason, and a new child compiles the ones after it.
-            index, crash = crashed
-            answers[index] = Answer(None, crash)
-    if script is not None and reruns and max(reruns) > SLOW_RERUN_SECONDS:
-        _warn_slow_rerun(script, max(reruns))
-    return answers
+    compiles = _Compiles(choose, data, env, n_devices, target, progress)
+    compiles.run()
+    if script is not None and compiles.reruns and max(compiles.reruns) > SLOW_RERUN_SECONDS:
+        _warn_slow_rerun(script, max(compiles.reruns))
+    return compiles.answers
 
 
-def _in_turn(count: int) -> Callable[[dict[int, Answer]], int | None]:
-    """Every table in turn: the first without an answer."""
-    return lambda answers: next((i for i in range(count) if i not in answers), None)
+class _Compiles:
+    """The tables' compiles, in one child process, or side by side in several on a larger machine.
+
+    One child starts; when its first table took :data:`SECOND_CHILD_AFTER` seconds or more,
+    more start (up to the cores, :data:`MAX_CHILDREN`, and what the memory holds at the first
+    child's peak), each taking the next table ``choose`` gives when it is free. The answers are
+    the same in any order: ``choose`` sees the tables compiling now, and never gives one twice.
+    """
+
+    def __init__(
+        self,
+        choose: Order,
+        data: bytes,
+        env: dict[str, str],
+        n_devices: int,
+        target: Target | None,
+        progress: Progress | None,
+    ) -> None:
+        self.choose, self.data, self.env = choose, data, env
+        self.n_devices, self.target, self.progress = n_devices, target, progress
+        self.answers: dict[int, Answer] = {}
+        self.reruns: list[float] = []
+        self._busy: set[int] = set()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._errors: list[BaseException] = []
+        self._spread = False  # whether more children were considered (once, at the first answer)
+
+    def run(self) -> None:
+        """Compiles until ``choose`` says no more; raises what a child process failed with."""
+        first = self.take()
+        if first is not None:
+            self._compile_from(first)
+        while True:
+            with self._lock:
+                waiting = [thread for thread in self._threads if thread.is_alive()]
+            if not waiting:
+                break
+            for thread in waiting:
+                thread.join()
+        if self._errors:
+            raise self._errors[0]
+
+    def take(self) -> int | None:
+        """The next table to compile (now marked as compiling), or ``None``."""
+        with self._lock:
+            if self._errors:  # a child failed as a whole: the others finish their table and stop
+                return None
+            index = self.choose(self.answers, frozenset(self._busy))
+            if index is not None:
+                self._busy.add(index)
+            return index
+
+    def give(self, index: int, answer: Answer, seconds: float, peak_bytes: int) -> None:
+        """Table ``index``'s answer, which took ``seconds`` in a child that peaked at ``peak_bytes``."""
+        with self._lock:
+            self.answers[index] = answer
+            self._busy.discard(index)
+            spread = not self._spread and peak_bytes > 0  # a child that died measured nothing
+            self._spread |= spread
+        if spread and seconds >= SECOND_CHILD_AFTER:
+            for _ in range(_room_for_children(peak_bytes, MAX_CHILDREN) - 1):
+                if (next_index := self.take()) is None:
+                    break
+                thread = threading.Thread(target=self._compile_from, args=(next_index,), daemon=True)
+                with self._lock:
+                    self._threads.append(thread)
+                thread.start()
+
+    def _compile_from(self, first: int) -> None:
+        """Child after child, starting with table ``first``, until ``take`` gives no more."""
+        index: int | None = first
+        try:
+            while index is not None:
+                crashed = _run_child(self, index)
+                if crashed is not None:
+                    # XLA aborts the whole process on some layouts (a failed CHECK in its
+                    # partitioner): that table gets the reason, and a new child compiles the next.
+                    crash_index, crash = crashed
+                    self.give(crash_index, Answer(None, crash), 0.0, 0)
+                    index = self.take()
+                else:
+                    index = None
+        except BaseException as error:  # raised in the caller's thread by run()
+            with self._lock:
+                self._errors.append(error)
+
+
+def _room_for_children(peak_bytes: int, most: int) -> int:
+    """How many children this machine runs side by side: its cores, and its memory at ``peak_bytes`` each."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        cores = os.cpu_count() or 1
+    available = _available_memory()
+    if available is None or peak_bytes <= 0:
+        return 1
+    return max(1, min(cores, most, 1 + int(available // (MEMORY_PER_CHILD * peak_bytes))))
+
+
+def _available_memory() -> int | None:
+    """This machine's available memory (Linux's ``MemAvailable``), or ``None`` where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _in_turn(count: int) -> Order:
+    """Every table in turn: the first without an answer that is not compiling."""
+    return lambda answers, busy: next((i for i in range(count) if i not in answers and i not in busy), None)
 
 
 SLOW_RERUN_SECONDS = 5.0
@@ -184,26 +302,18 @@ def _caller_level() -> int:
     return level
 
 
-def _run_child(
-    data: bytes,
-    env: dict[str, str],
-    first: int,
-    answers: dict[int, Answer],
-    choose: Callable[[dict[int, Answer]], int | None],
-    n_devices: int,
-    target: Target | None = None,
-    progress: Progress | None = None,
-    reruns: list[float] | None = None,
-) -> tuple[int, Crash] | None:
-    """One child, compiling table ``first`` and then those ``choose`` asks for, into ``answers``.
+def _run_child(compiles: _Compiles, first: int) -> tuple[int, Crash] | None:
+    """One child, compiling table ``first`` and then those ``compiles.take`` gives, into ``compiles``.
 
     Returns the table it died compiling and why, or ``None``. The parent sends each table's index
     when the one before is answered (``None``: the end); the child writes a ``('compiling', i)``
     record before each table and ``('answer', a)`` after it, so a child that dies names the table
     it was compiling when it died. The records are read as they come, for the progress shown. A
     child that ran the user's script again says how long that took first (``('script', seconds)``,
-    added to ``reruns``).
+    added to ``compiles.reruns``).
     """
+    data, env, progress = compiles.data, compiles.env, compiles.progress
+    n_devices, target = compiles.n_devices, compiles.target
     spawned = time.perf_counter()
     child = subprocess.Popen(
         [sys.executable, "-c", _COMMAND],
@@ -231,6 +341,8 @@ def _run_child(
         child.stdin.write(data)
     send(first)
     compiling = None
+    compiling_since = spawned
+    peak = 0
     failure = None
     while True:
         try:
@@ -240,25 +352,25 @@ def _run_child(
         if kind == "error":
             failure = value
         elif kind == "script":
-            if reruns is not None:
-                reruns.append(value)
+            compiles.reruns.append(value)
         elif kind == "ready":
             if progress is not None:
                 progress.child_started(time.perf_counter() - spawned)
         elif kind == "memory":
+            peak = value
             if progress is not None:
                 progress.child_memory(value)
         elif kind == "compiling":
-            compiling = value
+            compiling, compiling_since = value, time.perf_counter()
             if progress is not None:
                 progress.compiling(value)
         else:
             assert compiling is not None
-            answers[compiling] = value
             if progress is not None:
                 progress.finished(compiling, "compiled" if value.report is not None else "rejected")
+            compiles.give(compiling, value, time.perf_counter() - compiling_since, peak)
             compiling = None
-            send(choose(answers))
+            send(compiles.take())
     send(None)
     _, status, usage = os.wait4(child.pid, 0)
     child.returncode = returncode = os.waitstatus_to_exitcode(status)

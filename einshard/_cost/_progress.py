@@ -51,7 +51,9 @@ class Progress:
         self.show_after = SHOW_AFTER if show_after is None else show_after
         self.started = time.perf_counter()
         self.current: int | None = None
-        self.current_since = self.started
+        """The table that started compiling last, of those compiling now (children side by side)."""
+        self.since: dict[int, float] = {}
+        """When each table compiling now started."""
         self.seconds: dict[int, float] = {}
         self.left: dict[int, str] = {}
         self.child_seconds: list[float] = []
@@ -74,15 +76,15 @@ class Progress:
     def compiling(self, index: int) -> None:
         """Table ``index`` starts compiling."""
         with self._lock:
-            self.current, self.current_since = index, time.perf_counter()
+            self.current, self.since[index] = index, time.perf_counter()
             if self.shown:
                 self._write_compiling()
 
     def finished(self, index: int, outcome: str = "compiled") -> None:
         """Table ``index`` is done (``outcome``: ``'compiled'``, ``'rejected'``, ``'killed'`` ...)."""
         with self._lock:
-            self.seconds[index] = time.perf_counter() - self.current_since
-            self.current = None
+            self.seconds[index] = time.perf_counter() - self.since.pop(index, self.started)
+            self.current = max(self.since, key=self.since.__getitem__) if self.since else None
             if self.shown:
                 self._write_finished(index, outcome)
 
@@ -147,7 +149,7 @@ class Progress:
             self._bar.update(self._task, description=f"{self.what}: compiling {label!r}", completed=done)
             return
         so_far = seconds_text(time.perf_counter() - self.started)
-        self._line(f"compiling {done + 1} of {total}: {label!r} ({done} done, {so_far} so far)")
+        self._line(f"compiling {done + len(self.since)} of {total}: {label!r} ({done} done, {so_far} so far)")
 
     def _write_finished(self, index: int, outcome: str) -> None:
         done, total = len(self.seconds), len(self.labels) - len(self.left)

@@ -221,8 +221,8 @@ def reports(
 
     The planner's entry. A table that does not fit the shapes or the devices, or under which
     the step does not compile, gives an :class:`Answer` with its error; the others are kept.
-    ``order`` says which table compiles next, given the answers so far (``None``: stop); without
-    it, every table in turn.
+    ``order`` says which table compiles next, given the answers so far and the tables compiling
+    now (``None``: stop); without it, every table in turn.
 
     Raises:
         EinshardError: When the step or its arguments cannot cross into the child process, or
@@ -234,7 +234,9 @@ def reports(
     answers: dict[int, Answer] = {}
     while True:
         index = (
-            order(answers) if order is not None else (len(answers) if len(answers) < len(tables) else None)
+            order(answers, frozenset())
+            if order is not None
+            else (len(answers) if len(answers) < len(tables) else None)
         )
         if index is None:
             return answers

@@ -360,14 +360,14 @@ def compile_in_order(
     estimates: dict[int, float | None] = {}
     start = time.perf_counter()
 
-    def choose(answers: dict[int, Answer]) -> int | None:
+    def choose(answers: dict[int, Answer], compiling: frozenset[int]) -> int | None:
         for index, answer in answers.items():
             if index not in estimates:
                 estimates[index] = estimate(answer)
         known = [(m, i) for i, m in estimates.items() if m is not None]
         best = min(known) if known else None
         for index in order:
-            if index in answers or index in left:
+            if index in answers or index in left or index in compiling:
                 continue
             bound, measure = bounded[index], measures[index]
             if not exhaustive and best is not None and measure is not None and measure > best[0] * (1 + TIE):
