@@ -801,9 +801,17 @@ def target_devices(target: Target) -> list[Any]:
     except EinshardError:
         raise
     except Exception as error:
+        text = str(error).strip()
+        hint = "Give another device count, or name the TPU slice yourself ('v5e:2x4')."
+        if "libtpu" in text and "lockfile" in text:
+            # libtpu lets one process per machine load it: another has (a second plan, a test worker).
+            hint = (
+                "Another process on this machine has loaded libtpu. Where no TPU is attached (compiling "
+                "only), set ALLOW_MULTIPLE_LIBTPU_LOAD=1 in the environment before JAX starts, or give "
+                "n_devices= to compile in a child process, which sets it."
+            )
         raise EinshardError(
-            f"XLA cannot make {target.label} to compile for: {str(error).strip()[:300]}",
-            hint="Give another device count, or name the TPU slice yourself ('v5e:2x4').",
+            f"XLA cannot make {target.label} to compile for: {text[:300]}", hint=hint
         ) from None
     devices = sorted(description.devices, key=lambda device: device.id)
     if len(devices) != target.n_devices:
