@@ -202,7 +202,8 @@ class _Compiles:
             for thread in waiting:
                 thread.join()
         if self._errors:
-            raise self._errors[0]
+            failed = self._errors[0]  # the first child's failure, raised in the caller's thread
+            raise failed
 
     def take(self) -> int | None:
         """The next table to compile (now marked as compiling), or ``None``."""
