@@ -49,7 +49,7 @@ def side_by_side(monkeypatch) -> list[int]:
         return run_child(compiles, first)
 
     monkeypatch.setattr(_child, "SECOND_CHILD_AFTER", 0.0)
-    monkeypatch.setattr(_child, "_room_for_children", lambda peak_bytes, most: 3)
+    monkeypatch.setattr(_child, "_room_for_children", lambda peak_bytes: 3)
     monkeypatch.setattr(_child, "_run_child", counted)
     return threads
 
@@ -90,7 +90,7 @@ def test_an_error_in_a_child_started_beside_the_first_reaches_the_caller(compile
         return run_child(compiles, first)
 
     monkeypatch.setattr(_child, "SECOND_CHILD_AFTER", 0.0)
-    monkeypatch.setattr(_child, "_room_for_children", lambda peak_bytes, most: 2)
+    monkeypatch.setattr(_child, "_room_for_children", lambda peak_bytes: 2)
     monkeypatch.setattr(_child, "_run_child", failing_beside)
     with pytest.raises(einshard.EinshardError, match=r"exit code 1"):
         _plan(32, exhaustive=True)
@@ -107,13 +107,13 @@ def test_the_children_a_machine_runs_are_its_cores_at_most_four_and_its_memory(
     monkeypatch.setattr(_child.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     available = None if available_gib is None else available_gib * GIB
     monkeypatch.setattr(_child, "_available_memory", lambda: available)
-    assert _child._room_for_children(2 * GIB, _child.MAX_CHILDREN) == children
+    assert _child._room_for_children(2 * GIB) == children
 
 
 def test_the_children_a_machine_runs_are_at_most_its_cores(monkeypatch):
     monkeypatch.setattr(_child.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(_child, "_available_memory", lambda: 1000 * GIB)
-    assert _child._room_for_children(GIB, _child.MAX_CHILDREN) == 2
+    assert _child._room_for_children(GIB) == 2
 
 
 def test_the_available_memory_is_read_where_linux_says_it():

@@ -33,7 +33,7 @@ from ._progress import Progress
 from ._rerun import Script, defined, pickled, run_script, script_of_main, undefined_error
 from ._target import Target, target_devices
 
-__all__ = ["KILLED", "Crash", "Order", "child_error", "in_child", "killed_reason", "main"]
+__all__ = ["KILLED", "Crash", "Order", "child_error", "in_child", "in_turn", "killed_reason", "main"]
 
 _COMMAND = "from einshard._cost._child import main; main()"
 
@@ -113,7 +113,7 @@ def in_child(
     table ``order`` leaves out is never compiled. Where each compile is long, several children
     compile side by side (:class:`_Compiles`).
     """
-    choose = order if order is not None else _in_turn(len(tables))
+    choose = order if order is not None else in_turn(len(tables))
     if target is not None and target.platform == "cpu":
         target = None
     payload = {
@@ -223,7 +223,7 @@ class _Compiles:
             spread = not self._spread and peak_bytes > 0  # a child that died measured nothing
             self._spread |= spread
         if spread and seconds >= SECOND_CHILD_AFTER:
-            for _ in range(_room_for_children(peak_bytes, MAX_CHILDREN) - 1):
+            for _ in range(_room_for_children(peak_bytes) - 1):
                 if (next_index := self.take()) is None:
                     break
                 thread = threading.Thread(target=self._compile_from, args=(next_index,), daemon=True)
@@ -250,8 +250,11 @@ class _Compiles:
                 self._errors.append(error)
 
 
-def _room_for_children(peak_bytes: int, most: int) -> int:
-    """How many children this machine runs side by side: its cores, and its memory at ``peak_bytes`` each."""
+def _room_for_children(peak_bytes: int) -> int:
+    """How many children this machine runs side by side, at most :data:`MAX_CHILDREN`.
+
+    Its cores, and its available memory at :data:`MEMORY_PER_CHILD` times ``peak_bytes`` each.
+    """
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # macOS
@@ -259,7 +262,7 @@ def _room_for_children(peak_bytes: int, most: int) -> int:
     available = _available_memory()
     if available is None or peak_bytes <= 0:
         return 1
-    return max(1, min(cores, most, 1 + int(available // (MEMORY_PER_CHILD * peak_bytes))))
+    return max(1, min(cores, MAX_CHILDREN, 1 + int(available // (MEMORY_PER_CHILD * peak_bytes))))
 
 
 def _available_memory() -> int | None:
@@ -274,7 +277,7 @@ def _available_memory() -> int | None:
     return None
 
 
-def _in_turn(count: int) -> Order:
+def in_turn(count: int) -> Order:
     """Every table in turn: the first without an answer that is not compiling."""
     return lambda answers, busy: next((i for i in range(count) if i not in answers and i not in busy), None)
 

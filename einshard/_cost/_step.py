@@ -27,7 +27,7 @@ from .._trees._rules import Rules, RulesLike
 from .._trees._strategy import with_batch
 from ._analysis import Answer, analyse, answer
 from ._call import StepCall
-from ._child import Order, child_error, in_child
+from ._child import Order, child_error, in_child, in_turn
 from ._compile import forget_traces
 from ._progress import Progress
 from ._report import Finding as Finding
@@ -228,16 +228,13 @@ def reports(
         EinshardError: When the step or its arguments cannot cross into the child process, or
             the child fails as a whole.
     """
+    choose = order if order is not None else in_turn(len(tables))
     if n_devices is not None:
         given = (call.given, call.args, call.kwargs)
-        return in_child(*given, n_devices, list(tables), target, progress, call.donate, order)
+        return in_child(*given, n_devices, list(tables), target, progress, call.donate, choose)
     answers: dict[int, Answer] = {}
     while True:
-        index = (
-            order(answers, frozenset())
-            if order is not None
-            else (len(answers) if len(answers) < len(tables) else None)
-        )
+        index = choose(answers, frozenset())  # one table at a time here
         if index is None:
             return answers
         if progress is not None:
