@@ -4,6 +4,8 @@ is checked against XLA's own argument sizes of the compiled programs."""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -142,3 +144,61 @@ def test_the_compile_only_gpu_options_leave_the_program_s_figures_unchanged(name
     )
     assert fast.flops == slow.flops
     assert fast.simulated_seconds == pytest.approx(slow.simulated_seconds, rel=1e-9)
+
+
+@pytest.mark.skipif(not _has_gpu_compiler(), reason="XLA's GPU compiler is not installed")
+def test_a_child_s_kernel_cache_leaves_the_figures_unchanged_and_is_removed(monkeypatch):
+    """Each child of a GPU plan keeps XLA's compiled kernels in a file of its own (``KERNEL_CACHE_FLAG``):
+    the later candidates' figures are those of compiles without it, the file was written, and its
+    folder is gone with the plan."""
+    import tempfile
+
+    from einshard._cost import _child
+    from tests import gpt_steps as gpt
+
+    seen: list[tuple[str, dict[str, int]]] = []
+
+    class Recorded(tempfile.TemporaryDirectory):
+        def cleanup(self) -> None:
+            files = {entry.name: entry.stat().st_size for entry in os.scandir(self.name)}
+            seen.append((self.name, files))
+            super().cleanup()
+
+    def plan() -> einshard.Plan:
+        params, _, _ = gpt.cases(8)["fsdp"]
+        candidates = [strategies.fsdp(min_bytes=0), strategies.data_parallel(), strategies.tensor_parallel()]
+        return einshard.plan(
+            gpt.step,
+            params,
+            gpt.TOKENS,
+            candidates=candidates,
+            target="h100",
+            n_devices=8,
+            quiet=True,
+            exhaustive=True,
+        )
+
+    def figures(plan: einshard.Plan) -> list[tuple]:
+        return [
+            (
+                row.name,
+                row.peak_bytes,
+                row.report.traffic,
+                row.report.bytes_by_kind,
+                row.report.flops,
+                row.report.simulated_seconds,
+            )
+            for row in plan.rows
+        ]
+
+    monkeypatch.setattr(_child.tempfile, "TemporaryDirectory", Recorded)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    cached = plan()
+    assert len(seen) == 1
+    folder, files = seen[0]
+    assert files.get("child-1.bin", 0) > 0  # XLA wrote the first child's kernels
+    assert not os.path.exists(folder)
+    monkeypatch.setenv("XLA_FLAGS", f"--{_child.KERNEL_CACHE_FLAG}=")  # the user's setting wins: none
+    uncached = plan()
+    assert len(seen) == 1  # no folder made for a plan whose XLA_FLAGS names the cache
+    assert figures(cached) == figures(uncached)

@@ -17,6 +17,7 @@ import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -49,6 +50,14 @@ LLVM without its expensive passes (the kernels' machine code, which a compile-on
 runs: about a fifth of what is left). The program's collectives, bytes, peak memory and simulated
 time stay the same (a test compares them on the test GPT for 8 H100s, each option against XLA's
 default); an option set in ``XLA_FLAGS`` is kept instead.
+"""
+
+KERNEL_CACHE_FLAG = "xla_gpu_kernel_cache_file"
+"""XLA's file of compiled kernels, reused by a later compile whose fusion is the same (by its
+fingerprint). Each child process of a GPU plan has its own (in a temporary folder, removed with
+the plan), so a child's second candidate and after skip the kernels its first ones made: the
+candidates share most of their fusions (the same model at the same per-device sizes). The
+program is the same with it (a test compares the figures); ``XLA_FLAGS`` may set it (empty: none).
 """
 
 
@@ -154,8 +163,12 @@ def in_child(
     if target is not None and target.platform == "tpu":
         # libtpu takes a lock file per machine: this process (a TPU VM's) may hold it already.
         env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
-    compiles = _Compiles(choose, data, env, n_devices, target, progress)
-    compiles.run()
+    with contextlib.ExitStack() as stack:
+        kernels = None
+        if target is not None and target.platform == "gpu" and KERNEL_CACHE_FLAG not in flags:
+            kernels = stack.enter_context(tempfile.TemporaryDirectory(prefix="einshard-kernels-"))
+        compiles = _Compiles(choose, data, env, n_devices, target, progress, kernels)
+        compiles.run()
     if script is not None and compiles.reruns and max(compiles.reruns) > SLOW_RERUN_SECONDS:
         _warn_slow_rerun(script, max(compiles.reruns))
     return compiles.answers
@@ -178,9 +191,12 @@ class _Compiles:
         n_devices: int,
         target: Target | None,
         progress: Progress | None,
+        kernels: str | None = None,
     ) -> None:
         self.choose, self.data, self.env = choose, data, env
         self.n_devices, self.target, self.progress = n_devices, target, progress
+        self.kernels = kernels  # the folder of each child's kernel cache (KERNEL_CACHE_FLAG), or None
+        self._children = 0
         self.answers: dict[int, Answer] = {}
         self.reruns: list[float] = []
         self._busy: set[int] = set()
@@ -204,6 +220,16 @@ class _Compiles:
         if self._errors:
             failed = self._errors[0]  # the first child's failure, raised in the caller's thread
             raise failed
+
+    def child_env(self) -> dict[str, str]:
+        """The environment of the next child process: its own kernel cache file, where there are any."""
+        if self.kernels is None:
+            return self.env
+        with self._lock:
+            self._children += 1
+            number = self._children
+        cache = os.path.join(self.kernels, f"child-{number}.bin")
+        return {**self.env, "XLA_FLAGS": f"{self.env['XLA_FLAGS']} --{KERNEL_CACHE_FLAG}={cache}"}
 
     def take(self) -> int | None:
         """The next table to compile (now marked as compiling), or ``None``."""
@@ -316,7 +342,7 @@ def _run_child(compiles: _Compiles, first: int) -> tuple[int, Crash] | None:
     child that ran the user's script again says how long that took first (``('script', seconds)``,
     added to ``compiles.reruns``).
     """
-    data, env, progress = compiles.data, compiles.env, compiles.progress
+    data, env, progress = compiles.data, compiles.child_env(), compiles.progress
     n_devices, target = compiles.n_devices, compiles.target
     spawned = time.perf_counter()
     child = subprocess.Popen(
