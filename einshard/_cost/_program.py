@@ -4,6 +4,10 @@ A plain step is traced once (``jax.jit(...).trace``), under its strategy when a 
 its arguments out (so that :func:`~einshard.like_batch` in the model constrains to that
 strategy's batch). Then, before lowering:
 
+* **Constants.** Equal constants, and equal equations on them (a table each unrolled layer
+  gathers again), are kept once (``_tracing._constants``): XLA would fold each copy on its own,
+  slowly, and then merge them.
+
 * **Donation.** A step whose first argument comes back updated (the whole result, or its first
   element, has that argument's tree, shapes and dtypes) is a training step: every training loop
   donates that argument, so its buffers hold the result. The program is compiled so, and the
@@ -29,6 +33,7 @@ from .._arrays._arrays import einshard
 from .._arrays._leaves import is_jax_array
 from .._sharding._devices import call_devices
 from .._tracing._batch_layout import batch_expression_for, batch_split, strategy_batch, traced_under
+from .._tracing._constants import shared_constants
 from .._tracing._jaxprs import evaluate
 from .._tracing._loops import LoopNote, constrained_jaxpr, has_loop
 from .._trees._strategy import Strategy
@@ -69,9 +74,9 @@ def step_program(call: StepCall, *, own: bool = True) -> Program:
     traced = jax.jit(traced_under(call.batch_layout, flat), keep_unused=True).trace(*arrays)
     donated = _updated_first_argument(call, outputs) if call.donate else None
     outputs.clear()  # the traced values: not kept
-    closed = traced.jaxpr
+    closed = shared_constants(traced.jaxpr)
     jaxpr, loops = _constrained(call, closed)
-    if jaxpr is closed.jaxpr and donated is None:
+    if closed is traced.jaxpr and jaxpr is closed.jaxpr and donated is None:
         return Program(traced.lower, loops)
     donate = _argument_arrays(call, 0) if donated is not None else ()
 
