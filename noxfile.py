@@ -364,6 +364,8 @@ TARGET_TESTS = [
     # The compile-only options change nothing of the program (the file's other tests, which need
     # no compiler, run in the tests session).
     "tests/test_plan_bounds.py::test_the_compile_only_gpu_options_leave_the_program_s_figures_unchanged",
+    # Each child's kernel cache: the same figures, its folder removed.
+    "tests/test_plan_bounds.py::test_a_child_s_kernel_cache_leaves_the_figures_unchanged_and_is_removed",
     # The bounds against simulated programs, the same winner pruned.
     "tests/test_plan_pruning.py::test_on_a_gpu_target_the_bounds_hold_and_the_winner_is_the_same",
     # A TPU's scanned step (its loops, async collective fusions) and a GPU's, compiled here.
