@@ -249,6 +249,7 @@ def one(name: str, n_candidates: int | None, exhaustive: bool = False) -> dict:
             "other": timings.other,
         },
         "child_peak_bytes_reported": timings.child_peak_bytes,
+        "children": timings.children,
         "seconds": wall,
         "compile_seconds": compiles,
         "analysis_seconds": analysis,

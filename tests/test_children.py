@@ -65,6 +65,7 @@ def test_children_side_by_side_plan_what_one_child_plans(compiles, side_by_side)
     assert _figures(several) == _figures(one)
     assert several.timings.compiled == 3 and several.timings.child_peak_bytes > 0
     assert several.timings.child_start > 0
+    assert (one.timings.children, several.timings.children) == (1, 3)
 
 
 def test_children_side_by_side_leave_out_what_cannot_win_and_keep_the_winner(compiles, side_by_side):

@@ -185,13 +185,14 @@ def test_a_child_process_compiles_only_the_candidates_the_plan_asks_for():
     assert rows["data parallel"].rejected_for == "cannot win" and rows["data parallel"].report is None
     assert rows["tensor parallel"].report.n_devices == 4 and rows["fsdp"].report.n_devices == 4
     assert plan.timings.compiled == 2 and plan.timings.child_start > 0
-    assert plan.timings.child_peak_bytes > 0
+    assert plan.timings.child_peak_bytes > 0 and plan.timings.children == 1
 
 
 def test_max_seconds_stops_compiling_and_names_what_it_left(compiles):
     step, state, batch, candidates = CASES["mlp"]
     plan = einshard.plan(step, state, batch, candidates=candidates, quiet=True, max_seconds=1e-9)
     assert compiles == []
+    assert plan.timings.children == 0  # planned in this process
     assert all(row.rejected_for == "budget" for row in plan.rows)
     assert all(
         re.fullmatch(

@@ -402,6 +402,10 @@ class Timings:
         other: The rest (sending the step, waiting for the child, ranking).
         child_peak_bytes: The largest resident memory a child process reached (0 in this process).
         compiled: How many candidates were compiled.
+        children: How many child processes compiled them (0: compiled in this process). More
+            than one where the first compile was long and the machine's cores and available
+            memory (twice the first child's peak per child) held them side by side; one where
+            not, as at 8 B unrolled on 24 GiB. A child started again after XLA aborted counts.
     """
 
     seconds: float = 0.0
@@ -414,6 +418,7 @@ class Timings:
     other: float = 0.0
     child_peak_bytes: int = 0
     compiled: int = 0
+    children: int = 0
 
     @classmethod
     def of(cls, ready: Prepared, progress: Progress, rows: Sequence[Any], seconds: float) -> Timings:
@@ -426,5 +431,13 @@ class Timings:
         prepared = (ready.trace_seconds, ready.roles_seconds, ready.bounds_seconds)
         left = max(seconds - known, 0.0)
         return cls(
-            seconds, child, *prepared, compiles, reading, left, progress.child_peak_bytes, len(reports_)
+            seconds,
+            child,
+            *prepared,
+            compiles,
+            reading,
+            left,
+            progress.child_peak_bytes,
+            len(reports_),
+            len(progress.child_seconds),
         )
