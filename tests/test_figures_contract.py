@@ -214,3 +214,30 @@ def test_at_takes_whole_float_bytes_and_a_latency_of_zero(report, planned):
     plan = planned.at(memory_per_device=80e9)
     assert plan.memory_per_device == 80_000_000_000 and type(plan.memory_per_device) is int
     assert plan.best.name == "data parallel"
+
+
+def test_a_given_network_latency_of_zero_is_kept(monkeypatch):
+    """hardware={'network_latency': 0} is a figure (a time may be 0), not a missing one: it is not
+    replaced by the NVLink latency. A device without a network (a TPU slice) takes its link's."""
+    gpu = _target.Hardware(
+        device="a GPU",
+        memory_bytes=80 << 30,
+        memory_bandwidth=3e12,
+        peak_flops_per_second=1e15,
+        efficiency=0.75,
+        bandwidth=450e9,
+        network_bandwidth=50e9,
+        devices_per_host=8,
+        sources={},
+        latency=1e-6,
+        network_latency=5e-6,
+    )
+    tpu = _target.Hardware(**{**gpu.__dict__, "network_bandwidth": None, "network_latency": None})
+    monkeypatch.setattr(_target, "check_compiler", lambda target: None)
+    monkeypatch.setattr(_target, "_gpu_hardware", lambda name: gpu)
+    monkeypatch.setattr(_target, "_tpu_hardware", lambda name: tpu)
+    h100 = _target.parse_target("h100", 16)
+    given = _target.resolve_figures(h100, {"network_latency": 0})
+    assert (given.network_latency, given.latency) == (0.0, 1e-6)
+    assert _target.resolve_figures(h100).network_latency == 5e-6
+    assert _target.resolve_figures(_target.parse_target("v5e", 8)).network_latency == 1e-6

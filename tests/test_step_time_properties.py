@@ -6,7 +6,9 @@ not), sync collectives and loops (nested), at random rates. What must hold for e
 * more link bandwidth, memory bandwidth or a faster matrix rate never makes the step slower;
 * the step takes at least its kernels' time and at most its kernels' time plus every
   collective's;
-* doubling a loop's trip count doubles the loop's time;
+* a loop runs as its body written out its trip count times (what one trip leaves in flight is
+  in flight when the next begins); doubling a loop's trip count doubles the loop's time when no
+  collective crosses from one trip to the next;
 * exposed + hidden communication = all of it, each collective once per run.
 """
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from einshard._cost._timing import Done, KernelRun, Loop, Rates, Start, Sync, kernel_seconds, simulate
@@ -103,12 +105,30 @@ def test_a_step_takes_its_kernels_time_and_at_most_every_collective_s_more(sched
 
 @given(st.lists(items, max_size=8).map(tuple), st.integers(1, 50), durations, rates)
 def test_doubling_a_loop_s_trip_count_doubles_its_time(body, trips, collectives, at):
+    """Each trip waits at its end for what it started: no collective crosses into the next trip."""
+    body = (*body, *(Done(name) for name in COLLECTIVES))
     once = simulate((Loop(trips, body),), collectives, at)
     twice = simulate((Loop(2 * trips, body),), collectives, at)
     assert twice.seconds == pytest.approx(2 * once.seconds, rel=REL, abs=1e-18)
     assert twice.compute_seconds == pytest.approx(2 * once.compute_seconds, rel=REL, abs=1e-18)
     assert twice.exposed_seconds == pytest.approx(2 * once.exposed_seconds, rel=REL, abs=1e-18)
     assert twice.hidden_seconds == pytest.approx(2 * once.hidden_seconds, rel=REL, abs=1e-18)
+
+
+PIPELINED = (Done("c0"), Start("c0"), KernelRun("k0", 1e9, "bf16", 0, None))  # 1 ms of dots a trip
+ROUND = Rates(matmul={"bf16": 1e12}, fallback=1e12, memory=1e12, launch=0.0)
+
+
+@given(st.lists(items, max_size=8).map(tuple), st.integers(1, 8), schedules, durations, rates)
+@example(PIPELINED, 4, (), {"c0": 3e-3, "c1": 0.0, "c2": 0.0, "c3": 0.0}, ROUND)  # 3 ms gathers
+def test_a_loop_runs_as_its_body_written_out_its_trip_count_times(body, trips, after, collectives, at):
+    """Collectives a trip leaves in flight (a pipelined loop's, or one queued on the link) are in
+    flight when the next trip begins: the loop is its trips one after the other, then what follows."""
+    looped = simulate((Loop(trips, body), *after), collectives, at)
+    written = simulate(body * trips + after, collectives, at)
+    for part in ("seconds", "compute_seconds", "exposed_seconds", "hidden_seconds"):
+        # A picosecond: hidden is all of it less the exposed, each a sum of many floats.
+        assert getattr(looped, part) == pytest.approx(getattr(written, part), rel=REL, abs=1e-12), part
 
 
 @given(schedules, durations, rates)

@@ -538,6 +538,76 @@ def test_an_async_collective_in_a_loop_is_hidden_on_every_trip():
     assert report.hidden_seconds == pytest.approx(80 * US)
 
 
+def _pipelined_loop(rows: int, trips: int = 4) -> str:
+    """XLA's pipelined collective: each trip waits for the all-gather the trip before started
+    (read back from the loop's carry), starts the next one, then runs a DOT (20 us)."""
+    ag = f"(bf16[{rows},1000]{{1,0}}, bf16[{2 * rows},1000]{{1,0}})"
+    state = f"(s32[], bf16[1000,1000]{{1,0}}, {ag})"
+    body = f"""
+%p.body (p.p: {state}) -> {state} {{
+  %p.p = {state} parameter(0)
+  %p.i = s32[] get-tuple-element(%p.p), index=0
+  %p.x = bf16[1000,1000]{{1,0}} get-tuple-element(%p.p), index=1
+  %p.prev = {ag} get-tuple-element(%p.p), index=2
+  %p.agd = bf16[{2 * rows},1000]{{1,0}} all-gather-done(%p.prev)
+  %p.w = bf16[{rows},1000]{{1,0}} bitcast(%p.x)
+  %p.ags = {ag} all-gather-start(%p.w), {GROUPS.format(channel=1)}, dimensions={{0}}
+  %p.f = bf16[1000,1000]{{1,0}} fusion(%p.x, %p.x), kind=kCustom, calls=%fused_dot
+  ROOT %p.t = {state} tuple(%p.i, %p.f, %p.ags)
+}}
+
+%p.cond (p.q: {state}) -> pred[] {{
+  %p.q = {state} parameter(0)
+  ROOT %p.c = pred[] constant(true)
+}}
+"""
+    entry = (
+        f"  %gathered = bf16[{2 * rows},1000]{{1,0}} bitcast(%w)\n"
+        f"  %none = {ag} tuple(%w.{rows}, %gathered)\n"
+        f"  %p.init = {state} tuple(%zero, %x, %none)\n"
+        f'  %p = {state} while(%p.init), condition=%p.cond, body=%p.body, backend_config={{"known_trip_count":{{"n":"{trips}"}}}}\n'
+    )
+    return program(ZERO + entry, body)
+
+
+def test_a_collective_pipelined_across_trips_is_waited_for_on_the_next_trip():
+    """AG30 started on each of 4 trips and waited for on the next, beside a DOT (20 us): each trip
+    waits for the last one's (10 us) and its own starts behind it on the link; the last is waited
+    for at the end of the step. 4 * 30 = 120 us, 40 us exposed, 80 us hidden (not the 80 us of
+    the DOTs alone, every gather hidden, of a walk that never waits for them)."""
+    text = _pipelined_loop(1500)
+    (item,) = _timing.schedule_of(_hlo.parse_module(text))
+    assert isinstance(item, _timing.Loop)
+    assert [type(inner).__name__ for inner in item.items] == ["Done", "Start", "KernelRun"]
+    report = simulated(text)
+    assert report.communication_seconds == pytest.approx(120 * US)
+    assert report.seconds == pytest.approx(120 * US)
+    assert report.exposed_seconds == pytest.approx(40 * US)
+    assert report.hidden_seconds == pytest.approx(80 * US)
+
+
+def test_a_collective_pipelined_across_trips_that_is_shorter_than_a_trip_is_hidden():
+    """AG10 beside a DOT of 20 us: each gather ends before the next trip waits for it. 4 * 20 = 80
+    us, all 40 us of gathers hidden; with 8 trips, twice that."""
+    report = simulated(_pipelined_loop(500))
+    assert report.seconds == pytest.approx(80 * US)
+    assert report.exposed_seconds == pytest.approx(0.0, abs=1e-15)
+    assert report.hidden_seconds == pytest.approx(40 * US)
+    assert simulated(_pipelined_loop(500, trips=8)).seconds == pytest.approx(160 * US)
+
+
+def test_a_program_printed_without_sigils_runs_its_loops_as_often():
+    """XLA may print names without '%': the loops' bodies run as many times, with every collective."""
+    for text in (_pipelined_loop(1500), _gathering_loop(500)):
+        bare = text.replace("%", "")
+        assert _hlo.parse_module(bare).times() == _hlo.parse_module(text).times()
+        with_sigils, without = simulated(text), simulated(bare)
+        assert [(r.instruction, r.times) for r in without.rows] == [
+            (r.instruction, r.times) for r in with_sigils.rows
+        ]
+        assert without.seconds == pytest.approx(with_sigils.seconds)
+
+
 def test_nested_loops_multiply_their_trip_counts():
     """An outer loop of 3 trips: an ADD (12 us) and an inner loop of 4 DOTs (80 us) per trip.
 

@@ -36,17 +36,25 @@ def analyse(call: StepCall, rules: RulesLike | None, target: Target | None = Non
         EinshardError: The step compiled for other devices than the target's (its own shardings
             name them).
     """
-    on_target = target is not None and target.platform != "cpu"
+    placed = _placed(call, rules, target)
+    return _reported(placed, compile_step(placed), target)
+
+
+def _placed(call: StepCall, rules: RulesLike | None, target: Target | None) -> StepCall:
+    """The call with its arguments laid out by ``rules`` (a target's: replicated without them)."""
     if rules is not None:
-        placed = call.with_rules(rules)
-    elif on_target:
+        return call.with_rules(rules)
+    if target is not None and target.platform != "cpu":
         replicated = call.with_rules(Rules([(".*", REPLICATE)]))
-        placed = dataclasses.replace(
+        return dataclasses.replace(
             replicated, layouts=call.layouts, table=call.table, unmatched=call.unmatched
         )
-    else:
-        placed = call
-    compiled = compile_step(placed)
+    return call
+
+
+def _reported(placed: StepCall, compiled: Compiled, target: Target | None) -> StepReport:
+    """The report of a compiled step: its program read, its collectives attributed and totalled."""
+    on_target = target is not None and target.platform != "cpu"
     if not on_target:
         with _without_gc():
             return _read(placed, compiled)
@@ -170,10 +178,21 @@ class Answer:
 
 
 def answer(call: StepCall, rules: RulesLike | None, target: Target | None = None) -> Answer:
-    """The step's report under one table; an error is kept, so one table that fails loses no other."""
+    """The step's report under one table; an error is kept, so one table that fails loses no other.
+
+    What the table or the step does wrong is the answer: an ``EinshardError`` (the table does not
+    fit the shapes or the devices), or the error the compile raised (the step does not compile
+    under it). An error of einshard's own, reading the compiled program (its "please report it"
+    assertions), is no verdict on the table: it is raised.
+    """
     try:
-        return Answer(analyse(call, rules, target))
+        placed = _placed(call, rules, target)
+        compiled = compile_step(placed)
     except EinshardError as error:
         return Answer(None, error)
     except Exception as error:
         return Answer(None, f"{type(error).__name__}: {error}")
+    try:
+        return Answer(_reported(placed, compiled, target))
+    except EinshardError as error:
+        return Answer(None, error)

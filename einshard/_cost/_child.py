@@ -27,10 +27,11 @@ from typing import Any
 from .._language._errors import EinshardError, EinshardWarning
 from .._language._text import seconds_text, size_text
 from .._sharding._devices import use_devices
+from .._tracing._batch_layout import current_batch, use_strategy
 from .._trees._rules import RulesLike
 from ._analysis import Answer, answer
 from ._call import StepCall, abstract
-from ._progress import Progress
+from ._progress import CompileEvents
 from ._rerun import Script, defined, pickled, run_script, script_of_main, undefined_error
 from ._target import Target, target_devices
 
@@ -106,14 +107,16 @@ def in_child(
     n_devices: int,
     tables: Sequence[RulesLike | None],
     target: Target | None = None,
-    progress: Progress | None = None,
+    progress: CompileEvents | None = None,
     donate: bool = True,
     order: Order | None = None,
 ) -> dict[int, Answer]:
     """The answers of the tables compiled, by index, in a child process with ``n_devices`` CPU devices.
 
     The step crosses as it was given (resolved in the child); the arguments as plain
-    ``ShapeDtypeStruct``s: their shardings come from the tables. With a GPU or TPU ``target``,
+    ``ShapeDtypeStruct``s: their shardings come from the tables. A :func:`~einshard.use_strategy`
+    block around the call crosses too: the child traces the step inside it, as this process
+    would (``like_batch`` in the model follows it). With a GPU or TPU ``target``,
     the tables lay the arguments out over that target's ``n_devices`` compile-only devices, and
     its compiler compiles the step (the CPU devices count its flops).
 
@@ -132,6 +135,7 @@ def in_child(
         "tables": list(tables),
         "target": target,
         "donate": donate,
+        "strategy": current_batch(),  # the use_strategy block the call is made in, or None
     }
     try:
         data, main_names = pickled(payload)
@@ -190,7 +194,7 @@ class _Compiles:
         env: dict[str, str],
         n_devices: int,
         target: Target | None,
-        progress: Progress | None,
+        progress: CompileEvents | None,
         kernels: str | None = None,
     ) -> None:
         self.choose, self.data, self.env = choose, data, env
@@ -374,13 +378,20 @@ def _run_child(compiles: _Compiles, first: int) -> tuple[int, Crash] | None:
     compiling_since = spawned
     peak = 0
     failure = None
+    raised: Exception | None = None  # an error of einshard's own in the child, raised here
+    unreadable: Exception | None = None  # a record the child wrote whole that this process cannot read
     while True:
         try:
             kind, value = pickle.load(child.stdout)
-        except Exception:  # the end, or a record cut short by the child's death
+        except EOFError:  # the end, or a record cut short by the child's death
+            break
+        except Exception as error:
+            unreadable = error
             break
         if kind == "error":
             failure = value
+        elif kind == "raised":
+            raised = value
         elif kind == "script":
             compiles.reruns.append(value)
         elif kind == "ready":
@@ -401,6 +412,9 @@ def _run_child(compiles: _Compiles, first: int) -> tuple[int, Crash] | None:
             compiles.give(compiling, value, time.perf_counter() - compiling_since, peak)
             compiling = None
             send(compiles.take())
+    stopped_here = unreadable is not None and child.poll() is None
+    if stopped_here:
+        child.kill()  # it would wait for the next table, or block writing to a pipe no one reads
     send(None)
     _, status, usage = os.wait4(child.pid, 0)
     child.returncode = returncode = os.waitstatus_to_exitcode(status)
@@ -411,7 +425,15 @@ def _run_child(compiles: _Compiles, first: int) -> tuple[int, Crash] | None:
         progress.child_memory(usage.ru_maxrss * 1024)
     if failure is not None:
         raise child_error(failure, n_devices, target)
+    if raised is not None:
+        raise raised
     stderr = b"".join(errors).decode(errors="replace").strip()
+    if unreadable is not None and (returncode == 0 or stopped_here):
+        # A record written whole and still unreadable (a dying child's is cut short: a crash, below).
+        raise RuntimeError(
+            f"einshard cannot read what its child process with {n_devices} devices answered "
+            f"({type(unreadable).__name__}: {unreadable}); please report it"
+        )
     if returncode == 0 and compiling is None:
         return None
     if compiling is None:
@@ -488,6 +510,7 @@ def main() -> None:
         _write(out, ("error", f"{type(error).__name__}: {error}"))
         return
     target = payload.get("target")
+    strategy = payload.get("strategy")
     devices = None
     if target is not None:
         try:
@@ -498,8 +521,16 @@ def main() -> None:
     _write(out, ("ready", time.perf_counter() - started))
     while (index := _next_index(stream)) is not None:
         _write(out, ("compiling", index))
-        with use_devices(devices) if devices is not None else contextlib.nullcontext():
-            result = answer(call, payload["tables"][index], target)
+        with contextlib.ExitStack() as within:
+            if devices is not None:
+                within.enter_context(use_devices(devices))
+            if strategy is not None:
+                within.enter_context(use_strategy(strategy))
+            try:
+                result = answer(call, payload["tables"][index], target)
+            except Exception as error:  # einshard's own, reading the program: raised in the parent
+                _write(out, ("raised", _crossing(error)))
+                return
         # The candidate's traces, lowerings and compiled program are not needed again: JAX's
         # caches would keep them all, and the child's memory would grow by each candidate's.
         jax.clear_caches()
@@ -507,6 +538,20 @@ def main() -> None:
         _write(out, ("memory", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
         _write(out, ("answer", result))
         del result
+
+
+def _crossing(error: Exception) -> Exception:
+    """The error as the parent will raise it: itself where it pickles, else a ``RuntimeError`` of its text."""
+    import traceback
+
+    where = "".join(traceback.format_exception(error)[-6:])
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}\n{where}")
+    with contextlib.suppress(Exception):
+        error.add_note(f"raised in einshard's child process:\n{where}")
+    return error
 
 
 def _next_index(stream: Any) -> int | None:

@@ -241,11 +241,17 @@ def compile_step(call: StepCall) -> Compiled:
     return Compiled(compiled, seconds, printed, program.loops, program.donated)
 
 
+_RECOMPILE_OPTION = "xla_embed_ir_in_executable"
+
+
 def _compiled(program: Program) -> Any:
     lowered = program.lower()
     try:
         # An option at its default value: a program JAX compiled before (the user's own call) is
         # compiled again rather than taken from the cache, so XLA speaks again.
-        return lowered.compile(compiler_options={"xla_embed_ir_in_executable": False})
-    except Exception:
-        return lowered.compile()
+        return lowered.compile(compiler_options={_RECOMPILE_OPTION: False})
+    except Exception as error:
+        if _RECOMPILE_OPTION not in str(error):
+            raise  # the program's own failure (it does not fit, XLA refuses it): the first is the one
+    # A backend that takes no such option: compiled as it is (from JAX's cache, if it has it).
+    return lowered.compile()

@@ -69,6 +69,11 @@ _CALL_ROLES = {
 _CALL_MARKS = tuple(f"{key}=" for key in _CALL_ROLES)  # a line calls no computation without one
 
 
+def _may_call(line: str) -> bool:
+    """Whether a line of text may call a computation: the one pre-filter, with or without '%' sigils."""
+    return any(mark in line for mark in _CALL_MARKS)
+
+
 @functools.lru_cache(maxsize=64)
 def _opcode_line(opcodes: frozenset[str]) -> re.Pattern[str]:
     """Finds an instruction of one of ``opcodes`` in a line of text (without parsing it)."""
@@ -180,7 +185,7 @@ class Instruction:
     @functools.cached_property
     def called(self) -> tuple[tuple[str, str], ...]:
         """``(role, computation)`` for every computation this instruction calls (roles: ``_CALL_ROLES``)."""
-        if not any(mark in self.attributes for mark in _CALL_MARKS):
+        if not _may_call(self.attributes):
             return ()  # most instructions
         out: list[tuple[str, str]] = []
         for key, role in _CALL_ROLES.items():
@@ -386,7 +391,7 @@ class Module:
         calling: dict[tuple[str, str], list[str]] = {}
         for computation, lines in self.computations.lines.items():
             for line in lines:
-                if not any(mark in line for mark in _CALL_MARKS):
+                if not _may_call(line):
                     continue
                 for key, callee, branches in _ROLE.findall(line):
                     for name in _NAMES.findall(branches) if branches else (callee,):
@@ -421,7 +426,7 @@ class Module:
         for computation, lines in self.computations.lines.items():
             for line in lines:
                 # Only the lines that call a computation are read, from the text (most call none).
-                roles = _ROLE.findall(line) if "=%" in line or "_computation" in line else ()
+                roles = _ROLE.findall(line) if _may_call(line) else ()
                 if not roles or _ASYNC_DONE.search(line):
                     continue
                 trip = None

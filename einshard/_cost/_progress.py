@@ -14,14 +14,38 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from .._language._text import seconds_text
 
-__all__ = ["SHOW_AFTER", "Progress"]
+__all__ = ["SHOW_AFTER", "CompileEvents", "Progress"]
 
 SHOW_AFTER = 10.0
 """Seconds a run lasts before its progress is shown."""
+
+
+class CompileEvents(Protocol):
+    """What the compiles of a run tell as they go: the one interface of :class:`Progress` they use.
+
+    The child processes (:mod:`._child`), the in-process compiles and a batch plan's rounds
+    (:meth:`Progress.shifted`) write to it; pyright checks every implementation against it.
+    """
+
+    def compiling(self, index: int) -> None:
+        """Table ``index`` starts compiling."""
+        ...
+
+    def finished(self, index: int, outcome: str = "compiled") -> None:
+        """Table ``index`` is done (``outcome``: ``'compiled'``, ``'rejected'``, ...)."""
+        ...
+
+    def child_started(self, seconds: float) -> None:
+        """A child process is ready to compile, ``seconds`` after it was started."""
+        ...
+
+    def child_memory(self, peak_bytes: int) -> None:
+        """A child process's resident memory has reached ``peak_bytes`` at its largest."""
+        ...
 
 
 class Progress:
@@ -105,6 +129,13 @@ class Progress:
         """A child process's resident memory has reached ``peak_bytes`` at its largest."""
         self.child_peak_bytes = max(self.child_peak_bytes, peak_bytes)
 
+    def shifted(self, offset: int) -> ShiftedProgress:
+        """The events of a group of compiles whose table ``i`` is this run's ``offset + i``.
+
+        A batch plan compiles its candidates in rounds, each round's tables numbered from 0.
+        """
+        return ShiftedProgress(self, offset)
+
     def close(self) -> None:
         """The run is over: stop the timer, and end the display if one was shown."""
         if self._timer is not None:
@@ -165,6 +196,30 @@ class Progress:
         assert self.stream is not None
         self.stream.write(f"{self.what}: {text}\n")
         self.stream.flush()
+
+
+class ShiftedProgress:
+    """A group of compiles' events, told to a :class:`Progress` with its tables' indexes shifted."""
+
+    def __init__(self, progress: Progress, offset: int) -> None:
+        self.progress = progress
+        self.offset = offset
+
+    def compiling(self, index: int) -> None:
+        """Table ``offset + index`` starts compiling."""
+        self.progress.compiling(self.offset + index)
+
+    def finished(self, index: int, outcome: str = "compiled") -> None:
+        """Table ``offset + index`` is done."""
+        self.progress.finished(self.offset + index, outcome)
+
+    def child_started(self, seconds: float) -> None:
+        """A child process is ready (the run's own record: children serve every group)."""
+        self.progress.child_started(seconds)
+
+    def child_memory(self, peak_bytes: int) -> None:
+        """A child process's peak memory so far."""
+        self.progress.child_memory(peak_bytes)
 
 
 def _rich_bar(stream: TextIO, what: str, total: int) -> Any:

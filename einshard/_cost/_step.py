@@ -29,7 +29,7 @@ from ._analysis import Answer, analyse, answer
 from ._call import StepCall
 from ._child import Order, child_error, in_child, in_turn
 from ._compile import forget_traces
-from ._progress import Progress
+from ._progress import CompileEvents, Progress
 from ._report import Finding as Finding
 from ._report import StepReport as StepReport
 from ._report import StepRow as StepRow
@@ -215,7 +215,7 @@ def reports(
     n_devices: int | None = None,
     target: Target | None = None,
     order: Order | None = None,
-    progress: Progress | None = None,
+    progress: CompileEvents | None = None,
 ) -> dict[int, Answer]:
     """The step's report under each table compiled, by index: here, or (``n_devices``) in one child process.
 

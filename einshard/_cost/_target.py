@@ -698,7 +698,8 @@ def resolve_figures(
             bandwidth=device.bandwidth,
             network_bandwidth=device.network_bandwidth,
             latency=device.latency,
-            network_latency=device.network_latency or device.latency,
+            # A given 0 is a figure: only a device without a network (a TPU slice) takes its link's.
+            network_latency=device.latency if device.network_latency is None else device.network_latency,
             flops_per_second=device.flops_per_second,
             memory_per_device=device.memory_bytes,
         )

@@ -123,6 +123,7 @@ def _walk(
     instructions = module.computations.get(computation, ())
     items: list[Item] = []
     starts: dict[str, str] = {}  # an async start's name -> its collective's
+    carried = _carried_starts(module, instructions)
     chains = _chains(module, instructions, heads)
     for instruction in instructions:
         opcode = instruction.opcode
@@ -135,7 +136,8 @@ def _walk(
         elif _hlo_kernels.is_async_done(instruction):
             # The done of an async collective waits for it; an async fusion's or copy's done
             # waits for work its start was costed with.
-            started = starts.get(instruction.operands[0]) if instruction.operands else None
+            operand = instruction.operands[0] if instruction.operands else None
+            started = starts.get(operand) or carried.get(operand) if operand is not None else None
             if started is not None:
                 items.append(Done(started))
         elif opcode in _hlo.COLLECTIVES:
@@ -156,6 +158,36 @@ def _walk(
         else:
             items.append(_kernel_run(module, instruction))
     return tuple(items)
+
+
+def _carried_starts(module: _hlo.Module, instructions: Sequence[_hlo.Instruction]) -> dict[str, str]:
+    """A loop body's values that are an async collective started on the trip before, by name.
+
+    XLA's collective pipeliner starts a collective at the end of one trip and waits for it on
+    the next: the body's result tuple carries the start, and the next trip reads it back from
+    the body's parameter (``get-tuple-element(p), index=k``) to wait for it. Such a value stands
+    for its collective (as the walk names it).
+    """
+    root = next((instruction for instruction in instructions if instruction.root), None)
+    if root is None or root.opcode != "tuple":
+        return {}
+    by_name = {instruction.name: instruction for instruction in instructions}
+    started: dict[int, str] = {}
+    for position, operand in enumerate(root.operands):
+        value = by_name.get(operand)
+        collective = _hlo_kernels.async_collective(module, value) if value is not None else None
+        if collective is not None:
+            started[position] = collective.name
+    if not started:
+        return {}
+    out: dict[str, str] = {}
+    for instruction in instructions:
+        if instruction.opcode != "get-tuple-element" or not instruction.operands:
+            continue
+        source = by_name.get(instruction.operands[0])
+        if source is not None and source.opcode == "parameter" and instruction.index in started:
+            out[instruction.name] = started[instruction.index]
+    return out
 
 
 def _kernel_run(module: _hlo.Module, instruction: _hlo.Instruction) -> KernelRun:
@@ -276,16 +308,20 @@ _TOP = 5
 def simulate(schedule: Schedule, collectives: Mapping[str, float], rates: Rates) -> StepTime:
     """The step's time: the kernels in order, the collectives on one link beside them.
 
-    ``collectives``: the seconds of one run of each collective, by its instruction's name.
+    ``collectives``: the seconds of one run of each collective, by its instruction's name. A
+    collective still in flight when the program's last kernel ends is waited for: the step
+    ends when its last collective does.
     """
     by_kernel: dict[str, list] = {}
-    clock, compute, exposed, communication = _run(schedule, collectives, rates, by_kernel, 1)
+    run = _run(schedule, collectives, rates, by_kernel, 1, {}, 0.0)
+    end = max([run.clock, *run.finishes.values()])
     top = sorted(by_kernel.items(), key=lambda item: -item[1][1])[:_TOP]
+    exposed = run.exposed + end - run.clock
     return StepTime(
-        seconds=clock,
-        compute_seconds=compute,
+        seconds=end,
+        compute_seconds=run.compute,
         exposed_seconds=exposed,
-        hidden_seconds=max(communication - exposed, 0.0),
+        hidden_seconds=max(run.communication - exposed, 0.0),
         kernels=tuple((name, source, seconds) for name, (source, seconds) in top),
     )
 
@@ -296,47 +332,140 @@ def kernel_seconds(kernel: KernelRun, rates: Rates) -> float:
     return max(flops, kernel.bytes / rates.memory) + rates.launch
 
 
+@dataclasses.dataclass
+class _Pass:
+    """One pass over a list of items, its times from the pass's own start.
+
+    ``finishes``: when each collective started and not yet waited for finishes (those of the
+    pass before it that are still in flight included); ``link_free``: when the link has sent
+    what was started.
+    """
+
+    clock: float = 0.0
+    compute: float = 0.0
+    exposed: float = 0.0
+    communication: float = 0.0
+    link_free: float = 0.0
+    finishes: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
 def _run(
     items: Schedule,
     collectives: Mapping[str, float],
     rates: Rates,
     by_kernel: dict[str, list],
     times: int,
-) -> tuple[float, float, float, float]:
-    """One pass over ``items``: (its time, the kernels', the exposed communication, all of it)."""
-    clock = compute = exposed = communication = 0.0
-    link_free = 0.0  # when the link has sent what was started before
-    finishes: dict[str, float] = {}
+    finishes: Mapping[str, float],
+    link_free: float,
+) -> _Pass:
+    """One pass over ``items``, with the collectives in flight when it starts (``finishes``, from its start).
+
+    ``times``: how many times the pass runs per step (what each kernel adds to ``by_kernel``).
+    """
+    run = _Pass(link_free=max(link_free, 0.0), finishes=dict(finishes))
     for item in items:
         if isinstance(item, KernelRun):
             seconds = kernel_seconds(item, rates)
-            clock += seconds
-            compute += seconds
+            run.clock += seconds
+            run.compute += seconds
             entry = by_kernel.setdefault(item.name, [item.source, 0.0])
             entry[1] += seconds * times
         elif isinstance(item, Start):
             seconds = collectives.get(item.collective, 0.0)
-            begin = max(clock, link_free)
-            link_free = begin + seconds
-            finishes[item.collective] = link_free
-            communication += seconds
+            begin = max(run.clock, run.link_free)
+            run.link_free = begin + seconds
+            run.finishes[item.collective] = run.link_free
+            run.communication += seconds
         elif isinstance(item, Done):
-            finish = finishes.pop(item.collective, clock)
-            if finish > clock:
-                exposed += finish - clock
-                clock = finish
+            finish = run.finishes.pop(item.collective, run.clock)
+            if finish > run.clock:
+                run.exposed += finish - run.clock
+                run.clock = finish
         elif isinstance(item, Sync):
             seconds = collectives.get(item.collective, 0.0)
-            begin = max(clock, link_free)
-            link_free = begin + seconds
-            exposed += link_free - clock
-            clock = link_free
-            communication += seconds
+            begin = max(run.clock, run.link_free)
+            run.link_free = begin + seconds
+            run.exposed += run.link_free - run.clock
+            run.clock = run.link_free
+            run.communication += seconds
         else:
-            inner = _run(item.items, collectives, rates, by_kernel, times * item.times)
-            clock += inner[0] * item.times
-            compute += inner[1] * item.times
-            exposed += inner[2] * item.times
-            communication += inner[3] * item.times
-            link_free = max(link_free, clock)
-    return clock, compute, exposed, communication
+            _loop(run, item, collectives, rates, by_kernel, times)
+    return run
+
+
+_MAX_TRIPS_WALKED = 64
+"""A loop whose trips still differ after this many is taken to run every later trip as the last walked."""
+
+
+def _loop(
+    run: _Pass,
+    loop: Loop,
+    collectives: Mapping[str, float],
+    rates: Rates,
+    by_kernel: dict[str, list],
+    times: int,
+) -> None:
+    """A loop's trips added to ``run``, walked until a trip begins as the one before it did.
+
+    A collective a trip starts and the next waits for (XLA's pipelined collectives,
+    :func:`_carried_starts`) is in flight when the next trip begins, on the same link, and so
+    is one queued behind collectives started before the loop: each trip begins with what the
+    one before left in flight. Once a trip begins as the one before it, every later trip runs
+    as it does. What the last trip leaves in flight goes on beside what follows the loop;
+    collectives in flight before the loop go on beside it.
+    """
+    if loop.times <= 0:
+        return  # a loop whose counter starts past its limit runs no trip
+    now = run.clock
+    before = {name: finish - now for name, finish in run.finishes.items()}
+    own = collectives_of(loop.items)
+    trips: list[tuple[_Pass, int]] = []
+    state = (before, max(run.link_free - now, 0.0))
+    left = loop.times
+    while left > 0:
+        in_flight, link = state
+        # Every trip runs the same kernels: the first counts them for all of the loop's runs.
+        counted, weight = (by_kernel, times * loop.times) if not trips else ({}, 0)
+        trip = _run(loop.items, collectives, rates, counted, weight, in_flight, link)
+        after = (
+            {
+                name: finish - trip.clock
+                for name, finish in trip.finishes.items()
+                if name in own and finish > trip.clock  # still in flight when the trip ends
+            },
+            max(trip.link_free - trip.clock, 0.0),
+        )
+        steady = _same_state(after, state) or len(trips) + 1 >= _MAX_TRIPS_WALKED
+        count = left if steady else 1
+        trips.append((trip, count))
+        left -= count
+        state = after
+    for trip, count in trips:
+        run.compute += trip.compute * count
+        run.exposed += trip.exposed * count
+        run.communication += trip.communication * count
+    last = trips[-1][0]
+    end = now + sum(trip.clock * count for trip, count in trips)
+    offset = end - last.clock  # when the last trip began
+    run.finishes = {name: now + finish for name, finish in before.items() if name not in own}
+    run.finishes.update(
+        {
+            name: offset + finish
+            for name, finish in last.finishes.items()
+            if name in own and finish > last.clock
+        }
+    )
+    if last.link_free > last.clock:  # the link is still sending when the loop ends
+        run.link_free = max(run.link_free, offset + last.link_free)
+    run.clock = end
+
+
+def _same_state(a: tuple[dict[str, float], float], b: tuple[dict[str, float], float]) -> bool:
+    """Whether two trips begin alike: the same collectives in flight, finishing at the same offsets."""
+    (flight_a, link_a), (flight_b, link_b) = a, b
+    close = lambda x, y: abs(x - y) <= 1e-12 * max(abs(x), abs(y), 1e-9)  # noqa: E731
+    return (
+        flight_a.keys() == flight_b.keys()
+        and all(close(flight_a[name], flight_b[name]) for name in flight_a)
+        and close(link_a, link_b)
+    )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 from .._arrays._leaves import is_traced
 from .._cost._call import StepCall, traced_dtype
@@ -358,10 +358,11 @@ def plan_batches(
             if done == len(progress.labels):
                 progress.labels.extend(named(rounds))
             for size, indexes in rounds:
-                shifted = cast(Progress, _Shifted(progress, done))
                 scaled = _scaled(call, size)
                 compiled = [tables[i] for i in indexes]
-                answers = reports(scaled, compiled, where.child, where.compiled_for, None, shifted)
+                answers = reports(
+                    scaled, compiled, where.child, where.compiled_for, None, progress.shifted(done)
+                )
                 for k, i in enumerate(indexes):
                     result = answers[k]
                     report = None if result.report is None else estimated(result.report, figures)
@@ -477,20 +478,6 @@ def _round(searches: list[_Search]) -> list[tuple[int, list[int]]]:
         if size is not None:
             wanted.setdefault(size, []).append(index)
     return sorted(wanted.items())
-
-
-class _Shifted:
-    """One compile group's progress: its tables' indexes shifted to the plan's count so far."""
-
-    def __init__(self, progress: Progress, offset: int) -> None:
-        self.progress = progress
-        self.offset = offset
-
-    def compiling(self, index: int) -> None:
-        self.progress.compiling(self.offset + index)
-
-    def finished(self, index: int, outcome: str = "compiled") -> None:
-        self.progress.finished(self.offset + index, outcome)
 
 
 class _Search:

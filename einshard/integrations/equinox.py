@@ -67,7 +67,7 @@ import re
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import jax
 
@@ -85,7 +85,7 @@ from .._trees._rules import Rules, RulesLike
 __all__ = ["create_sharded", "field_expressions", "module_rules", "shard_module", "sharded"]
 
 T = TypeVar("T")
-C = TypeVar("C", bound=type)
+Layer = TypeVar("Layer")
 
 _OWN = "__einshard_fields__"  # a decorated class's own expressions, in its __dict__
 _OUTPUT = "output"  # the key of the activation expression among them
@@ -101,7 +101,7 @@ def sharded(
     *,
     output: str | None = None,
     **expressions: str | None,
-) -> Callable[[C], C]:
+) -> Callable[[type[Layer]], type[Layer]]:
     """A class decorator attaching einshard expressions to an Equinox module's fields.
 
     Every instance is placed when it is built, after its ``__init__`` (and
@@ -177,7 +177,7 @@ def sharded(
         except EinshardError as error:
             raise error.add_context(f"in @sharded({name}={expression!r})") from None
 
-    def decorate(cls: C) -> C:
+    def decorate(cls: type[Layer]) -> type[Layer]:
         _check_class(cls, table)
         # A subclass made through Equinox's own metaclass, so that Equinox sees the hook when it
         # builds the class (its development line collects __check_init__ methods then, once).
@@ -190,7 +190,9 @@ def sharded(
         }
         if {**field_expressions(cls), **table}.get(_OUTPUT) is not None:
             namespace["__call__"] = _output_call(cls.__call__)  # pyright: ignore[reportAttributeAccessIssue]
-        return cast(C, type(cls)(cls.__name__, (cls,), namespace))
+        subclass = type(cls)(cls.__name__, (cls,), namespace)
+        assert issubclass(subclass, cls)  # what the metaclass makes of (cls,): a subclass of it
+        return subclass
 
     return decorate
 
