@@ -183,6 +183,8 @@ COMPILES_STEPS = [
     "tests/test_bounds_rules.py",
     "tests/test_step_time_programs.py",
     "tests/test_children.py",
+    "tests/test_every_path.py",
+    "tests/test_own_errors.py",
 ]
 
 
@@ -373,6 +375,9 @@ TARGET_TESTS = [
     # A TPU's scanned step (its loops, async collective fusions) and a GPU's, compiled here.
     "tests/test_step_time_programs.py::test_a_tpu_scanned_step_s_loops_and_async_collective_fusions_are_read",
     "tests/test_step_time_programs.py::test_a_gpu_scanned_step_s_async_fusions_cost_their_layer_not_their_stack",
+    # Every public verb on a GPU and a TPU target, in one child and in several.
+    "tests/test_every_path.py::test_every_verb_on_a_target_in_one_child",
+    "tests/test_every_path.py::test_a_target_s_plan_in_several_children_is_the_plan_of_one",
 ]
 
 
