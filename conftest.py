@@ -112,3 +112,24 @@ def compiles(monkeypatch) -> list:
 
     monkeypatch.setattr(_analysis, "compile_step", counting)
     return seen
+
+
+@pytest.fixture
+def side_by_side(monkeypatch) -> list:
+    """Plans' children side by side: more start after the first answer however short it was (3 at
+    most), as on a larger machine; the threads that ran a child, one entry per child."""
+    import threading
+
+    from einshard._cost import _child
+
+    threads: list[int] = []
+    run_child = _child._run_child
+
+    def counted(compiles, first):
+        threads.append(threading.get_ident())
+        return run_child(compiles, first)
+
+    monkeypatch.setattr(_child, "SECOND_CHILD_AFTER", 0.0)
+    monkeypatch.setattr(_child, "_room_for_children", lambda peak_bytes: 3)
+    monkeypatch.setattr(_child, "_run_child", counted)
+    return threads

@@ -38,22 +38,6 @@ def _figures(plan: einshard.Plan) -> list[tuple]:
     return [(row.name, row.rejected_for, row.seconds, row.traffic, row.peak_bytes) for row in plan.rows]
 
 
-@pytest.fixture
-def side_by_side(monkeypatch) -> list[int]:
-    """Children start after the first answer however short it was, 3 at most; the threads that ran one."""
-    threads: list[int] = []
-    run_child = _child._run_child
-
-    def counted(compiles, first):
-        threads.append(threading.get_ident())
-        return run_child(compiles, first)
-
-    monkeypatch.setattr(_child, "SECOND_CHILD_AFTER", 0.0)
-    monkeypatch.setattr(_child, "_room_for_children", lambda peak_bytes: 3)
-    monkeypatch.setattr(_child, "_run_child", counted)
-    return threads
-
-
 def test_children_side_by_side_plan_what_one_child_plans(compiles, side_by_side):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_child, "SECOND_CHILD_AFTER", float("inf"))  # as short compiles are

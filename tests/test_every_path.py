@@ -18,8 +18,6 @@ The target paths need XLA's compilers (``nox -s targets`` installs them and runs
 
 from __future__ import annotations
 
-import threading
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -43,25 +41,6 @@ def _batch(rows: int) -> jax.ShapeDtypeStruct:
 def _figures(report: einshard.StepReport) -> tuple:
     rows = [(row.kind, row.shape, row.times) for row in report.rows]
     return rows, report.bytes, report.traffic, report.peak_bytes, report.flops, report.seconds
-
-
-@pytest.fixture
-def several_children(monkeypatch) -> list[int]:
-    """More children start after the first answer however short it was: as on a larger machine.
-
-    The threads that ran a child, one entry per child.
-    """
-    threads: list[int] = []
-    run_child = _child._run_child
-
-    def counted(compiles, first):
-        threads.append(threading.get_ident())
-        return run_child(compiles, first)
-
-    monkeypatch.setattr(_child, "SECOND_CHILD_AFTER", 0.0)
-    monkeypatch.setattr(_child, "_room_for_children", lambda peak_bytes: 2)
-    monkeypatch.setattr(_child, "_run_child", counted)
-    return threads
 
 
 def _check_every_verb(
@@ -159,12 +138,12 @@ def test_every_verb_on_a_target_in_one_child(target):
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_a_target_s_plan_in_several_children_is_the_plan_of_one(target, several_children):
+def test_a_target_s_plan_in_several_children_is_the_plan_of_one(target, side_by_side):
     """h100: plan's candidates side by side; v5e: plan_batches's (each round's two at once)."""
     with pytest.MonkeyPatch.context() as patch:  # one child, as short compiles are
         patch.setattr(_child, "SECOND_CHILD_AFTER", float("inf"))
         one_plan, one_batches = ONE_CHILD.get(target) or _in_one_child(target)
-    several_children.clear()
+    side_by_side.clear()
     where = {"target": target, "n_devices": 8, "candidates": CANDIDATES, "quiet": True}
     if target == "h100":
         several = einshard.plan(STEP, mlp_params(), _batch(64), exhaustive=True, **where)
@@ -176,7 +155,7 @@ def test_a_target_s_plan_in_several_children_is_the_plan_of_one(target, several_
         batches = einshard.plan_batches(
             STEP, mlp_params(), _batch(64), memory_per_device=MEMORY, max_compiles=2, **where
         )
-        assert len(several_children) == 4  # two rounds of the search, two children side by side in each
+        assert len(side_by_side) == 4  # two rounds of the search, two children side by side in each
         assert [(row.name, row.batch_size, _figures(row.report)) for row in batches.rows] == [
             (row.name, row.batch_size, _figures(row.report)) for row in one_batches.rows
         ]
