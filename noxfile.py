@@ -374,10 +374,13 @@ TARGET_TESTS = [
     # A TPU's scanned step (its loops, async collective fusions) and a GPU's, compiled here.
     "tests/test_step_time_programs.py::test_a_tpu_scanned_step_s_loops_and_async_collective_fusions_are_read",
     "tests/test_step_time_programs.py::test_a_gpu_scanned_step_s_async_fusions_cost_their_layer_not_their_stack",
-    # Random einsums compiled for v5e, v5p, v6e and an H100: the same flops, the formula's (12
-    # examples, 4 compiles each); the issue's attention step on 8 v5p and 8 H100s.
+    # Random einsums compiled for v5e, v5p, v6e and an H100: the same flops, the formula's (8
+    # examples, 4 compiles each); the issue's attention step on 8 v5p.
     "tests/test_matmul_flops.py::test_a_random_einsum_s_flops_on_each_tpu_are_the_h100_s_and_the_formula",
-    "tests/test_matmul_flops.py::test_the_issue_s_data_parallel_attention_has_the_same_flops_on_8_v5p_as_on_8_h100",
+    "tests/test_matmul_flops.py::test_the_issue_s_data_parallel_attention_has_its_flops_on_8_v5p",
+    # A step libtpu refuses for memory: explain_step's verdict here and from a child, a plan and a
+    # batch plan on v5e; XLA's GPU compiler compiling one too large for an H100.
+    "tests/test_out_of_memory.py",
 ]
 
 

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 from .._language._errors import EinshardError
 from .._language._expression import REPLICATE
+from .._language._text import size_text
 from .._trees._rules import Rules, RulesLike
 from . import _hlo, _hlo_kernels, _timing
 from ._attribution import attributed_rows
@@ -18,9 +19,9 @@ from ._compile import Compiled, compile_step
 from ._findings import find_waste
 from ._flow import Flow
 from ._report import StepReport, report_of
-from ._target import Target
+from ._target import Target, hardware_of
 
-__all__ = ["Answer", "analyse", "answer", "report_of_text"]
+__all__ = ["Answer", "DoesNotFitError", "analyse", "answer", "report_of_text"]
 
 
 def analyse(call: StepCall, rules: RulesLike | None, target: Target | None = None) -> StepReport:
@@ -35,6 +36,8 @@ def analyse(call: StepCall, rules: RulesLike | None, target: Target | None = Non
     Raises:
         EinshardError: The step compiled for other devices than the target's (its own shardings
             name them).
+        DoesNotFitError: The target's compiler refused the step for its memory (libtpu does; XLA's GPU
+            compiler compiles such a step, and its report's memory says it does not fit).
     """
     on_target = target is not None and target.platform != "cpu"
     if rules is not None:
@@ -46,7 +49,13 @@ def analyse(call: StepCall, rules: RulesLike | None, target: Target | None = Non
         )
     else:
         placed = call
-    compiled = compile_step(placed)
+    try:
+        compiled = compile_step(placed)
+    except Exception as error:
+        refusal = _hlo.parse_out_of_memory(str(error))
+        if refusal is None:
+            raise
+        raise does_not_fit(refusal, target) from None
     if not on_target:
         with _without_gc():
             return _read(placed, compiled)
@@ -66,6 +75,61 @@ def analyse(call: StepCall, rules: RulesLike | None, target: Target | None = Non
         flops_source=f"the dots of the program XLA's compiler made for {target.label}",
         target=target.name,
         topology=target.topology,
+    )
+
+
+class DoesNotFitError(EinshardError):
+    """The step does not fit: the target's compiler refused it for its memory per device.
+
+    An :class:`~einshard.EinshardError` (``explain_step`` raises it; ``plan`` and
+    ``plan_batches`` reject the candidate for memory with these figures): a verdict on the
+    step under its table on that target, not a failure. libtpu refuses such a program; XLA's GPU
+    compiler compiles it, and the report's memory says it does not fit.
+
+    Attributes:
+        needed: The bytes per device the compiler found the program needs.
+        available: The bytes per device the compiler has for a program.
+        target: What it was compiled for (``'8 V5E (v5e:2x4)'``).
+    """
+
+    def __init__(self, headline: str, *, needed: int, available: int, target: str, **kwargs) -> None:
+        super().__init__(headline, **kwargs)
+        self.needed, self.available, self.target = needed, available, target
+
+    def __reduce__(self):  # the child sends it to the parent: the figures cross with it
+        kwargs = dict(hint=self.hint, context=tuple(self.context))
+        return (_rebuilt, (self.headline, self.needed, self.available, self.target, kwargs))
+
+
+def _rebuilt(headline: str, needed: int, available: int, target: str, kwargs: dict) -> DoesNotFitError:
+    return DoesNotFitError(headline, needed=needed, available=available, target=target, **kwargs)
+
+
+# The public home is the package, so tracebacks read `einshard.DoesNotFitError`.
+DoesNotFitError.__module__ = "einshard"
+
+
+def does_not_fit(refusal: _hlo.OutOfMemory, target: Target | None) -> DoesNotFitError:
+    """The verdict of a compile the compiler refused for memory, with its figures and the fixes."""
+    label = target.label if target is not None else "these devices"
+    hardware = hardware_of(target) if target is not None and target.platform != "cpu" else None
+    of = f" (of the {hardware.device}'s {size_text(hardware.memory_bytes)})" if hardware is not None else ""
+    more = f"n_devices={2 * target.n_devices}" if target is not None and target.n_devices else "more devices"
+    return DoesNotFitError(
+        f"the step does not fit {label}: XLA's compiler for it needs {size_text(refusal.needed)} per "
+        f"device, more than the {size_text(refusal.available)} of {refusal.memory} it has for a "
+        f"program{of}",
+        needed=refusal.needed,
+        available=refusal.available,
+        target=label,
+        hint=(
+            f"Give it more devices ({more}: each holds a smaller share of what the table splits), a smaller "
+            "batch (plan_batches finds the largest that fits), rematerialisation (jax.checkpoint "
+            "around each layer: its activations recomputed in the backward pass, not kept), or "
+            "offloading to host memory (a jax.checkpoint policy such as "
+            "jax.checkpoint_policies.offload_dot_with_no_batch_dims('device', 'pinned_host'), or "
+            "the optimizer state on shardings .with_memory_kind('pinned_host'))."
+        ),
     )
 
 
