@@ -199,6 +199,8 @@ COUNT_INDEPENDENT = [
     "tests/test_step_time_rules.py",
     "tests/test_step_time_properties.py",
     "tests/test_matmul_flops.py",
+    "tests/test_out_of_memory.py",
+    "tests/test_tpu.py",
 ]
 
 
@@ -381,6 +383,8 @@ TARGET_TESTS = [
     # A step libtpu refuses for memory: explain_step's verdict here and from a child, a plan and a
     # batch plan on v5e; XLA's GPU compiler compiling one too large for an H100.
     "tests/test_out_of_memory.py",
+    # The TPU generations' figures and libtpu's compile-only devices: their coordinates, slices.
+    "tests/test_tpu.py",
 ]
 
 
