@@ -17,6 +17,8 @@ import pytest
 from einshard._cost import _target, _tpu
 from tests.test_targets import needs_tpu
 
+# ruff: noqa: E501  (the program below is XLA's lines, as it prints them)
+
 # name: (HBM, HBM B/s, bf16, int8, ICI both ways per chip, ports, one link one way, DCN per chip, dims)
 PUBLISHED = {
     "v5e": (16 * 2**30, 819e9, 197e12, 393e12, 400e9, 4, 45e9, 3.125e9, 2),
@@ -47,7 +49,9 @@ def test_a_tpu_target_s_hardware_carries_the_figures_and_says_what_is_assumed(na
     hardware = _target._tpu_hardware(name)
     chip = _tpu.GENERATIONS[name]
     assert (hardware.memory_bytes, hardware.memory_bandwidth) == (chip.memory_bytes, chip.memory_bandwidth)
-    assert hardware.matmul_peaks["s8"] == chip.matmul_peaks["s8"] > hardware.peak_flops_per_second  # int8 runs faster
+    assert (
+        hardware.matmul_peaks["s8"] == chip.matmul_peaks["s8"] > hardware.peak_flops_per_second
+    )  # int8 runs faster
     assert hardware.matmul_peaks["f32"] == chip.peak_flops_per_second / 6  # 'highest': 6 bf16 passes
     assert hardware.bandwidth == chip.ici_bidirectional / 2  # the link's costing is unchanged here
     for assumed in ("efficiency", "memory_efficiency", "launch_seconds", "latency"):
@@ -125,3 +129,93 @@ def _every(sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
     import itertools
 
     return list(itertools.product(*(range(size) for size in sizes)))
+
+
+# --- gathers written as all-reduces ----------------------------------------------------------------
+
+# Each of 4 devices writes its row of a f32[4,8] into zeros (a fused dynamic-update-slice of a
+# broadcast zero, at its partition's offset), and an all-reduce sums the rows: a gather. The
+# second array goes through an async copy, as XLA's TPU compiler moves it between memories; the
+# third writes two rows of four (no device's 1/4), the fourth into an array that is not zeros.
+PADDED = """\
+HloModule m, num_partitions=4
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%padded (p0: f32[4,8], p1: f32[1,8], p2: u32[]) -> f32[4,8] {
+  %p0 = f32[4,8]{1,0} parameter(0)
+  %p1 = f32[1,8]{1,0} parameter(1)
+  %p2 = u32[] parameter(2)
+  %zero = u32[] constant(0)
+  ROOT %dus = f32[4,8]{1,0} dynamic-update-slice(%p0, %p1, %p2, %zero)
+}
+
+%half (q0: f32[4,8], q1: f32[2,8], q2: u32[]) -> f32[4,8] {
+  %q0 = f32[4,8]{1,0} parameter(0)
+  %q1 = f32[2,8]{1,0} parameter(1)
+  %q2 = u32[] parameter(2)
+  %zero.1 = u32[] constant(0)
+  ROOT %dus.1 = f32[4,8]{1,0} dynamic-update-slice(%q0, %q1, %q2, %zero.1)
+}
+
+ENTRY %main (w: f32[1,8], v: f32[1,8], h: f32[2,8], x: f32[4,8]) -> f32[4,8] {
+  %w = f32[1,8]{1,0} parameter(0)
+  %v = f32[1,8]{1,0} parameter(1)
+  %h = f32[2,8]{1,0} parameter(2)
+  %x = f32[4,8]{1,0} parameter(3)
+  %c = f32[] constant(0)
+  %zeros = f32[4,8]{1,0} broadcast(%c), dimensions={}
+  %pid = u32[] partition-id()
+  %gathered = f32[4,8]{1,0} fusion(%zeros, %w, %pid), kind=kLoop, calls=%padded
+  %moved = f32[4,8]{1,0} fusion(%zeros, %v, %pid), kind=kLoop, calls=%padded
+  %copy-start = (f32[4,8]{1,0}, f32[4,8]{1,0}, u32[]) copy-start(%moved)
+  %copy-done = f32[4,8]{1,0} copy-done(%copy-start)
+  %halves = f32[4,8]{1,0} fusion(%zeros, %h, %pid), kind=kLoop, calls=%half
+  %onto = f32[4,8]{1,0} fusion(%x, %w, %pid), kind=kLoop, calls=%padded
+  %ar = (f32[4,8]{1,0}, f32[4,8]{1,0}, f32[4,8]{1,0}, f32[4,8]{1,0}) all-reduce(%gathered, %copy-done, %halves, %onto), channel_id=1, replica_groups={{0,1,2,3}}, use_global_device_ids=true, to_apply=%add
+  ROOT %out = f32[4,8]{1,0} get-tuple-element(%ar), index=0
+}
+"""
+
+
+def test_an_all_reduce_of_each_device_s_part_in_zeros_is_read_as_a_gather_and_said():
+    from einshard._cost._analysis import report_of_text
+
+    report = report_of_text(PADDED)
+    assert [row.kind for row in report.rows] == ["all-reduce"] * 4
+    assert report.padded_gathers == (0, 1)  # not two rows of four, nor onto an array of values
+    text = str(report)
+    sent = 2 * 2 * 3 * 128 // 4  # two arrays of 128 B, each 2(n - 1)/n of it sent
+    assert f"2 all-reduces gather: each device adds zeros but for its own part, {sent} B sent" in text
+    assert "XLA's TPU compiler gathers so on a slice whose torus wraps around" in text
+    ones = report_of_text(PADDED.replace("%c = f32[] constant(0)", "%c = f32[] constant(1)"))
+    assert ones.padded_gathers == () and "gather" not in str(ones)  # parts written into ones are summed
+
+
+@needs_tpu
+@pytest.mark.parametrize("topology", ["v5e:4x4", "v6e:4x16", "v5p:2x4x4", "v5p:4x4x4"])
+def test_xla_s_tpu_compiler_gathers_by_all_reduce_exactly_where_the_slice_wraps(topology):
+    # A sharded array made whole on every chip: an all-gather on a slice without wraparound, an
+    # all-reduce of each chip's part in zeros on one with (XLA's choice, as _tpu.wraps says).
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from einshard._cost._analysis import report_of_text
+
+    name, _, shape = topology.partition(":")
+    devices = sorted(topologies.get_topology_desc(topology, "tpu").devices, key=lambda d: d.id)
+    mesh = Mesh(np.array(devices), ("d",))
+    x = jax.ShapeDtypeStruct((4096, 1024), jnp.float32, sharding=NamedSharding(mesh, P("d")))
+    whole = jax.jit(lambda w: w * 2, out_shardings=NamedSharding(mesh, P())).lower(x).compile()
+    report = report_of_text(whole.as_text())
+    wrapped = any(_tpu.wraps(name, [int(size) for size in shape.split("x")]))
+    assert [row.kind for row in report.rows] == ["all-reduce" if wrapped else "all-gather"]
+    assert report.padded_gathers == ((0,) if wrapped else ())

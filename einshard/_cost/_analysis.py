@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import gc
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from .._language._errors import EinshardError
 from .._language._expression import REPLICATE
@@ -17,11 +17,11 @@ from ._attribution import attributed_rows
 from ._call import StepCall
 from ._compile import Compiled, compile_step
 from ._findings import find_waste
-from ._flow import Flow
-from ._report import StepReport, report_of
+from ._flow import Flow, Origin
+from ._report import StepReport, StepRow, report_of
 from ._target import Target, hardware_of
 
-__all__ = ["Answer", "DoesNotFitError", "analyse", "answer", "report_of_text"]
+__all__ = ["Answer", "DoesNotFitError", "analyse", "answer", "padded_gathers", "report_of_text"]
 
 
 def analyse(call: StepCall, rules: RulesLike | None, target: Target | None = None) -> StepReport:
@@ -171,7 +171,12 @@ def _read(call: StepCall, compiled: Compiled, *, matmul_flops: bool = False) -> 
     flops = _hlo_kernels.program_matmul_flops(module) if matmul_flops else compiled.flops()
     analysis_seconds = time.perf_counter() - start
     report = report_of(rows, n, mesh, memory, flops, compiled.seconds, analysis_seconds, findings)
-    report = dataclasses.replace(report, batch_loops=compiled.loops, donated=compiled.donated)
+    report = dataclasses.replace(
+        report,
+        batch_loops=compiled.loops,
+        donated=compiled.donated,
+        padded_gathers=padded_gathers(rows, origins, flow),
+    )
     if matmul_flops:  # a target's program: the order its kernels run in, to simulate its time
         report = dataclasses.replace(report, schedule=_timing.schedule_of(module))
     if call.unmatched:
@@ -199,7 +204,24 @@ def report_of_text(text: str, parameter_paths: list[str | None] | None = None) -
     memory: dict[str, int | None] = dict.fromkeys(
         ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes")
     )
-    return report_of(rows, n, mesh, memory, None, 0.0, 0.0, findings)
+    report = report_of(rows, n, mesh, memory, None, 0.0, 0.0, findings)
+    return dataclasses.replace(report, padded_gathers=padded_gathers(rows, origins, flow))
+
+
+def padded_gathers(rows: Sequence[StepRow], origins: Sequence[Origin], flow: Flow) -> tuple[int, ...]:
+    """The all-reduces that gather: each of the group's devices adds zeros but its own ``1/n``.
+
+    XLA's TPU compiler writes many gathers so (FSDP's weights on 64 v5p chips, in the loop of a
+    scanned model): the rows are the program's all-reduces, and are costed as such.
+    """
+    found = []
+    for position, (row, origin) in enumerate(zip(rows, origins, strict=True)):
+        if row.kind != "all-reduce" or origin.operand is None or row.group_size < 2:
+            continue
+        share = flow.padded_share(origin.operand)
+        if share is not None and share * row.group_size == 1:
+            found.append(position)
+    return tuple(found)
 
 
 def _parameter_paths(module: _hlo.Module, call: StepCall) -> list[str | None]:
