@@ -21,7 +21,16 @@ from ._flow import Flow, Origin
 from ._report import StepReport, StepRow, report_of
 from ._target import Target, hardware_of
 
-__all__ = ["Answer", "DoesNotFitError", "analyse", "answer", "padded_gathers", "report_of_text"]
+__all__ = [
+    "Answer",
+    "DoesNotFitError",
+    "analyse",
+    "answer",
+    "compiled_or_refused",
+    "does_not_fit",
+    "padded_gathers",
+    "report_of_text",
+]
 
 
 def analyse(call: StepCall, rules: RulesLike | None, target: Target | None = None) -> StepReport:
@@ -49,13 +58,7 @@ def analyse(call: StepCall, rules: RulesLike | None, target: Target | None = Non
         )
     else:
         placed = call
-    try:
-        compiled = compile_step(placed)
-    except Exception as error:
-        refusal = _hlo.parse_out_of_memory(str(error))
-        if refusal is None:
-            raise
-        raise does_not_fit(refusal, target) from None
+    compiled = compiled_or_refused(placed, target)
     if not on_target:
         with _without_gc():
             return _read(placed, compiled)
@@ -76,6 +79,22 @@ def analyse(call: StepCall, rules: RulesLike | None, target: Target | None = Non
         target=target.name,
         topology=target.topology,
     )
+
+
+def compiled_or_refused(placed: StepCall, target: Target | None) -> Compiled:
+    """The step compiled; a compiler's refusal for memory made the verdict it is.
+
+    Raises:
+        DoesNotFitError: The compiler refused the program for its memory per device (libtpu's
+            ``RESOURCE_EXHAUSTED: ... CompileTimeHbmOom``, read by ``_hlo.parse_out_of_memory``).
+    """
+    try:
+        return compile_step(placed)
+    except Exception as error:
+        refusal = _hlo.parse_out_of_memory(str(error))
+        if refusal is None:
+            raise
+        raise does_not_fit(refusal, target) from None
 
 
 class DoesNotFitError(EinshardError):
