@@ -10,6 +10,7 @@ from . import strategies as strategies
 from ._arrays._arrays import einshard as einshard
 from ._arrays._arrays import make_sharding as make_sharding
 from ._arrays._multihost import from_process_local as from_process_local
+from ._cost._analysis import DoesNotFitError as DoesNotFitError
 from ._cost._program import constrain_loops as constrain_loops
 from ._cost._step import Finding as Finding
 from ._cost._step import Hardware as Hardware

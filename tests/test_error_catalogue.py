@@ -34,7 +34,7 @@ Template = tuple[str | None, ...]  # literal text, and None for a hole
 
 # Where each kind of message shows on the catalogue page: the start of its line.
 PREFIXES = {
-    "error": r"(?:einshard\.EinshardError: |einshard: error: )",
+    "error": r"(?:einshard\.EinshardError: |einshard\.DoesNotFitError: |einshard: error: )",
     "warning": r"einshard\.Einshard(?:Deprecation)?Warning: ",
     "context": r"  ",
     "argument": r"python -m einshard: error: argument [^\s:]+: ",
@@ -211,6 +211,19 @@ def _parameters(function: ast.AST) -> list[str]:
 MODULES = [Module(path) for path in sorted(PACKAGE.rglob("*.py"))]
 
 
+def _error_classes() -> set[str]:
+    """``EinshardError`` and its subclasses (``DoesNotFitError``): a call of any makes an error message."""
+    classes = {"EinshardError"}
+    for module in MODULES:
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.ClassDef) and any(_name(base) in classes for base in node.bases):
+                classes.add(node.name)
+    return classes
+
+
+ERROR_CLASSES = _error_classes()
+
+
 def _factories() -> tuple[dict[str, tuple[int, str]], set[str]]:
     """Functions that make an EinshardError: those that take its headline as a parameter
     (name -> the parameter's position and name), and all of them by name."""
@@ -221,7 +234,7 @@ def _factories() -> tuple[dict[str, tuple[int, str]], set[str]]:
             for node in _own_nodes(function):
                 if not (isinstance(node, ast.Return) and isinstance(node.value, ast.Call)):
                     continue
-                if _name(node.value.func) != "EinshardError":
+                if _name(node.value.func) not in ERROR_CLASSES:
                     continue
                 factories.add(name)
                 headline = _argument(node.value, 0, "headline")
@@ -247,7 +260,7 @@ def _messages() -> list[Message]:
             if not isinstance(call, ast.Call):
                 continue
             name = _name(call.func)
-            if name == "EinshardError":
+            if name in ERROR_CLASSES:
                 headline = _argument(call, 0, "headline")
                 scope = module.scopes(call)[0]
                 builder = BUILDERS.get(getattr(scope, "name", ""))
@@ -323,7 +336,7 @@ def test_every_message_the_catalogue_shows_is_raised_somewhere():
 
 def test_einshard_raises_only_catalogued_exceptions():
     """A ``raise`` of anything but an EinshardError would escape the catalogue."""
-    allowed = {"EinshardError", "add_context", *FACTORIES, *OTHER_RAISES}
+    allowed = {*ERROR_CLASSES, "add_context", *FACTORIES, *OTHER_RAISES}
     uncatalogued = []
     for module in MODULES:
         for node in ast.walk(module.tree):

@@ -6,21 +6,31 @@ import contextlib
 import dataclasses
 import gc
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from .._language._errors import EinshardError
 from .._language._expression import REPLICATE
+from .._language._text import size_text
 from .._trees._rules import Rules, RulesLike
 from . import _hlo, _hlo_kernels, _timing
 from ._attribution import attributed_rows
 from ._call import StepCall
 from ._compile import Compiled, compile_step
 from ._findings import find_waste
-from ._flow import Flow
-from ._report import StepReport, report_of
-from ._target import Target
+from ._flow import Flow, Origin
+from ._report import StepReport, StepRow, report_of
+from ._target import Target, hardware_of
 
-__all__ = ["Answer", "analyse", "answer", "report_of_text"]
+__all__ = [
+    "Answer",
+    "DoesNotFitError",
+    "analyse",
+    "answer",
+    "compiled_or_refused",
+    "does_not_fit",
+    "padded_gathers",
+    "report_of_text",
+]
 
 
 def analyse(call: StepCall, rules: RulesLike | None, target: Target | None = None) -> StepReport:
@@ -35,9 +45,11 @@ def analyse(call: StepCall, rules: RulesLike | None, target: Target | None = Non
     Raises:
         EinshardError: The step compiled for other devices than the target's (its own shardings
             name them).
+        DoesNotFitError: The target's compiler refused the step for its memory (libtpu does; XLA's GPU
+            compiler compiles such a step, and its report's memory says it does not fit).
     """
     placed = _placed(call, rules, target)
-    return _reported(placed, compile_step(placed), target)
+    return _reported(placed, compiled_or_refused(placed, target), target)
 
 
 def _placed(call: StepCall, rules: RulesLike | None, target: Target | None) -> StepCall:
@@ -74,6 +86,77 @@ def _reported(placed: StepCall, compiled: Compiled, target: Target | None) -> St
         flops_source=f"the dots of the program XLA's compiler made for {target.label}",
         target=target.name,
         topology=target.topology,
+    )
+
+
+def compiled_or_refused(placed: StepCall, target: Target | None) -> Compiled:
+    """The step compiled; a compiler's refusal for memory made the verdict it is.
+
+    Raises:
+        DoesNotFitError: The compiler refused the program for its memory per device (libtpu's
+            ``RESOURCE_EXHAUSTED: ... CompileTimeHbmOom``, read by ``_hlo.parse_out_of_memory``).
+    """
+    try:
+        return compile_step(placed)
+    except Exception as error:
+        refusal = _hlo.parse_out_of_memory(str(error))
+        if refusal is None:
+            raise
+        raise does_not_fit(refusal, target) from None
+
+
+class DoesNotFitError(EinshardError):
+    """The step does not fit: the target's compiler refused it for its memory per device.
+
+    An :class:`~einshard.EinshardError` (``explain_step`` raises it; ``plan`` and
+    ``plan_batches`` reject the candidate for memory with these figures): a verdict on the
+    step under its table on that target, not a failure. libtpu refuses such a program; XLA's GPU
+    compiler compiles it, and the report's memory says it does not fit.
+
+    Attributes:
+        needed: The bytes per device the compiler found the program needs.
+        available: The bytes per device the compiler has for a program.
+        target: What it was compiled for (``'8 V5E (v5e:2x4)'``).
+    """
+
+    def __init__(self, headline: str, *, needed: int, available: int, target: str, **kwargs) -> None:
+        super().__init__(headline, **kwargs)
+        self.needed, self.available, self.target = needed, available, target
+
+    def __reduce__(self):  # the child sends it to the parent: the figures cross with it
+        kwargs = dict(hint=self.hint, context=tuple(self.context))
+        return (_rebuilt, (self.headline, self.needed, self.available, self.target, kwargs))
+
+
+def _rebuilt(headline: str, needed: int, available: int, target: str, kwargs: dict) -> DoesNotFitError:
+    return DoesNotFitError(headline, needed=needed, available=available, target=target, **kwargs)
+
+
+# The public home is the package, so tracebacks read `einshard.DoesNotFitError`.
+DoesNotFitError.__module__ = "einshard"
+
+
+def does_not_fit(refusal: _hlo.OutOfMemory, target: Target | None) -> DoesNotFitError:
+    """The verdict of a compile the compiler refused for memory, with its figures and the fixes."""
+    label = target.label if target is not None else "these devices"
+    hardware = hardware_of(target) if target is not None and target.platform != "cpu" else None
+    of = f" (of the {hardware.device}'s {size_text(hardware.memory_bytes)})" if hardware is not None else ""
+    more = f"n_devices={2 * target.n_devices}" if target is not None and target.n_devices else "more devices"
+    return DoesNotFitError(
+        f"the step does not fit {label}: XLA's compiler for it needs {size_text(refusal.needed)} per "
+        f"device, more than the {size_text(refusal.available)} of {refusal.memory} it has for a "
+        f"program{of}",
+        needed=refusal.needed,
+        available=refusal.available,
+        target=label,
+        hint=(
+            f"Give it more devices ({more}: each holds a smaller share of what the table splits), a smaller "
+            "batch (plan_batches finds the largest that fits), rematerialisation (jax.checkpoint "
+            "around each layer: its activations recomputed in the backward pass, not kept), or "
+            "offloading to host memory (a jax.checkpoint policy such as "
+            "jax.checkpoint_policies.offload_dot_with_no_batch_dims('device', 'pinned_host'), or "
+            "the optimizer state on shardings .with_memory_kind('pinned_host'))."
+        ),
     )
 
 
@@ -115,7 +198,12 @@ def _read(call: StepCall, compiled: Compiled, *, matmul_flops: bool = False) -> 
     flops = _hlo_kernels.program_matmul_flops(module) if matmul_flops else compiled.flops()
     analysis_seconds = time.perf_counter() - start
     report = report_of(rows, n, mesh, memory, flops, compiled.seconds, analysis_seconds, findings)
-    report = dataclasses.replace(report, batch_loops=compiled.loops, donated=compiled.donated)
+    report = dataclasses.replace(
+        report,
+        batch_loops=compiled.loops,
+        donated=compiled.donated,
+        padded_gathers=padded_gathers(rows, origins, flow),
+    )
     if matmul_flops:  # a target's program: the order its kernels run in, to simulate its time
         report = dataclasses.replace(report, schedule=_timing.schedule_of(module))
     if call.unmatched:
@@ -143,7 +231,24 @@ def report_of_text(text: str, parameter_paths: list[str | None] | None = None) -
     memory: dict[str, int | None] = dict.fromkeys(
         ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes")
     )
-    return report_of(rows, n, mesh, memory, None, 0.0, 0.0, findings)
+    report = report_of(rows, n, mesh, memory, None, 0.0, 0.0, findings)
+    return dataclasses.replace(report, padded_gathers=padded_gathers(rows, origins, flow))
+
+
+def padded_gathers(rows: Sequence[StepRow], origins: Sequence[Origin], flow: Flow) -> tuple[int, ...]:
+    """The all-reduces that gather: each of the group's devices adds zeros but its own ``1/n``.
+
+    XLA's TPU compiler writes many gathers so (FSDP's weights on 64 v5p chips, in the loop of a
+    scanned model): the rows are the program's all-reduces, and are costed as such.
+    """
+    found = []
+    for position, (row, origin) in enumerate(zip(rows, origins, strict=True)):
+        if row.kind != "all-reduce" or origin.operand is None or row.group_size < 2:
+            continue
+        share = flow.padded_share(origin.operand)
+        if share is not None and share * row.group_size == 1:
+            found.append(position)
+    return tuple(found)
 
 
 def _parameter_paths(module: _hlo.Module, call: StepCall) -> list[str | None]:
@@ -187,8 +292,8 @@ def answer(call: StepCall, rules: RulesLike | None, target: Target | None = None
     """
     try:
         placed = _placed(call, rules, target)
-        compiled = compile_step(placed)
-    except EinshardError as error:
+        compiled = compiled_or_refused(placed, target)
+    except EinshardError as error:  # DoesNotFitError among them: a verdict on the table
         return Answer(None, error)
     except Exception as error:
         return Answer(None, f"{type(error).__name__}: {error}")

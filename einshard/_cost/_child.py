@@ -430,7 +430,7 @@ def _run_child(compiles: _Compiles, first: int) -> tuple[int, Crash] | None:
     stderr = b"".join(errors).decode(errors="replace").strip()
     if unreadable is not None and (returncode == 0 or stopped_here):
         # A record written whole and still unreadable (a dying child's is cut short: a crash, below).
-        raise RuntimeError(
+        raise AssertionError(
             f"einshard cannot read what its child process with {n_devices} devices answered "
             f"({type(unreadable).__name__}: {unreadable}); please report it"
         )
@@ -541,14 +541,14 @@ def main() -> None:
 
 
 def _crossing(error: Exception) -> Exception:
-    """The error as the parent will raise it: itself where it pickles, else a ``RuntimeError`` of its text."""
+    """The error as the parent raises it: itself where it pickles, else an ``AssertionError`` of its text."""
     import traceback
 
     where = "".join(traceback.format_exception(error)[-6:])
     try:
         pickle.loads(pickle.dumps(error))
     except Exception:
-        return RuntimeError(f"{type(error).__name__}: {error}\n{where}")
+        return AssertionError(f"{type(error).__name__}: {error} (please report it)\n{where}")
     with contextlib.suppress(Exception):
         error.add_note(f"raised in einshard's child process:\n{where}")
     return error

@@ -7,6 +7,7 @@ detectors of waste ask it.
 from __future__ import annotations
 
 import dataclasses
+from fractions import Fraction
 
 from . import _hlo
 
@@ -151,6 +152,73 @@ class Flow:
                 return None
             name = big[0]
         return None
+
+    def padded_share(self, name: str, depth: int = 12) -> Fraction | None:
+        """The share of value ``name`` written into zeros in place, or ``None`` when it is not so made.
+
+        A ``dynamic-update-slice`` of a broadcast zero (or of the fused computation's parameter
+        bound to one), through copies (async ones too), bitcasts, converts and a fusion's result
+        or tuple element. XLA's TPU compiler gathers arrays so: each of ``n`` devices writes its
+        ``1/n`` into zeros, and an all-reduce sums the parts.
+        """
+        value = self.all.get(name)
+        callers: list[_hlo.Instruction] = []  # the fusions the walk went into, innermost last
+        for _ in range(depth):
+            if value is None:
+                return None
+            opcode = value.opcode
+            if opcode == "dynamic-update-slice" and len(value.operands) > 1:
+                update = self.size_of(value.operands[1])
+                whole = value.shapes[0].size if len(value.shapes) == 1 else 0
+                if not (update and whole) or not self._zeros(value.operands[0], callers):
+                    return None
+                return Fraction(update, whole)
+            if (
+                opcode in ("copy-done", "copy-start", "copy", "bitcast", "reshape", "convert")
+                and value.operands
+            ):
+                value = self.all.get(value.operands[0])
+            elif opcode == "get-tuple-element" and value.operands and value.index is not None:
+                tuple_of = self.all.get(value.operands[0])
+                root = self._root(tuple_of)
+                if (
+                    tuple_of is None
+                    or root is None
+                    or root.opcode != "tuple"
+                    or value.index >= len(root.operands)
+                ):
+                    return None
+                callers.append(tuple_of)
+                value = self.all.get(root.operands[value.index])
+            elif opcode == "fusion":
+                callers.append(value)
+                value = self._root(value)
+            else:
+                return None
+        return None
+
+    def _root(self, fusion: _hlo.Instruction | None) -> _hlo.Instruction | None:
+        body = self._body(fusion)
+        return next((i for i in body if i.root), None) if body else None
+
+    def _zeros(self, name: str, callers: list[_hlo.Instruction]) -> bool:
+        """Whether a value is a broadcast zero, behind bitcasts and the parameters of ``callers``."""
+        value = self.all.get(name)
+        for _ in range(8):
+            if value is None:
+                return False
+            if value.opcode == "parameter" and callers and value.parameter_number is not None:
+                caller = callers.pop()
+                if value.parameter_number >= len(caller.operands):
+                    return False
+                value = self.all.get(caller.operands[value.parameter_number])
+            elif value.opcode in ("bitcast", "reshape", "copy", "convert", "broadcast") and value.operands:
+                value = self.all.get(value.operands[0])
+            elif value.opcode == "constant":
+                return _is_zero(value.literal)
+            else:
+                return False
+        return False
 
     def parameter_size(self, index: int) -> int:
         instruction = self.parameters.get(index)
@@ -422,6 +490,13 @@ class Flow:
                             following.append(user)
                 frontier, depth = following, depth + 1
         return out
+
+
+def _is_zero(literal: str | None) -> bool:
+    try:
+        return literal is not None and float(literal) == 0
+    except ValueError:
+        return False
 
 
 def operand_shape(flow: Flow, name: str) -> _hlo.Shape | None:

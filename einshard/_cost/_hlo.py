@@ -14,7 +14,8 @@ captured snippets (tests/test_step.py). What is read:
 * how many times each computation runs per step (a ``while`` body: its ``known_trip_count``);
 * where an instruction came from: ``op_name`` and the source file and line, written inline
   (``source_file=... source_line=...``) or through the stack-frame tables of newer XLA;
-* the shardings XLA prints, and its message of an involuntary full rematerialization.
+* the shardings XLA prints, and its message of an involuntary full rematerialization;
+* a TPU compiler's refusal of a program that does not fit the chip's memory.
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ __all__ = [
     "Collective",
     "Instruction",
     "Module",
+    "OutOfMemory",
     "Remat",
     "Shape",
     "chain_key",
     "device_groups",
     "parse_module",
+    "parse_out_of_memory",
     "parse_remat",
     "parse_replica_groups",
     "parse_shapes",
@@ -103,6 +106,18 @@ _REMAT = re.compile(
     r"cannot go from sharding (?P<before>.*?) to (?P<after>.*?) efficiently for HLO operation "
     r"(?P<op>.*?)(?:\. As the last resort|$)"
 )
+# libtpu's refusal of a program that does not fit: the newer form, then the older.
+_OUT_OF_MEMORY = (
+    re.compile(
+        r"required for HLO temporaries \((?P<needed>[\d.]+[KMGTPE]?i?B?)\) exceeds available "
+        r"(?P<memory>\w+) \((?P<available>[\d.]+[KMGTPE]?i?B?)\)"
+    ),
+    re.compile(
+        r"Ran out of memory in memory space (?P<memory>\w+)\. Used (?P<needed>[\d.]+[KMGTPE]?i?B?) "
+        r"of (?P<available>[\d.]+[KMGTPE]?i?B?) "
+    ),
+)
+_SIZE = re.compile(r"([\d.]+)([KMGTPE]?)")
 
 _BITS = {"pred": 8, "s4": 4, "u4": 4, "s2": 2, "u2": 2, "c64": 64, "c128": 128, "token": 0}
 
@@ -568,6 +583,47 @@ def parse_remat(message: str) -> Remat | None:
     before, after = match.group("before"), match.group("after")
     operation = parse_instruction(match.group("op"))
     return Remat(before, after, split_counts(before), split_counts(after), operation)
+
+
+@dataclasses.dataclass(frozen=True)
+class OutOfMemory:
+    """A compiler's refusal of a program that does not fit a device's memory.
+
+    Attributes:
+        needed: The bytes per device the program needs, as the compiler counts them (rounded
+            as it prints them: to 0.01 of its unit).
+        available: The bytes per device the compiler has for a program (a TPU chip's HBM less
+            what its runtime keeps).
+        memory: The memory it ran out of, as printed (``'HBM'``).
+    """
+
+    needed: int
+    available: int
+    memory: str
+
+
+def parse_out_of_memory(message: str) -> OutOfMemory | None:
+    """The refusal in a compiler's error message, or ``None`` when it is not one.
+
+    libtpu's two forms: ``RESOURCE_EXHAUSTED: ... CompileTimeHbmOom: Ran out of memory on HBM,
+    the total memory required for HLO temporaries (47.68G) exceeds available HBM (31.24G)``
+    (libtpu 0.0.50), and ``... Ran out of memory in memory space hbm. Used 21.95G of 15.48G hbm.``
+    (older). Sizes are in binary units (``G``: 2**30 bytes).
+    """
+    for pattern in _OUT_OF_MEMORY:
+        match = pattern.search(message)
+        if match is not None:
+            needed, available = _bytes(match.group("needed")), _bytes(match.group("available"))
+            return OutOfMemory(needed, available, match.group("memory").upper())
+    return None
+
+
+def _bytes(size: str) -> int:
+    """``'47.68G'`` in bytes (binary units, as XLA prints sizes)."""
+    match = _SIZE.match(size)
+    assert match is not None
+    number, unit = match.groups()
+    return round(float(number) * 1024 ** " KMGTPE".index(unit or " "))
 
 
 def parse_module(text: str) -> Module:

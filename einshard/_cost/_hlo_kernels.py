@@ -95,14 +95,7 @@ def matmul_flops(module: Module, instruction: Instruction) -> float:
         contracted = math.prod(lhs[0].dims[d] for d in instruction.numbers("lhs_contracting_dims"))
         return 2.0 * instruction.shapes[0].size * contracted
     if instruction.opcode == "convolution":
-        shapes = _operand_shapes(module, instruction)
-        labels = instruction.attribute("dim_labels") or ""
-        kernel_labels = labels.partition("_")[2].partition("->")[0]
-        if len(shapes) < 2 or "o" not in kernel_labels or not instruction.shapes:
-            return 0.0
-        kernel = shapes[1]
-        outputs = kernel.dims[kernel_labels.index("o")] if len(kernel.dims) == len(kernel_labels) else 1
-        return 2.0 * instruction.shapes[0].size * kernel.size / max(outputs, 1)
+        return _convolution_flops(instruction, _operand_shapes(module, instruction))
     if instruction.opcode == "custom-call" and _gemm_target(instruction):
         numbers = _gemm_config(instruction).get("dot_dimension_numbers", {})
         lhs = _operand_shapes(module, instruction)[:1]
@@ -111,6 +104,99 @@ def matmul_flops(module: Module, instruction: Instruction) -> float:
         contracted = math.prod(lhs[0].dims[int(d)] for d in numbers.get("lhs_contracting_dimensions", []))
         return 2.0 * instruction.shapes[0].size * contracted
     return 0.0
+
+
+def _convolution_flops(instruction: Instruction, operands: list[Shape]) -> float:
+    """A convolution's flops: two per multiply-add of an input element with a kernel element.
+
+    Each output element sums ``input features / feature_group_count`` features over the kernel
+    positions its window puts on input elements: not on padding, nor on the holes a base
+    (``lhs_dilate``) dilation leaves. Per spatial dimension those pairs are counted
+    (:func:`_window_pairs`), as XLA's own cost analysis counts them. TPU's compiler writes most
+    dots as convolutions, a batch dimension as a spatial one whose window meets one input element
+    per output (``dim_labels=0b1f_0o1i->01bf``, ``window={size=8x8 stride=7x7 lhs_dilate=8x8}``):
+    the kernel's whole window per output element would count 64 times too many there.
+    """
+    labels = (instruction.attribute("dim_labels") or "").replace("->", "_").split("_")
+    if len(operands) < 2 or not instruction.shapes or len(labels) != 3:
+        return 0.0
+    (lhs, rhs), out = operands[:2], instruction.shapes[0]
+    lhs_labels, rhs_labels, out_labels = labels
+    if (len(lhs_labels), len(rhs_labels), len(out_labels)) != (len(lhs.dims), len(rhs.dims), len(out.dims)):
+        return 0.0
+    spatial = [str(d) for d in range(len(lhs_labels)) if str(d) in lhs_labels]
+    window = _window(instruction.attribute("window") or "", len(spatial))
+    pairs = 1
+    for d, (stride, low, base, dilation) in zip(spatial, window, strict=True):
+        pairs *= _window_pairs(
+            lhs.dims[lhs_labels.index(d)],
+            rhs.dims[rhs_labels.index(d)],
+            out.dims[out_labels.index(d)],
+            stride=stride,
+            low=low,
+            base=base,
+            dilation=dilation,
+        )
+    groups = _count(instruction.attribute("feature_group_count"))
+    features = lhs.dims[lhs_labels.index("f")] // groups
+    per_window = out.dims[out_labels.index("b")] * out.dims[out_labels.index("f")]
+    return 2.0 * per_window * features * pairs
+
+
+def _count(text: str | None) -> int:
+    return int(text) if text and text.isdigit() and int(text) > 0 else 1
+
+
+def _window(text: str, rank: int) -> list[tuple[int, int, int, int]]:
+    """``(stride, padding low, base dilation, window dilation)`` per spatial dimension of a window.
+
+    ``window={size=4x8 stride=3x7 pad=0_0x1_1 lhs_dilate=4x8 rhs_dilate=1x1}``: each field is
+    one value per spatial dimension joined by ``x``; a field left out is 1 (padding 0).
+    """
+    fields: dict[str, list[str]] = {}
+    for field in text.strip("{}").split():
+        key, _, value = field.partition("=")
+        fields[key] = value.split("x")
+
+    def values(key: str, default: int, first: bool = False) -> list[int]:
+        parts = fields.get(key, [])
+        if len(parts) != rank:
+            return [default] * rank
+        return [int(part.partition("_")[0]) if first else int(part) for part in parts]
+
+    strides, lows = values("stride", 1), values("pad", 0, first=True)  # pad=LOW_HIGH per dimension
+    return list(zip(strides, lows, values("lhs_dilate", 1), values("rhs_dilate", 1), strict=True))
+
+
+def _window_pairs(
+    size: int, window: int, out: int, *, stride: int, low: int, base: int, dilation: int
+) -> int:
+    """How many (output position, window position) pairs of one spatial dimension meet an input element.
+
+    Output position ``o`` and window position ``k`` meet position ``u = o * stride - low + k *
+    dilation`` of the input dilated by ``base``, an element where ``u`` is a multiple of ``base``
+    in ``[0, (size - 1) * base]``. Counted per window position in closed form: the outputs in
+    range form an interval, and those on a multiple of ``base`` one residue modulo
+    ``base / gcd(stride, base)``.
+    """
+    total = 0
+    last = (size - 1) * base
+    for k in range(window):
+        c = k * dilation - low  # u = c + o * stride
+        first = max(0, -(c // stride))  # ceil(-c / stride)
+        final = min(out - 1, (last - c) // stride)
+        if final < first:
+            continue
+        g = math.gcd(stride, base)
+        if c % g:
+            continue
+        period = base // g
+        if period == 1:
+            total += final - first + 1
+            continue
+        start = (-c // g) * pow(stride // g, -1, period) % period  # o = start (mod period)
+        total += (final - start) // period - (first - 1 - start) // period
+    return total
 
 
 def _gemm_target(instruction: Instruction) -> bool:

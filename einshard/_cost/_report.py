@@ -241,6 +241,9 @@ class StepReport:
             strategy that splits the batch: :func:`~einshard.constrain_loops`), or why not.
         donated: The name of the argument the compile donated because the step returns it
             updated (``'state'``, ``'params'``), or ``None`` (see ``donate=``).
+        padded_gathers: The positions in :attr:`rows` of all-reduces that gather: each of the
+            ``n`` devices adds zeros but for its own ``1/n`` of the array (as XLA's TPU compiler
+            gathers FSDP's weights on 64 chips). They are costed as the all-reduces they are.
     """
 
     rows: tuple[StepRow, ...]
@@ -279,6 +282,7 @@ class StepReport:
     kernels: tuple[tuple[str, str | None, float], ...] = dataclasses.field(default=(), repr=False)
     batch_loops: tuple[LoopNote, ...] = ()
     donated: str | None = None
+    padded_gathers: tuple[int, ...] = ()
 
     @property
     def waste_bytes(self) -> int:

@@ -137,6 +137,8 @@ def explain_step(
             outside (0, 1], ``hardware=`` not a mapping of its names: before any compile), or as
             ``rules`` would; or when a step defined in the script being run cannot be found by
             running the script again in the child (the error names the line that failed there).
+        DoesNotFitError: The target's compiler refused the step for its memory (libtpu does):
+            the bytes it needed and had per device, the target, and the fixes.
 
     >>> import jax, jax.numpy as jnp, einshard
     >>> w = einshard.einshard(jnp.ones((64, 32)), 'x y -> x* y')

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .._language._errors import EinshardError, short_repr
+from ._tpu import BOOK, GENERATIONS
 
 __all__ = [
     "GPUS",
@@ -53,7 +54,7 @@ GPUS = {
 }
 """GPU target names and the ``device_description_str`` of XLA's spec each one compiles for."""
 
-TPUS = {"v5e": 2, "v5p": 3, "v6e": 2}
+TPUS = {name: generation.torus_dims for name, generation in GENERATIONS.items()}
 """TPU generations and the dimensions of their slices' torus."""
 
 # The extras install from the source at hand (the package index has only an older einshard), or
@@ -96,15 +97,9 @@ _A100_LINKS = 12  # the A100 spec has no interconnect entry; the A100 SXM has 12
 # in DGX A100).
 _NETWORK = {8: 25e9, 9: 50e9, 10: 50e9}
 
-# Google's published figures per chip (cloud.google.com/tpu/docs/v5e, /v5p, /v6e): HBM, HBM
-# bandwidth, peak bf16 FLOP/s, bidirectional ICI bandwidth. A chip sends half its
-# bidirectional ICI bandwidth.
-_TPU_FIGURES = {
-    "v5e": (16 * 2**30, 819e9, 197e12, 400e9),
-    "v5p": (95 * 2**30, 2765e9, 459e12, 1200e9),
-    "v6e": (32 * 2**30, 1640e9, 918e12, 800e9),
-}
-_TPU_SOURCE = "Google's TPU {name} page (cloud.google.com/tpu/docs/{name})"
+# A TPU's figures are Google's and the scaling book's (_tpu.GENERATIONS, each with its source).
+# libtpu keeps part of the HBM for itself: 15.75 of v5e's 16 GiB, 31.24 of v6e's 32 GiB are
+# available to a program (its refusal of one that does not fit says so).
 
 _FIGURES = (
     "memory_bytes",
@@ -751,31 +746,37 @@ def _gpu_hardware(name: str) -> Hardware:
 
 
 def _tpu_hardware(name: str) -> Hardware:
-    memory, memory_bandwidth, peak, ici = _TPU_FIGURES[name]
-    source = _TPU_SOURCE.format(name=name)
+    chip = GENERATIONS[name]
+    peak = chip.peak_flops_per_second
+    # An f32 dot at the default precision is one bf16 pass on a TPU; at 'highest', six.
+    passes = "jax.lax.Precision's documentation: f32 at DEFAULT in bfloat16, at HIGHEST in 6 bfloat16 passes"
     return Hardware(
         device=f"TPU {name}",
-        memory_bytes=memory,
-        memory_bandwidth=memory_bandwidth,
+        memory_bytes=chip.memory_bytes,
+        memory_bandwidth=chip.memory_bandwidth,
         peak_flops_per_second=peak,
         efficiency=DEFAULT_EFFICIENCY,
-        bandwidth=ici / 2,
+        bandwidth=chip.ici_bidirectional / 2,
         network_bandwidth=None,
         devices_per_host=None,
         latency=ICI_LATENCY,
         network_latency=None,
-        # An f32 dot at the default precision is one bf16 pass on a TPU; at 'highest', six.
-        matmul_peaks={"tf32": peak, "f32": peak / 6},
+        matmul_peaks={
+            **{k: v for k, v in chip.matmul_peaks.items() if k != "bf16"},
+            "tf32": peak,
+            "f32": peak / 6,
+        },
         sources={
-            "memory_bytes": f"{source}: HBM per chip",
-            "memory_bandwidth": f"{source}: HBM bandwidth per chip",
-            "peak_flops_per_second": f"{source}: peak bf16 compute per chip",
+            "memory_bytes": chip.sources["memory_bytes"],
+            "memory_bandwidth": chip.sources["memory_bandwidth"],
+            "peak_flops_per_second": chip.sources["matmul_peaks"],
             "efficiency": f"{TPU_ASSUMED} (what cuBLAS reaches on an H100)",
             "memory_efficiency": f"{TPU_ASSUMED} (a GPU's figure)",
             "launch_seconds": f"{TPU_ASSUMED} (a GPU's figure)",
-            "latency": f"{TPU_ASSUMED}: 1 us per ring step on ICI",
-            "matmul_peaks": "f32 at the default precision: one bf16 pass; at 'highest': six",
-            "bandwidth": f"{source}: half the bidirectional ICI bandwidth per chip",
+            "latency": f"{TPU_ASSUMED}: 1 us per ring step on ICI (the scaling book's worked example takes "
+            f"0.5 us per hop on a v5e, as an example, not a measurement: {BOOK})",
+            "matmul_peaks": f"{chip.sources['matmul_peaks']}; {passes}",
+            "bandwidth": f"{chip.sources['ici_bidirectional']}: half of it, what a chip sends",
         },
     )
 

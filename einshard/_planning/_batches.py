@@ -556,7 +556,7 @@ class _Search:
             assert report is not None
             self.reports[units] = report
             self.lo = max(self.lo, units)
-        elif reason is not None and not self.tried[:-1] and self.ladder is None:
+        elif reason is not None and reason.kind != MEMORY and not self.tried[:-1] and self.ladder is None:
             self.failed = reason  # not a memory verdict at the batch given: the candidate is rejected
         else:
             self.hi = units if self.hi is None else min(self.hi, units)
@@ -574,7 +574,9 @@ class _Search:
             up = self.lo + 1
         miss = self.hi is not None and up is not None and self.hi == up
         next_size = None if up is None else up * self.unit
-        proven = miss and all(t.reason is None for t in tried if t.batch_size == next_size)
+        proven = miss and all(
+            t.reason is None or _refused(t.reason) for t in tried if t.batch_size == next_size
+        )
         if self.lo:
             return BatchRow(
                 strategy, self.lo * self.unit, self.reports[self.lo], None, index, self.unit, tried,
@@ -597,6 +599,11 @@ class _Search:
                 detail = reason.detail if isinstance(reason, Rejection) else str(reason)
                 rejected = Rejection(kind, f"at batch {smallest.batch_size}: {detail}")
         return BatchRow(strategy, None, None, rejected, index, self.unit, tried, next_size, False, tokens)
+
+
+def _refused(reason: str) -> bool:
+    """Whether a size has no program because the compiler refused it for memory: it does not fit."""
+    return isinstance(reason, Rejection) and reason.kind == MEMORY
 
 
 def _ranked(

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from .._cost._analysis import Answer
+from .._cost._analysis import Answer, DoesNotFitError
 from .._cost._call import StepCall
 from .._cost._child import Crash
 from .._cost._progress import Progress
@@ -111,6 +111,12 @@ def _rejection(kind: str, detail: str, compiled: bool) -> Rejection:
 
 def rejection_of(error: Any) -> Rejection:
     """The rejection of a table whose compile gave no report (its ``Answer.error``)."""
+    if isinstance(error, DoesNotFitError):  # the target's compiler refused it for memory
+        return Rejection(
+            MEMORY,
+            f"XLA's compiler needs {size_text(error.needed)} > {size_text(error.available)} per device "
+            f"for a program on {error.target}",
+        )
     if isinstance(error, EinshardError):
         where = f" ({error.context[0]})" if error.context else ""
         return Rejection(SHAPES, f"{error.headline}{where}")

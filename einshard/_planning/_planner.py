@@ -90,7 +90,12 @@ class PlanRow:
         per device; else ``None``.
         """
         rejected = self.rejected
-        if self.report is None and isinstance(rejected, Rejection) and rejected.kind == MEMORY:
+        if (
+            self.report is None
+            and isinstance(rejected, Rejection)
+            and rejected.kind == MEMORY
+            and not rejected.compiled
+        ):
             return None if self.bounds is None else self.bounds.argument_bytes
         return None
 
@@ -473,7 +478,8 @@ def _rejected_at(row: PlanRow, figures: Figures, changed: bool) -> str | None:
     if not isinstance(rejected, Rejection):
         return rejected
     if rejected.kind == MEMORY and rejected.compiled:
-        return None  # decided again from its report
+        # Decided again from its report; one the compiler refused for memory has none, and stays.
+        return None if row.report is not None else rejected
     bounds = row.bounds
     memory = figures.memory_per_device
     if rejected.kind == MEMORY and bounds is not None:
