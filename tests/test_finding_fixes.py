@@ -434,7 +434,9 @@ def test_activations_gathered_in_place_of_weights_are_reduce_scattered_on_the_ta
     before = einshard.explain_step(small_batch_step, SMALL, SMALL_TOKENS, rules=fsdp)
     finding = the(before, "activations gathered in place of weights")
     target = re.search(r"target='(\w+)'", finding.fix).group(1)
-    after = einshard.explain_step(small_batch_step, SMALL, SMALL_TOKENS, rules=fsdp, target=target, n_devices=N)
+    after = einshard.explain_step(
+        small_batch_step, SMALL, SMALL_TOKENS, rules=fsdp, target=target, n_devices=N
+    )
     assert "activations gathered in place of weights" not in [f.kind for f in after.findings]
     assert [loop.constrained_by for loop in after.batch_loops] == ["model", "model"]
     moved_before, moved_after = _moved(before), _moved(after)

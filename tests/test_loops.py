@@ -75,7 +75,8 @@ StackFrames
 
 ENTRY %main (p: f32[4,8]) -> f32[4,8] {
   %p = f32[4,8]{1,0} parameter(0)
-  ROOT %r = f32[4,8]{1,0} all-reduce(%p), channel_id=1, replica_groups={{0,1}}, to_apply=%add, metadata={op_name="jit(step)/dot_general" stack_frame_id=3}
+  ROOT %r = f32[4,8]{1,0} all-reduce(%p), channel_id=1, replica_groups={{0,1}}, to_apply=%add, \
+metadata={op_name="jit(step)/dot_general" stack_frame_id=3}
 }
 """
 
@@ -296,7 +297,7 @@ def test_constrain_loops_raises_when_the_carry_does_not_split_into_the_batch_s_p
     w = jnp.ones((3, H, H)) / H
     batch = jnp.ones((odd, S, H))
     step = jax.grad(lambda w, batch: _marked_loss(w, batch, constrain=lambda x: x))
-    with pytest.raises(einshard.EinshardError, match=rf"cannot keep the loop at test_loops.py:\d+") as caught:
+    with pytest.raises(einshard.EinshardError, match=r"cannot keep the loop at test_loops.py:\d+") as caught:
         jax.jit(einshard.constrain_loops(step, FSDP))(w, batch)
     assert f"its first axis ({odd}) does not split into the batch's {N} parts" in str(caught.value)
     assert "pad it" in caught.value.hint
