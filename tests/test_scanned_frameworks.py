@@ -126,7 +126,9 @@ def test_kept_loops_that_still_move_activations_are_named_for_what_the_partition
     (its like_batch), no finding says to add it; the one finding names the loop's line, counts
     the all-reduces each device slices (half their bytes), and its alternative applied (like_batch
     on the hidden activation, at the matmul's line it names) moves no activation in the loop: the
-    weights are gathered instead, which sends more at these sizes, as the finding warns."""
+    weights are gathered instead, which sends more at these sizes, as the finding warns. Without
+    the model's like_batch and with a plain table, the program and the finding are the same: it
+    does not tell the user to keep a carry whose constraint would change nothing."""
     pytest.importorskip("flax")
     mlp = 4 * F
     marked, hidden = linen_model(True, mlp=mlp), linen_model(True, hidden_marked=True, mlp=mlp)
@@ -147,6 +149,18 @@ def test_kept_loops_that_still_move_activations_are_named_for_what_the_partition
     assert finding.bytes == sum(row.traffic - round((N - 1) / N * row.bytes) * row.times for row in sliced)
     assert f"after the matmul at {line_of('(x))  # the hidden activation')}" in finding.fix
     assert "target='h100'" in finding.fix
+    # Without the model's like_batch, under the table written out: the loop's program is the same
+    # (the partitioner moves the smaller operand either way), and so is the finding, which says
+    # that keeping the carry changes nothing.
+    plain = einshard.explain_step(linen_step(linen_model(False, mlp=mlp)), params, TOKENS, rules=PLAIN)
+    assert not plain.batch_loops
+    assert "activations reduced in a loop" not in [f.kind for f in plain.findings]
+    (same,) = [f for f in plain.findings if f.kind == finding.kind]
+    assert (same.bytes, same.sources) == (finding.bytes, finding.sources)
+    assert [(r.kind, r.shape, r.times) for r in map(plain.rows.__getitem__, same.rows)] == [
+        (r.kind, r.shape, r.times) for r in moved
+    ]
+    assert "does not change this" in same.cause
     # The alternative the fix gives, applied: the weights gathered in the loop, no activation moved.
     after = einshard.explain_step(linen_step(hidden), params, TOKENS, rules=FSDP)
     assert not [row for row in after.rows if row.param is None and row.times > 1 and B in row.shape]

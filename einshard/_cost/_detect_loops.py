@@ -36,33 +36,36 @@ from .._language._text import size_text
 from . import _hlo
 from ._detect import LOOP, MOVED, Context, array_text, is_user_collective, rows_sources, rows_traffic
 from ._detect_batch import batch_arrays
-from ._report import RING, Finding
+from ._report import RING, Finding, StepRow
 
 __all__ = ["find_loop_reductions", "find_moved_activations"]
 
 
 def find_loop_reductions(context: Context, extra: set[int]) -> list[Finding]:
-    """All-reduces of the whole batch's activations inside a loop nobody keeps in the batch's layout.
+    """All-reduces of the whole batch's activations inside a loop whose carry nobody keeps split.
 
     A row counts when it is an all-reduce run more than once per step (in a loop body), serving
     no parameter, not written by the user (``shard_map``), whose array on each device has the
     batch's whole size at an axis: the step's table splits the batch, so the partitioner dropped
     the split inside the loop. Not raised when every loop whose carry comes from the batch is
-    kept in the batch's layout (by einshard or by the model): its fix is applied, and what moves
-    activations there is :func:`find_moved_activations`'s. Its bytes are those rows' traffic:
-    with the carry kept in the batch's layout, activations are not reduced at all.
+    kept in the batch's layout (by einshard or by the model: its fix is applied), nor where the
+    activations gathered there meet a larger weight (the partitioner's choice by size, which
+    keeping the carry does not change): those are :func:`find_moved_activations`'s. Its bytes
+    are those rows' traffic: with the carry kept in the batch's layout, activations are not
+    reduced at all.
     """
-    if _all_kept(context):
+    if _all_kept(context) or not _split_batch(context):
         return []
-    arrays = batch_arrays(context)
-    if not arrays or any(leaf.layout.shards[0] == 1 for leaf in arrays):
-        return []  # no batch, or a batch the table does not split
     rows = context.rows
-    positions = [p for p in _activation_rows(context, extra) if rows[p].kind == "all-reduce"]
+    moving = _activation_rows(context, extra)
+    if _meets_larger_weight(context, moving) is not None:
+        return []
+    positions = [p for p in moving if rows[p].kind == "all-reduce"]
     sent = rows_traffic(rows, positions)
     if not positions or sent <= 0:
         return []
     extra.update(positions)
+    arrays = batch_arrays(context)
     split = max(leaf.layout.shards[0] for leaf in arrays)
     example = rows[positions[0]]
     size = max(leaf.shape[0] for leaf in arrays if leaf.shape[0] in example.shape)
@@ -97,23 +100,25 @@ def find_loop_reductions(context: Context, extra: set[int]) -> list[Finding]:
 
 
 def find_moved_activations(context: Context, extra: set[int]) -> list[Finding]:
-    """Activations moved inside loops whose carries are kept, with all-reduces a reduce-scatter would do.
+    """Activations moved in place of weights inside a loop, with all-reduces a reduce-scatter would do.
 
     The rows: collectives run in a loop body, serving no parameter, not the user's, whose array
-    has the batch's whole size at an axis, while every loop whose carry comes from the batch is
-    kept in the batch's layout (the report's ``batch_loops``). They are the partitioner's own
-    choice (it moved the activations to meet a larger weight), not a dropped split; what a
-    better program would not send is the all-reduces' part that each device slices away (the
-    CPU compiler's; XLA's GPU compiler sends a reduce-scatter). No finding where there is none
-    of that (a GPU's program), and none claims the rows then.
+    has the batch's whole size at an axis, where every loop whose carry comes from the batch is
+    kept in the batch's layout (the report's ``batch_loops``), or where the activations gathered
+    meet a larger weight (kept or not, the partitioner moves the smaller operand). They are the
+    partitioner's own choice, not a dropped split; what a better program would not send is the
+    all-reduces' part that each device slices away (the CPU compiler's; XLA's GPU compiler sends
+    a reduce-scatter). No finding where there is none of that (a GPU's program), and none claims
+    the rows then.
     """
-    if not _all_kept(context):
-        return []
-    arrays = batch_arrays(context)
-    if not arrays or any(leaf.layout.shards[0] == 1 for leaf in arrays):
+    if not _split_batch(context):
         return []
     rows = context.rows
     positions = _activation_rows(context, extra)
+    weight = _meets_larger_weight(context, positions)
+    kept = _all_kept(context)
+    if not kept and weight is None:
+        return []  # a dropped split: find_loop_reductions's
     sliced = [p for p in positions if rows[p].kind == "all-reduce" and _only_own_slice(context, p)]
     scatter, _ = RING["reduce-scatter"]
     saved = sum(
@@ -131,14 +136,30 @@ def find_moved_activations(context: Context, extra: set[int]) -> list[Finding]:
     matmul = _matmul_line(context, [p for p in positions if rows[p].kind == "all-gather"])
     n = rows[sliced[0]].group_size
     example = rows[positions[0]]
+    carry = "whose carry is kept in the batch's layout, " if kept else ""
+    if weight is not None:
+        gathered, weight_bytes = weight
+        sizes = (
+            f" ({array_text(gathered)}, {size_text(gathered.bytes)}, against a layer's largest weight, "
+            f"{size_text(weight_bytes)})"
+        )
+    else:
+        sizes = f" ({array_text(example)})"
+    same = (
+        ""
+        if kept
+        else " Keeping the loop's carry in the batch's layout (einshard.like_batch at the top of its "
+        "body, einshard.constrain_loops) does not change this: the partitioner moves the smaller "
+        "operand either way."
+    )
     cause = (
-        f"Inside the loop{f' at {loop}' if loop else ''}, whose carry is kept in the batch's layout, "
-        f"XLA's partitioner moves activations in place of weights: where a matmul's activations are "
-        f"smaller than its weight it keeps the weight's split, gathers the whole batch's activations "
-        f"({array_text(example)}) to meet it, and reduces the next matmul's partial sums back to the "
-        f"batch's layout ({counted}: {size_text(sent)} sent per device per step). That is its choice, "
-        f"not a dropped split; but each device keeps only its 1/{n} slice of {len(sliced)} of those "
-        "all-reduces' results: a reduce-scatter sends half their bytes."
+        f"Inside the loop{f' at {loop}' if loop else ''}, {carry}XLA's partitioner moves activations "
+        f"in place of weights: where a matmul's activations are smaller than its weight{sizes} it keeps "
+        f"the weight's split, gathers the whole batch's activations to meet it, and reduces the next "
+        f"matmul's partial sums back to the batch's layout ({counted}: {size_text(sent)} sent per device "
+        f"per step). That is its choice by size, not a dropped split; but each device keeps only its "
+        f"1/{n} slice of {len(sliced)} of those all-reduces' results: a reduce-scatter sends half their "
+        f"bytes.{same}"
     )
     where = f" after the matmul at {matmul}" if matmul else " after the matmul the activations meet"
     fix = (
@@ -151,6 +172,35 @@ def find_moved_activations(context: Context, extra: set[int]) -> list[Finding]:
     )
     sources = (loop,) if loop else rows_sources(rows, positions)
     return [Finding(MOVED, saved, 0, (), sources, cause, fix, tuple(positions))]
+
+
+def _split_batch(context: Context) -> bool:
+    """Whether the step has a batch argument the table splits on its first axis."""
+    arrays = batch_arrays(context)
+    return bool(arrays) and all(leaf.layout.shards[0] > 1 for leaf in arrays)
+
+
+def _meets_larger_weight(context: Context, positions: list[int]) -> tuple[StepRow, int] | None:
+    """The activation moved in a loop and a larger weight of one layer: ``(its row, the weight's bytes)``.
+
+    A layer's weights are the step's stacked parameters (their first axis the loop's trip
+    count, at least a matrix per layer); the activation is the largest array the rows move.
+    Where one layer's largest weight is larger, the partitioner kept the weight's split by size
+    (Shardy moves the smaller operand of a matmul); ``None`` where none is.
+    """
+    rows = context.rows
+    moved = [rows[p] for p in positions]
+    trips = {row.times for row in moved if row.times > 1}
+    if not moved or not trips or not context.layouts:
+        return None
+    largest = max(moved, key=lambda row: row.bytes)
+    layers = [
+        context.sizes.get(path, 0) // leaf.shape[0]
+        for path, leaf in zip(context.paths, context.layouts, strict=False)
+        if leaf is not None and len(leaf.shape) >= 3 and leaf.shape[0] in trips
+    ]
+    weight = max(layers, default=0)
+    return (largest, weight) if weight > largest.bytes else None
 
 
 def _all_kept(context: Context) -> bool:

@@ -132,9 +132,11 @@ def constrain_loops(step: Callable[..., Any], strategy: Strategy | str) -> Calla
     split; under FSDP every layer then all-reduces the whole batch's activations. The step this
     returns finds, each time it is traced, the loops whose carry comes from the batch argument
     with the batch first, and constrains that carry to the strategy's batch layout at the top
-    and the bottom of the body (as :func:`~einshard.like_batch` would there). It is traced under
-    :func:`~einshard.use_strategy` too, so ``like_batch`` in the model follows the same strategy.
-    The values it computes are the step's: a constraint moves data, never changes it.
+    and the bottom of the body (as :func:`~einshard.like_batch` would there), unless the model
+    constrains it so itself. It is traced under :func:`~einshard.use_strategy` too, so
+    ``like_batch`` in the model follows the same strategy; a ``like_batch`` that splits another
+    axis than the batch's (a sequence-major carry, inside ``jax.vmap``) is warned of. The values
+    it computes are the step's: a constraint moves data, never changes it.
 
     The batch argument is the one named ``batch``, else the last positional one (as
     :func:`~einshard.explain_step` says). Jit it as you would the step.
@@ -148,8 +150,10 @@ def constrain_loops(step: Callable[..., Any], strategy: Strategy | str) -> Calla
         A function with the step's signature and results.
 
     Raises:
-        EinshardError: If ``strategy`` is neither, or (when the step is traced) a batch array's
-            first axis does not divide as the batch expression splits it.
+        EinshardError: If ``strategy`` is neither, or (when the step is traced) a loop's
+            batch-major carry does not split into the batch's parts (a batch of 12 on 8
+            devices): the loop cannot be kept split, and JAX would refuse the batch laid out so
+            too. (``explain_step`` and ``plan`` report such a loop as not kept instead.)
 
     >>> import jax, jax.numpy as jnp, einshard
     >>> def step(w, batch):
