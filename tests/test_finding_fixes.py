@@ -417,7 +417,7 @@ def small_batch_step(params, tokens):  # module-level: it crosses into the targe
     return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
 
 
-def _moved(report: einshard.StepReport) -> list:
+def _moved_activations(report: einshard.StepReport) -> list:
     return [row for row in report.rows if row.param is None and row.times > 1 and 16 in row.shape]
 
 
@@ -439,7 +439,7 @@ def test_activations_gathered_in_place_of_weights_are_reduce_scattered_on_the_ta
     )
     assert "activations gathered in place of weights" not in [f.kind for f in after.findings]
     assert [loop.constrained_by for loop in after.batch_loops] == ["model", "model"]
-    moved_before, moved_after = _moved(before), _moved(after)
+    moved_before, moved_after = _moved_activations(before), _moved_activations(after)
     assert {row.kind for row in moved_after} == {"all-gather", "reduce-scatter"}
     assert sum(r.traffic for r in moved_before) - sum(r.traffic for r in moved_after) >= 0.9 * finding.bytes
 
