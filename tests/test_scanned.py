@@ -294,6 +294,28 @@ def test_a_jitted_step_with_static_or_number_arguments_keeps_its_loops(reports, 
     assert report.bytes_by_kind == reports["strategy"].bytes_by_kind
 
 
+@pytest.mark.skipif(N == 1, reason="one device: nothing to split")
+def test_a_jit_like_step_whose_program_einshard_cannot_match_says_its_loops_are_not_kept():
+    """A wrapper whose program takes the call's arguments in another order: einshard cannot tell
+    which parameter is the batch, so it adds nothing, and the report says so for each loop
+    (forward and backward), instead of dropping them silently."""
+
+    class Swapped:
+        def __init__(self):
+            self.jitted = jax.jit(lambda batch, params: step(params, batch))
+
+        def trace(self, params, batch):
+            return self.jitted.trace(batch, params)
+
+        def lower(self, params, batch):
+            return self.jitted.lower(batch, params)
+
+    report = einshard.explain_step(Swapped(), make_params(), BATCH, rules=FSDP)
+    assert [(loop.backward, loop.constrained) for loop in report.batch_loops] == [(False, 0), (True, 0)]
+    assert all("cannot tell which of the call's arguments" in loop.reason for loop in report.batch_loops)
+    assert "loop not kept in the batch's layout" in str(report)
+
+
 def test_the_constrained_step_computes_what_the_step_computes_on_one_device():
     """jit(constrain_loops(step, fsdp)) on params and batch sharded by the strategy: new params and
     loss equal the one-device step's (float32, rtol 1e-5), and the result is laid out as given."""

@@ -47,7 +47,7 @@ from .._tracing._batch_layout import (
     traced_under,
 )
 from .._tracing._constants import shared_constants
-from .._tracing._jaxprs import evaluate, user_line
+from .._tracing._jaxprs import evaluate, inner_jaxpr, is_backward, is_jaxpr, user_line
 from .._tracing._loops import LoopNote, constrained_jaxpr, has_loop, misplaced_marks
 from .._trees._strategy import Strategy
 from ._call import StepCall
@@ -229,8 +229,9 @@ def _traced_through(call: StepCall, traced: Any, marked: int) -> Program:
     if jaxpr is closed.jaxpr:  # nothing added (no strategy, or loops the model keeps itself)
         return Program(traced.lower, loops)
     donate = tuple(k for k, info in enumerate(infos) if getattr(info, "donated", False))
+    arrays = set(call.arrays)
     arguments = [
-        call.leaves[i] if i in set(call.arrays) else _struct(var.aval)
+        call.leaves[i] if i in arrays else _struct(var.aval)
         for i, var in zip(leaves, closed.jaxpr.invars, strict=True)
     ]
 
@@ -290,11 +291,20 @@ def _unmatched_loops(jaxpr: Any) -> tuple[LoopNote, ...]:
         "einshard cannot tell which of the call's arguments the jitted step's program takes "
         "(give the step unjitted: explain_step and plan compile it as jax.jit does)"
     )
-    return tuple(
-        LoopNote(user_line(eqn), eqn.primitive.name, False, 0, reason)
-        for eqn in jaxpr.eqns
-        if eqn.primitive.name in ("scan", "while")
-    )
+    notes: list[LoopNote] = []
+
+    def walk(program: Any) -> None:
+        for eqn in inner_jaxpr(program).eqns:
+            if eqn.primitive.name in ("scan", "while"):
+                notes.append(LoopNote(user_line(eqn), eqn.primitive.name, is_backward(eqn), 0, reason))
+                continue  # its body's loops are its own
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    if is_jaxpr(sub):
+                        walk(sub)
+
+    walk(jaxpr)
+    return tuple(notes)
 
 
 def _struct(aval: Any) -> Any:
