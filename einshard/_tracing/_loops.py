@@ -278,7 +278,9 @@ def _loop(eqn: Any, ins: list[Axis], rewrite: _Rewrite, backward: bool) -> Any:
         closed = hasattr(original, "consts")
         consts = original.consts if closed else ()
         retraced = _retraced(inner, consts, first, targets, rewrite.constrain, closed)
-        if retraced is None:
+        if retraced is None and own:  # what the model keeps stays kept
+            note = LoopNote(line, name, backward, len(own), None, BY_MODEL)
+        elif retraced is None:
             note = LoopNote(line, name, backward, 0, _NOT_RETRACED)
         else:
             new_open, new_consts = retraced
