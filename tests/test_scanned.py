@@ -243,6 +243,79 @@ def test_like_batch_in_the_body_and_constrain_loops_compile_to_the_strategy_s_pr
         assert report.peak_bytes == expected.peak_bytes, name
 
 
+@pytest.mark.skipif(N == 1, reason="one device: nothing to split")
+def test_the_model_s_like_batch_is_reported_as_keeping_its_loops(reports):
+    """With the strategy as rules=, the marked step's loops are kept by the model (einshard adds
+    nothing); under a plain table, with a use_strategy block around the call, like_batch alone keeps
+    them: the report lists both loops, by the model, and the program is the strategy's."""
+    marked = reports["marked"]
+    assert [(loop.backward, loop.constrained, loop.constrained_by) for loop in marked.batch_loops] == [
+        (False, 1, "model"),
+        (True, 1, "model"),
+    ]
+    assert "by the model's own constraint (einshard.like_batch in the body)" in " ".join(str(marked).split())
+    assert {loop.constrained_by for loop in reports["strategy"].batch_loops} == {"einshard"}
+    with einshard.use_strategy(FSDP):
+        blocked = einshard.explain_step(marked_step, make_params(), BATCH, rules=PLAIN)
+    assert [(loop.backward, loop.constrained_by) for loop in blocked.batch_loops] == [
+        (False, "model"),
+        (True, "model"),
+    ]
+    assert blocked.bytes_by_kind == reports["strategy"].bytes_by_kind
+    assert not full_batch_reductions(blocked)
+    assert [f.kind for f in blocked.findings] == [f.kind for f in reports["strategy"].findings]
+    assert all(loop.source.startswith("test_scanned.py:") for loop in blocked.batch_loops)
+
+
+@pytest.mark.skipif(N == 1, reason="one device: nothing to split")
+@pytest.mark.parametrize("how", ["static_argnums", "static_argnames", "a dynamic Python number"])
+def test_a_jitted_step_with_static_or_number_arguments_keeps_its_loops(reports, how):
+    """jax.jit(step, static_argnums=...) and a jit given a Python float among its dynamic
+    arguments (which einshard's own compile holds static): the program's parameters are matched
+    to the call's leaves, and the loops are kept as the plain step's are."""
+
+    def scaled_step(params, batch, lr):
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        return jax.tree.map(lambda p, g: p - lr * g, params, grads), value
+
+    params = make_params()
+    if how == "static_argnums":
+        report = einshard.explain_step(jax.jit(scaled_step, static_argnums=2), params, BATCH, 0.1, rules=FSDP)
+    elif how == "static_argnames":
+        jitted = jax.jit(scaled_step, static_argnames="lr")
+        report = einshard.explain_step(jitted, params, BATCH, lr=0.1, rules=FSDP)
+    else:
+        report = einshard.explain_step(jax.jit(scaled_step), params, BATCH, 0.1, rules=FSDP)
+    assert [(loop.backward, loop.constrained, loop.constrained_by) for loop in report.batch_loops] == [
+        (False, 1, "einshard"),
+        (True, 1, "einshard"),
+    ]
+    assert not full_batch_reductions(report)
+    assert report.bytes_by_kind == reports["strategy"].bytes_by_kind
+
+
+@pytest.mark.skipif(N == 1, reason="one device: nothing to split")
+def test_a_jit_like_step_whose_program_einshard_cannot_match_says_its_loops_are_not_kept():
+    """A wrapper whose program takes the call's arguments in another order: einshard cannot tell
+    which parameter is the batch, so it adds nothing, and the report says so for each loop
+    (forward and backward), instead of dropping them silently."""
+
+    class Swapped:
+        def __init__(self):
+            self.jitted = jax.jit(lambda batch, params: step(params, batch))
+
+        def trace(self, params, batch):
+            return self.jitted.trace(batch, params)
+
+        def lower(self, params, batch):
+            return self.jitted.lower(batch, params)
+
+    report = einshard.explain_step(Swapped(), make_params(), BATCH, rules=FSDP)
+    assert [(loop.backward, loop.constrained) for loop in report.batch_loops] == [(False, 0), (True, 0)]
+    assert all("cannot tell which of the call's arguments" in loop.reason for loop in report.batch_loops)
+    assert "loop not kept in the batch's layout" in str(report)
+
+
 def test_the_constrained_step_computes_what_the_step_computes_on_one_device():
     """jit(constrain_loops(step, fsdp)) on params and batch sharded by the strategy: new params and
     loss equal the one-device step's (float32, rtol 1e-5), and the result is laid out as given."""

@@ -193,6 +193,7 @@ def _read(call: StepCall, compiled: Compiled, *, matmul_flops: bool = False) -> 
         parameter_paths=parameter_paths,
         sizes=call.array_bytes,
         table=call.table,
+        loops=compiled.loops,
     )
     memory = compiled.memory()
     flops = _hlo_kernels.program_matmul_flops(module) if matmul_flops else compiled.flops()

@@ -21,7 +21,8 @@ RESHARD = "reshard"
 REMAT = "rematerialization"
 BATCH = "activations gathered over the batch"
 LOOP = "activations reduced in a loop"
-FINDING_KINDS = (REPEATED, UNSUMMED, SLICED, COPIED, RESHARD, REMAT, BATCH, LOOP)
+MOVED = "activations gathered in place of weights"
+FINDING_KINDS = (REPEATED, UNSUMMED, SLICED, COPIED, RESHARD, REMAT, BATCH, LOOP, MOVED)
 
 REDUCTIONS = ("all-reduce", "reduce-scatter")
 # Names of JAX's collective primitives: a collective the user wrote (shard_map), not a reshard.
@@ -52,6 +53,7 @@ class Context:
     operands: list[str | None]  # each row's input value
     sizes: dict[str, int]  # each argument leaf's bytes, whole, by path
     table: Any = None  # the rule table that gave the arguments their shardings, or None
+    loops: Sequence[Any] = ()  # the step's loops whose carry comes from the batch (LoopNote), kept or not
 
     def producers(self, position: int) -> tuple[str, ...]:
         """The parameters the op that made a row's input reads (a matmul's weight)."""

@@ -17,9 +17,14 @@ printed while compiling it); its bytes are measured against the program without 
 * ``activations gathered over the batch``: the batch replicated (left to the catch-all) while
   the parameters are split and gathered (FSDP): the partitioner moves activations with
   collectives that serve no parameter; a split batch moves none.
-* ``activations reduced in a loop``: inside a loop (a scanned model), the partitioner dropped
-  the split batch's layout and all-reduces the whole batch's activations in every iteration; the
-  carry kept in the batch's layout (``einshard.like_batch``) reduces none.
+* ``activations reduced in a loop``: inside a loop (a scanned model) whose carry nobody keeps in
+  the batch's layout, the partitioner dropped the split batch's layout and all-reduces the whole
+  batch's activations in every iteration; the carry kept in the batch's layout
+  (``einshard.like_batch``, ``einshard.constrain_loops``) reduces none.
+* ``activations gathered in place of weights``: inside a loop whose carry is kept, the partitioner
+  still moves the whole batch's activations where they meet a larger weight (it keeps the
+  weight's split), and reduces the next matmul's partial sums with all-reduces each device then
+  slices: a reduce-scatter (XLA's GPU compiler makes it) sends half.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from ._detect import (
 )
 from ._detect_batch import find_batch_gathers
 from ._detect_layouts import find_copied, find_reshards
-from ._detect_loops import find_loop_reductions
+from ._detect_loops import find_loop_reductions, find_moved_activations
 from ._detect_reductions import find_repeated, find_sliced, find_unsummed
 from ._detect_remat import find_remats
 from ._flow import Flow, Origin
@@ -54,6 +59,7 @@ def find_waste(
     parameter_paths: Sequence[str | None] = (),
     sizes: Mapping[str, int] | None = None,
     table: Any = None,
+    loops: Sequence[Any] = (),
 ) -> list[Finding]:
     """Every finding of a compiled step, the costliest first."""
     values = [origin.value for origin in origins]
@@ -71,11 +77,13 @@ def find_waste(
         operands,
         dict(sizes or {}),
         table,
+        loops,
     )
     extra: set[int] = set()  # rows whose whole traffic a finding counts already
     found: list[Finding] = []
     found += find_batch_gathers(context, extra)  # first: the rows it claims are no other's waste
     found += find_loop_reductions(context, extra)
+    found += find_moved_activations(context, extra)
     found += find_repeated(context, extra)
     found += find_unsummed(context, extra)
     found += find_sliced(context, extra)

@@ -25,10 +25,10 @@ import functools
 import itertools
 import json
 import math
-import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
+from .._language._sources import user_frame
 from .._language._union import UnionFind
 from . import _hlo_loops
 
@@ -120,9 +120,6 @@ _OUT_OF_MEMORY = (
 _SIZE = re.compile(r"([\d.]+)([KMGTPE]?)")
 
 _BITS = {"pred": 8, "s4": 4, "u4": 4, "s2": 2, "u2": 2, "c64": 64, "c128": 128, "token": 0}
-
-# einshard's own files: an op made inside einshard is attributed to the user code that called it.
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _bits(dtype: str) -> int:
@@ -359,6 +356,7 @@ class Module:
     num_partitions: int
     frames: dict[int, tuple[str, int]]  # stack frame id -> (file, line)
     frame_callers: dict[int, int] = dataclasses.field(default_factory=dict)  # stack frame id -> its caller's
+    _user_frames: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict, repr=False)
 
     def instructions(self) -> dict[str, Instruction]:
         """Every instruction by name (parses the whole module)."""
@@ -491,21 +489,21 @@ class Module:
         return op_name, None, None
 
     def frame(self, frame: int) -> tuple[str, int]:
-        """``(file, line)`` of a stack frame: the first one outside einshard, up its callers.
+        """``(file, line)`` of a stack frame: the user's, up its callers (``_sources.user_frame``).
 
-        An op that an ``einshard(...)`` call in the step made belongs to the step's line.
+        An op inside a library (Flax's ``nn.Dense``, Equinox, optax, einshard's own calls) belongs
+        to the user's line that called into it.
         """
-        file, number = self.frames[frame]
-        seen = {frame}
-        while (
-            file.startswith(_PACKAGE)
-            and self.frame_callers.get(frame) in self.frames
-            and self.frame_callers[frame] not in seen
-        ):
-            frame = self.frame_callers[frame]
-            seen.add(frame)
-            file, number = self.frames[frame]
-        return file, number
+        found = self._user_frames.get(frame)
+        if found is None:
+            stack = [frame]
+            caller = self.frame_callers.get(frame)
+            while caller in self.frames and caller not in stack:
+                stack.append(caller)
+                caller = self.frame_callers.get(caller)
+            found = user_frame([self.frames[f] for f in stack]) or self.frames[frame]
+            self._user_frames[frame] = found
+        return found
 
 
 def _split_type(text: str) -> tuple[str, str]:

@@ -14,28 +14,41 @@ strategy's batch). Then, before lowering:
   report's memory says which argument was donated (``donate=False`` opts out).
 * **Loops.** Under a strategy that splits the batch, the step's loops whose carry comes from the
   batch with the batch first (a scanned model's activations) get that carry constrained to the
-  batch's layout (``_tracing._loops``); each such loop is a :class:`~einshard._tracing._loops.LoopNote`
-  of the report.
+  batch's layout (``_tracing._loops``), unless the model constrains it so itself
+  (``like_batch``); each such loop is a :class:`~einshard._tracing._loops.LoopNote` of the
+  report, saying whose constraint keeps it. Under a plain table that splits the batch, the
+  loops the model keeps are noted all the same. ``like_batch`` calls that split another axis
+  than the batch's are warned of.
 
 A step with its own ``lower`` (``jax.jit``, ``nnx.jit``) keeps its own shardings and donation:
-it is lowered as it is, unless it has loops to constrain under a strategy, when it is traced
-through (its own donation kept, read from ``Traced.args_info``).
+it is lowered as it is, unless it has loops to constrain or note, when it is traced through (its
+own donation kept, read from ``Traced.args_info``; its program's parameters matched to the
+call's leaves, so a jit with static arguments, or with a Python number among its dynamic ones,
+keeps its loops too).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._arrays._arrays import einshard
 from .._arrays._leaves import is_jax_array
+from .._language._errors import EinshardError, EinshardWarning
 from .._sharding._devices import call_devices
-from .._tracing._batch_layout import batch_expression_for, batch_split, strategy_batch, traced_under
+from .._tracing._batch_layout import (
+    batch_expression_for,
+    batch_split,
+    marks,
+    strategy_batch,
+    traced_under,
+)
 from .._tracing._constants import shared_constants
-from .._tracing._jaxprs import evaluate
-from .._tracing._loops import LoopNote, constrained_jaxpr, has_loop
+from .._tracing._jaxprs import evaluate, inner_jaxpr, is_backward, is_jaxpr, user_line
+from .._tracing._loops import LoopNote, constrained_jaxpr, has_loop, misplaced_marks
 from .._trees._strategy import Strategy
 from ._call import StepCall
 
@@ -71,11 +84,12 @@ def step_program(call: StepCall, *, own: bool = True) -> Program:
             return own_program
     flat, outputs = _flat(call)
     arrays = [call.leaves[i] for i in call.arrays]
+    marked = marks()
     traced = jax.jit(traced_under(call.batch_layout, flat), keep_unused=True).trace(*arrays)
     donated = _updated_first_argument(call, outputs) if call.donate else None
     outputs.clear()  # the traced values: not kept
     closed = shared_constants(traced.jaxpr)
-    jaxpr, loops = _constrained(call, closed)
+    jaxpr, loops = _constrained(call, closed, marked=marked)
     if closed is traced.jaxpr and jaxpr is closed.jaxpr and donated is None:
         return Program(traced.lower, loops)
     donate = _argument_arrays(call, 0) if donated is not None else ()
@@ -118,9 +132,11 @@ def constrain_loops(step: Callable[..., Any], strategy: Strategy | str) -> Calla
     split; under FSDP every layer then all-reduces the whole batch's activations. The step this
     returns finds, each time it is traced, the loops whose carry comes from the batch argument
     with the batch first, and constrains that carry to the strategy's batch layout at the top
-    and the bottom of the body (as :func:`~einshard.like_batch` would there). It is traced under
-    :func:`~einshard.use_strategy` too, so ``like_batch`` in the model follows the same strategy.
-    The values it computes are the step's: a constraint moves data, never changes it.
+    and the bottom of the body (as :func:`~einshard.like_batch` would there), unless the model
+    constrains it so itself. It is traced under :func:`~einshard.use_strategy` too, so
+    ``like_batch`` in the model follows the same strategy; a ``like_batch`` that splits another
+    axis than the batch's (a sequence-major carry, inside ``jax.vmap``) is warned of. The values
+    it computes are the step's: a constraint moves data, never changes it.
 
     The batch argument is the one named ``batch``, else the last positional one (as
     :func:`~einshard.explain_step` says). Jit it as you would the step.
@@ -134,8 +150,10 @@ def constrain_loops(step: Callable[..., Any], strategy: Strategy | str) -> Calla
         A function with the step's signature and results.
 
     Raises:
-        EinshardError: If ``strategy`` is neither, or (when the step is traced) a batch array's
-            first axis does not divide as the batch expression splits it.
+        EinshardError: If ``strategy`` is neither, or (when the step is traced) a loop's
+            batch-major carry does not split into the batch's parts (a batch of 12 on 8
+            devices): the loop cannot be kept split, and JAX would refuse the batch laid out so
+            too. (``explain_step`` and ``plan`` report such a loop as not kept instead.)
 
     >>> import jax, jax.numpy as jnp, einshard
     >>> def step(w, batch):
@@ -158,10 +176,21 @@ def constrain_loops(step: Callable[..., Any], strategy: Strategy | str) -> Calla
         call = dataclasses.replace(StepCall.of(step, args, kwargs), batch_layout=batch, donate=False)
         flat, outputs = _flat(call)
         arrays = [call.leaves[i] for i in call.arrays]
+        marked = marks()
         closed = jax.make_jaxpr(traced_under(batch, flat))(*arrays)
         structure, leaves = outputs
         outputs.clear()
-        jaxpr, _ = _constrained(call, closed)
+        jaxpr, notes = _constrained(call, closed, marked=marked)
+        refused = [note for note in notes if note.reason and note.reason.startswith(_INDIVISIBLE)]
+        if refused:
+            note = refused[0]
+            raise EinshardError(
+                f"constrain_loops cannot keep the loop at {note.source or 'a line JAX did not keep'} in "
+                f"the batch's layout: {note.reason}",
+                hint="Give a batch whose first axis divides into the batch's parts (pad it, or drop the "
+                "last examples), or a strategy that splits it into fewer parts; the batch argument must "
+                "divide so too, to be laid out as the strategy says.",
+            )
         results = iter(evaluate(jaxpr, closed.consts, *arrays))
         rebuilt = [next(results) if is_jax_array(leaf) else leaf for leaf in leaves]
         return jax.tree_util.tree_unflatten(structure, rebuilt)
@@ -174,62 +203,206 @@ def _own_program(call: StepCall) -> Program | None:
     fn = call.fn
     batch = call.batch_layout
     trace = getattr(fn, "trace", None)
-    if batch is None or not callable(trace) or batch_split(batch, call_devices(None).count) == 1:
+    constrains = batch is not None and batch_split(batch, call_devices(None).count) > 1
+    if not callable(trace) or not (constrains or _batch_parts(call) > 1):
         return Program(lambda: traced_under(batch, fn.lower)(*call.args, **call.kwargs))
     clear = getattr(fn, "clear_cache", None)
-    if callable(clear):  # a trace under another strategy's like_batch is not this one's
+    if constrains and callable(clear):  # a trace under another strategy's like_batch is not this one's
         clear()
+    marked = marks()
     traced = traced_under(batch, trace)(*call.args, **call.kwargs)
     if not has_loop(traced.jaxpr):
         return Program(traced.lower)
-    return _traced_through(call, traced)
+    return _traced_through(call, traced, marked)
 
 
-def _traced_through(call: StepCall, traced: Any) -> Program:
-    """A ``jax.jit`` step with loops to constrain: its program rewritten, its own donation kept."""
+def _traced_through(call: StepCall, traced: Any, marked: int) -> Program:
+    """A ``jax.jit`` step with loops: its program rewritten (or its loops noted), its own donation kept."""
     import jax
 
     closed = traced.jaxpr
-    jaxpr, loops = _constrained(call, closed)
     infos = jax.tree_util.tree_leaves(traced.args_info)
+    leaves = _dynamic_leaves(call, traced)
+    if leaves is None:  # einshard cannot tell which of the call's leaves the program takes
+        return Program(traced.lower, _unmatched_loops(closed.jaxpr))
+    jaxpr, loops = _constrained(call, closed, leaves, marked=marked)
+    if jaxpr is closed.jaxpr:  # nothing added (no strategy, or loops the model keeps itself)
+        return Program(traced.lower, loops)
     donate = tuple(k for k, info in enumerate(infos) if getattr(info, "donated", False))
-    arrays = [call.leaves[i] for i in call.arrays]
-    if len(infos) != len(arrays):  # arguments the jit holds static: its own program, unconstrained
-        return Program(traced.lower)
+    arrays = set(call.arrays)
+    arguments = [
+        call.leaves[i] if i in arrays else _struct(var.aval)
+        for i, var in zip(leaves, closed.jaxpr.invars, strict=True)
+    ]
 
     def run(*arrays: Any) -> Any:
         return evaluate(jaxpr, closed.consts, *arrays)
 
     run.__name__ = getattr(call.fn, "__name__", "step")
     program = jax.jit(run, keep_unused=True, donate_argnums=donate)
-    return Program(lambda: program.lower(*arrays), loops)
+    return Program(lambda: program.lower(*arguments), loops)
 
 
-def _constrained(call: StepCall, closed: Any) -> tuple[Any, tuple[LoopNote, ...]]:
-    """The traced program with its batch-major loop carries constrained, and the loops' notes."""
+def _dynamic_leaves(call: StepCall, traced: Any) -> list[int] | None:
+    """For each parameter of a jit's traced program, the position of the call's leaf it is.
+
+    The jit leaves out its static arguments (``static_argnums``, ``static_argnames``) and takes
+    every other leaf, a Python number included (which einshard's own compile holds static):
+    its arguments are matched to the call's in order, by their trees and shapes. ``None`` where
+    they do not match.
+    """
+    import jax
+
+    try:
+        given_args, given_kwargs = traced.args_info
+    except (TypeError, ValueError):
+        return None
+
+    def same(info_tree: Any, position: int) -> bool:
+        inside = call.argument_leaves(position)
+        infos = jax.tree_util.tree_leaves(info_tree)
+        if len(infos) != len(inside):
+            return False
+        return all(
+            tuple(getattr(info, "shape", ())) == tuple(getattr(call.leaves[i], "shape", ()))
+            for info, i in zip(infos, inside, strict=True)
+        )
+
+    positions: list[int] = []
+    k = 0
+    for tree in given_args:
+        while k < len(call.args) and not same(tree, k):
+            k += 1
+        if k == len(call.args):
+            return None
+        positions.append(k)
+        k += 1
+    for name in sorted(given_kwargs):  # a dict's keys flatten sorted
+        if name not in call.names or not same(given_kwargs[name], call.names.index(name)):
+            return None
+        positions.append(call.names.index(name))
+    leaves = [i for position in positions for i in call.argument_leaves(position)]
+    return leaves if len(leaves) == len(traced.jaxpr.jaxpr.invars) else None
+
+
+def _unmatched_loops(jaxpr: Any) -> tuple[LoopNote, ...]:
+    """A note for each loop of a program whose parameters einshard could not match to the call's."""
+    reason = (
+        "einshard cannot tell which of the call's arguments the jitted step's program takes "
+        "(give the step unjitted: explain_step and plan compile it as jax.jit does)"
+    )
+    notes: list[LoopNote] = []
+
+    def walk(program: Any) -> None:
+        for eqn in inner_jaxpr(program).eqns:
+            if eqn.primitive.name in ("scan", "while"):
+                notes.append(LoopNote(user_line(eqn), eqn.primitive.name, is_backward(eqn), 0, reason))
+                continue  # its body's loops are its own
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    if is_jaxpr(sub):
+                        walk(sub)
+
+    walk(jaxpr)
+    return tuple(notes)
+
+
+def _struct(aval: Any) -> Any:
+    import jax
+
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+
+
+_INDIVISIBLE = "its first axis"  # how the reason a carry cannot be split begins (_constrained's fits)
+
+
+def _constrained(
+    call: StepCall, closed: Any, leaves: Sequence[int] | None = None, *, marked: int | None = None
+) -> tuple[Any, tuple[LoopNote, ...]]:
+    """The traced program with its batch-major loop carries constrained, and the loops' notes.
+
+    ``leaves``: the call's leaf each parameter of the program is (default: its array leaves, as
+    einshard's own compile takes them). With the call's strategy, the carries the model does
+    not keep itself are constrained to its batch; without one, the loops the model keeps are
+    noted. ``marked``: :func:`~einshard._tracing._batch_layout.marks` before the trace: when
+    ``like_batch`` ran in it, the calls that split another axis than the batch's are warned of.
+    """
     batch = call.batch_layout
-    if batch is None or not has_loop(closed.jaxpr):
-        return closed.jaxpr, ()
     n_devices = call_devices(None).count
-    split = batch_split(batch, n_devices)
-    if split == 1:  # the batch is not split (tensor parallel's copies): nothing to keep
+    parts = batch_split(batch, n_devices) if batch is not None else _batch_parts(call)
+    if parts == 1 or call.batch_name is None:  # the batch is not split (tensor parallel's copies)
         return closed.jaxpr, ()
+    batch_leaves = set(call.argument_leaves(call.names.index(call.batch_name)))
     in_axes = [
-        0 if is_batch and len(getattr(call.leaves[i], "shape", ())) else None
-        for i, is_batch in zip(call.arrays, call.batch_arrays(), strict=True)
+        0 if i in batch_leaves and len(getattr(call.leaves[i], "shape", ())) else None
+        for i in (call.arrays if leaves is None else leaves)
     ]
+    if marked is not None and marks() != marked:
+        _warn_misplaced(closed.jaxpr, in_axes)
+    if not has_loop(closed.jaxpr):
+        return closed.jaxpr, ()
+    if batch is None:
+        return constrained_jaxpr(closed.jaxpr, in_axes, None, parts=parts)
 
     def constrain(x: Any) -> Any:
         return einshard(x, batch_expression_for(batch, len(x.shape), n_devices))
 
     def fits(shape: tuple[int, ...]) -> str | None:
-        if shape and shape[0] % split == 0:
+        if shape and shape[0] % parts == 0:
             return None
-        return (
-            f"its first axis ({shape[0] if shape else 'none'}) does not split into the batch's {split} parts"
-        )
+        size = shape[0] if shape else "none"
+        return f"{_INDIVISIBLE} ({size}) does not split into the batch's {parts} parts"
 
-    return constrained_jaxpr(closed.jaxpr, in_axes, constrain, fits)
+    return constrained_jaxpr(closed.jaxpr, in_axes, constrain, fits, parts)
+
+
+def _batch_parts(call: StepCall) -> int:
+    """Into how many parts the arguments' layout splits the batch (1: not split, or no batch).
+
+    Read off the table's assignment of the batch argument's leaves, or their own shardings.
+    """
+    if call.batch_name is None:
+        return 1
+    parts = 1
+    for i in call.argument_leaves(call.names.index(call.batch_name)):
+        leaf = call.leaves[i]
+        shape = tuple(getattr(leaf, "shape", ()))
+        if not shape:
+            continue
+        assignment = call.layouts[i] if call.layouts is not None else None
+        if assignment is not None:
+            parts = max(parts, int(assignment.layout.shards[0]))
+            continue
+        sharding = getattr(leaf, "sharding", None)
+        try:
+            block = sharding.shard_shape(shape) if sharding is not None else shape
+        except Exception:  # a sharding that cannot say: as if whole
+            block = shape
+        parts = max(parts, shape[0] // max(block[0], 1))
+    return parts
+
+
+def _warn_misplaced(jaxpr: Any, in_axes: list[Any]) -> None:
+    """An ``EinshardWarning`` for each ``like_batch`` call that splits another axis than the batch's."""
+    for line, array, axis, split in dict.fromkeys(misplaced_marks(jaxpr, in_axes)):
+        where = line or "a line JAX did not keep"
+        if axis > 0:
+            warnings.warn(
+                f"einshard.like_batch at {where} splits axis 0 of {array}, whose batch is axis {axis}: "
+                f"it lays out another axis than the batch's (the values stay right). Call it on a "
+                f"batch-major array (jnp.moveaxis(x, {axis}, 0)), or lay this one out yourself with "
+                "jax.lax.with_sharding_constraint",
+                EinshardWarning,
+                stacklevel=2,
+            )
+        else:
+            warnings.warn(
+                f"einshard.like_batch at {where} splits axis {split} of {array} and leaves its batch "
+                "(axis 0) whole: inside jax.vmap it sees one example, whose first axis is not the "
+                "batch's (the values stay right). Call it outside the vmap, on the batched array",
+                EinshardWarning,
+                stacklevel=2,
+            )
 
 
 def _argument_arrays(call: StepCall, position: int) -> tuple[int, ...]:

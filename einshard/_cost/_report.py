@@ -153,8 +153,9 @@ class Finding:
 
     Attributes:
         kind: ``'repeated'``, ``'unsummed'``, ``'sliced all-reduce'``, ``'copied'``,
-            ``'reshard'``, ``'rematerialization'``, ``'activations gathered over the batch'`` or
-            ``'activations reduced in a loop'`` (see the "What does my table cost?" page).
+            ``'reshard'``, ``'rematerialization'``, ``'activations gathered over the batch'``,
+            ``'activations reduced in a loop'`` or ``'activations gathered in place of weights'``
+            (see the "What does my table cost?" page).
         bytes: The bytes each device sends per step beyond the better program (ring formulas).
         memory_bytes: The bytes each device holds beyond the better program (``'copied'``).
         params: The parameter paths concerned (where the data flow names them).
@@ -237,8 +238,10 @@ class StepReport:
         hidden_seconds: Communication that runs while kernels do (simulated), or ``None``.
         kernels: The kernels that take the most time: ``(instruction, source, seconds)``.
         batch_loops: The step's loops whose carry comes from the batch (a scanned model's layers), each
-            with its source line and whether its carry was kept in the batch's layout (under a
-            strategy that splits the batch: :func:`~einshard.constrain_loops`), or why not.
+            with its source line and whether its carry is kept in the batch's layout, and by whose
+            constraint (einshard's under a strategy that splits the batch:
+            :func:`~einshard.constrain_loops`; the model's own :func:`~einshard.like_batch`, under
+            any table), or why not.
         donated: The name of the argument the compile donated because the step returns it
             updated (``'state'``, ``'params'``), or ``None`` (see ``donate=``).
         padded_gathers: The positions in :attr:`rows` of all-reduces that gather: each of the

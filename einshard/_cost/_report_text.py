@@ -164,15 +164,24 @@ def padded_lines(report: Any) -> list[str]:
 
 
 def loops_lines(loops: Sequence[Any]) -> list[str]:
-    """The loops whose carry comes from the batch: where each was kept in the batch's layout, or why not."""
+    """The loops whose carry comes from the batch: where and by whom each is kept split, or why not."""
     if not loops:
         return []
     kept = [loop for loop in loops if loop.constrained]
     lines = []
     if kept:
+        by_model = [loop for loop in kept if loop.constrained_by == "model"]
+        whose = (
+            "the model's own constraint (einshard.like_batch in the body)"
+            if len(by_model) == len(kept)
+            else "einshard's constraint (as einshard.constrain_loops compiles the step)"
+            if not by_model
+            else "the model's own constraint or einshard's, as each says"
+        )
+        mixed = 0 < len(by_model) < len(kept)
         lines += _wrapped(
-            "loops kept in the batch's layout (their carry constrained to it, as einshard.like_batch "
-            "does; see einshard.constrain_loops): " + ", ".join(_loop_text(loop) for loop in kept),
+            f"loops kept in the batch's layout (their carry constrained to it by {whose}): "
+            + ", ".join(_loop_text(loop, mixed) for loop in kept),
             "  ",
         )
     for loop in loops:
@@ -181,9 +190,10 @@ def loops_lines(loops: Sequence[Any]) -> list[str]:
     return lines
 
 
-def _loop_text(loop: Any) -> str:
+def _loop_text(loop: Any, by: bool = False) -> str:
     where = _short(loop.source) if loop.source else "a loop without a source line"
-    return f"{where} ({loop.primitive}{', backward' if loop.backward else ''})"
+    who = ", by the model" if loop.constrained_by == "model" else ", by einshard"
+    return f"{where} ({loop.primitive}{', backward' if loop.backward else ''}{who if by else ''})"
 
 
 def _simulated_lines(report: Any) -> list[str]:

@@ -176,14 +176,18 @@ def _eqn_axes(eqn: Any, ins: list[Axis]) -> list[Axis]:
         return [ABSENT] * n
     if name in CUMULATIVE:
         return [ins[0]]
-    if name in CALLS or name not in _KNOWN_STOPS:
-        called = _call(eqn, ins)
-        if called is not None:
-            return called
+    if name in _KNOWN_STOPS:
+        return [UNKNOWN] * n
+    called = _call(eqn, ins)  # a call (CALLS), or another library's primitive with one sub-program
+    if called is not None:
+        return called
     return [UNKNOWN] * n
 
 
-_KNOWN_STOPS = frozenset({"shard_map"})  # a per-device program: its values are not whole arrays
+# Calls (in CALLS) whose program is not the equation's on whole arrays: a shard_map's body sees one
+# device's block, and its outputs put those blocks together along the axes its out_specs name.
+_KNOWN_STOPS = frozenset({"shard_map"})
+assert _KNOWN_STOPS <= CALLS  # checked before CALLS is: a stop that is also read through
 
 
 def _call(eqn: Any, ins: list[Axis]) -> list[Axis] | None:

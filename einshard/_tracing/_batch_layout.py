@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import numbers
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,6 +25,7 @@ from .._language._expression import parse
 from .._language._layout import carried_expression, compile_layout
 from .._sharding._devices import call_devices
 from .._trees._strategy import Strategy
+from ._loops import MARK
 
 __all__ = [
     "batch_expression_for",
@@ -113,17 +115,25 @@ def like_batch(x: Any) -> Any:
 
     Its place is the body of a scanned model's layer (``jax.lax.scan``, Flax's ``nn.scan`` or
     ``nnx.scan``, Equinox's scan over stacked layers): inside a loop, XLA's partitioner may drop
-    the activations' split, and then every layer reduces the whole batch's activations.
+    the activations' split, and then every layer reduces the whole batch's activations. The
+    report's ``batch_loops`` says which loops it keeps so.
+
+    It lays out the first axis: on a sequence-major ``(S, B, D)`` array, or inside a
+    ``jax.vmap`` over the examples (whose arrays have no batch axis), it splits another axis
+    than the batch's. The values stay right; :func:`~einshard.explain_step`, ``plan`` and
+    :func:`constrain_loops` read the program and warn of it (an ``EinshardWarning``), a
+    ``use_strategy`` block alone cannot tell.
 
     Args:
-        x: An array (or traced value) whose first axis is the batch.
+        x: One array (or traced value) whose first axis is the batch. For a pytree of them:
+            ``jax.tree.map(einshard.like_batch, tree)``.
 
     Returns:
         ``x``, constrained (traced) or placed (concrete) under a strategy; else ``x`` itself.
 
     Raises:
-        EinshardError: Under a strategy: ``x`` is a scalar, or its first axis does not divide
-            by the batch's split.
+        EinshardError: ``x`` is not an array (a tuple, a list, a dict, ``None``); under a
+            strategy, ``x`` is a scalar, or its first axis does not divide by the batch's split.
 
     >>> import jax, jax.numpy as jnp, einshard
     >>> einshard.like_batch(jnp.ones(8)).sharding.num_devices  # no strategy: as it is
@@ -136,6 +146,12 @@ def like_batch(x: Any) -> Any:
     >>> y.sharding.shard_shape(y.shape)
     (2, 4)
     """
+    if not hasattr(x, "shape") and not isinstance(x, numbers.Number):
+        kind = "None" if x is None else f"a {type(x).__name__}"
+        raise EinshardError(
+            f"like_batch takes one array (its first axis the batch), not {kind} ({short_repr(x)})",
+            hint="For a pytree of batch-major arrays, lay out each: jax.tree.map(einshard.like_batch, x).",
+        )
     expression = _BATCH.get()
     if expression is None:
         return x
@@ -148,7 +164,11 @@ def like_batch(x: Any) -> Any:
             f"({short_repr(x)})",
             hint="Call it on the activations, e.g. x = einshard.like_batch(x) with x of shape (batch, ...).",
         )
-    return einshard(x, batch_expression_for(expression, rank, call_devices(None).count))
+    import jax
+
+    # The name scope marks the constraint in the program, for the readers that judge it (_loops).
+    with jax.named_scope(MARK):
+        return einshard(x, batch_expression_for(expression, rank, call_devices(None).count))
 
 
 @functools.lru_cache(maxsize=256)

@@ -15,6 +15,7 @@ from typing import Any
 
 from .._arrays._leaves import nbytes
 from .._language._errors import EinshardError
+from .._language._sources import user_frame
 from ._primitives import AXIS_PARAMS
 
 __all__ = [
@@ -126,14 +127,26 @@ def is_backward(eqn: Any) -> bool:
 
 
 def user_line(eqn: Any) -> str:
-    """``file:line`` of the innermost user code behind an operation (not JAX's own), or ``''``."""
-    frames = getattr(getattr(eqn.source_info, "traceback", None), "frames", None) or ()
-    for frame in frames:
-        name = str(getattr(frame, "file_name", ""))
-        if not any(f"/{package}/" in name for package in ("jax", "jaxlib", "einshard")):
-            line = getattr(frame, "line_num", None) or getattr(frame, "start_line", "")
-            return f"{name.rsplit('/', 1)[-1]}:{line}"
-    return ""
+    """``file:line`` of the user's code behind an operation, or ``''`` where JAX kept no traceback.
+
+    The innermost frame outside every library (:func:`~einshard._language._sources.user_frame`):
+    for an operation inside Flax's ``nn.Dense``, the model's line that calls it. The frames are
+    JAX's traceback of the equation (``eqn.source_info.traceback.frames``, innermost first), which
+    ``tests/test_tracing.py`` checks on every JAX version.
+    """
+    traceback = getattr(getattr(eqn, "source_info", None), "traceback", None)
+    frames = [
+        (
+            str(getattr(frame, "file_name", "")),
+            getattr(frame, "line_num", None) or getattr(frame, "start_line", 0),
+        )
+        for frame in getattr(traceback, "frames", None) or ()
+    ]
+    found = user_frame(frames)
+    if found is None:
+        return ""
+    name, line = found
+    return f"{name.replace(chr(92), '/').rsplit('/', 1)[-1]}:{line}"
 
 
 def evaluate(jaxpr: Any, consts: Any, *args: Any) -> list[Any]:
