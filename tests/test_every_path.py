@@ -179,3 +179,25 @@ def test_a_use_strategy_block_crosses_into_the_child():
     )
     assert not scanned.full_batch_reductions(here) and scanned.full_batch_reductions(outside)
     assert _figures(child)[:4] == _figures(here)[:4]
+
+
+def sequence_major_step(w, batch):
+    """``like_batch`` on a sequence-major carry (``tests.test_loops``): einshard warns of it."""
+    from tests.test_loops import _seq_major
+
+    return jax.grad(_seq_major)(w, batch)
+
+
+@pytest.mark.skipif(N == 1, reason="one device: nothing to split")
+def test_einshard_s_warnings_in_the_child_reach_this_process():
+    """explain_step warns of like_batch splitting another axis than the batch's, here and from a child."""
+    from tests.test_loops import FSDP, H
+
+    w, batch = jax.ShapeDtypeStruct((3, H, H), jnp.float32), jax.ShapeDtypeStruct((2 * N, N, H), jnp.float32)
+    with pytest.warns(einshard.EinshardWarning, match="whose batch is axis 1") as here:
+        einshard.explain_step(sequence_major_step, w, batch, rules=FSDP)
+    with pytest.warns(einshard.EinshardWarning, match="whose batch is axis 1") as there:
+        einshard.explain_step(
+            "tests.test_every_path:sequence_major_step", w, batch, rules=FSDP, n_devices=N, quiet=True
+        )
+    assert [str(w.message) for w in there] == [str(w.message) for w in here]

@@ -392,6 +392,9 @@ def _run_child(compiles: _Compiles, first: int) -> tuple[int, Crash] | None:
             failure = value
         elif kind == "raised":
             raised = value
+        elif kind == "warnings":
+            for text, category in value:
+                warnings.warn(text, category, stacklevel=_caller_level())
         elif kind == "script":
             compiles.reruns.append(value)
         elif kind == "ready":
@@ -526,11 +529,18 @@ def main() -> None:
                 within.enter_context(use_devices(devices))
             if strategy is not None:
                 within.enter_context(use_strategy(strategy))
+            warned = within.enter_context(warnings.catch_warnings(record=True))
+            warnings.simplefilter("always", EinshardWarning)
             try:
                 result = answer(call, payload["tables"][index], target)
             except Exception as error:  # einshard's own, reading the program: raised in the parent
                 _write(out, ("raised", _crossing(error)))
                 return
+        # einshard's warnings of this compile (like_batch on another axis than the batch's ...)
+        # are the user's to see: the parent warns them again, in order.
+        mine = [(str(w.message), w.category) for w in warned if issubclass(w.category, EinshardWarning)]
+        if mine:
+            _write(out, ("warnings", mine))
         # The candidate's traces, lowerings and compiled program are not needed again: JAX's
         # caches would keep them all, and the child's memory would grow by each candidate's.
         jax.clear_caches()
