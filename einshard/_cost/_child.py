@@ -208,6 +208,7 @@ class _Compiles:
         self._threads: list[threading.Thread] = []
         self._errors: list[BaseException] = []
         self._spread = False  # whether more children were considered (once, at the first answer)
+        self._warned: set[tuple[str, type[Warning], str, int]] = set()
 
     def run(self) -> None:
         """Compiles until ``choose`` says no more; raises what a child process failed with."""
@@ -224,6 +225,18 @@ class _Compiles:
         if self._errors:
             failed = self._errors[0]  # the first child's failure, raised in the caller's thread
             raise failed
+
+    def warn_again(self, warned: Sequence[tuple[str, type[Warning], str, int]]) -> None:
+        """The warnings of einshard in a child's compile, warned here at the line they name, once a run.
+
+        Each is a message einshard warns where it is made (and ``docs/errors.md`` lists), again.
+        """
+        for text, category, filename, lineno in warned:
+            with self._lock:
+                seen = (text, category, filename, lineno) in self._warned
+                self._warned.add((text, category, filename, lineno))
+            if not seen:  # each table of a plan traces the same line: one warning, as in this process
+                warnings.warn_explicit(text, category, filename, lineno)
 
     def child_env(self) -> dict[str, str]:
         """The environment of the next child process: its own kernel cache file, where there are any."""
@@ -393,8 +406,7 @@ def _run_child(compiles: _Compiles, first: int) -> tuple[int, Crash] | None:
         elif kind == "raised":
             raised = value
         elif kind == "warnings":
-            for text, category in value:
-                warnings.warn(text, category, stacklevel=_caller_level())
+            compiles.warn_again(value)
         elif kind == "script":
             compiles.reruns.append(value)
         elif kind == "ready":
@@ -538,7 +550,11 @@ def main() -> None:
                 return
         # einshard's warnings of this compile (like_batch on another axis than the batch's ...)
         # are the user's to see: the parent warns them again, in order.
-        mine = [(str(w.message), w.category) for w in warned if issubclass(w.category, EinshardWarning)]
+        mine = [
+            (str(w.message), w.category, w.filename, w.lineno)
+            for w in warned
+            if issubclass(w.category, EinshardWarning)
+        ]
         if mine:
             _write(out, ("warnings", mine))
         # The candidate's traces, lowerings and compiled program are not needed again: JAX's
