@@ -422,3 +422,29 @@ def test_the_decorator_builds_a_subclass_through_equinox_and_leaves_the_written_
         type("Later", (Placed,), {"__module__": __name__})(D_IN, HIDDEN, key=jax.random.key(0)).weight,
         "o i -> o* i",
     )
+
+
+def test_a_filter_jit_step_is_reported_and_planned_on_abstract_arguments():
+    """equinox.filter_jit holds a ShapeDtypeStruct static, as anything not an array: a report of
+    such a step on abstract arguments (and every plan, which lays them out as structs) compiles
+    it inside einshard's own jit, as it does for concrete ones, with the same figures."""
+
+    @eqx.filter_jit
+    def step(model, x):
+        grads = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+        return eqx.apply_updates(model, jax.tree.map(lambda g: -0.1 * g, grads))
+
+    model = eqx.nn.MLP(16, 16, 8 * N_DEVICES, 1, key=jax.random.key(0))
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if eqx.is_array(a) else a, model)
+    x = jnp.ones((8 * N_DEVICES, 16))
+    fsdp = einshard.strategies.fsdp(min_bytes=0)
+    concrete = einshard.explain_step(step, model, x, rules=fsdp)
+    structs = einshard.explain_step(step, abstract, jax.ShapeDtypeStruct(x.shape, x.dtype), rules=fsdp)
+    assert concrete.rows and [(r.kind, r.shape) for r in structs.rows] == [
+        (r.kind, r.shape) for r in concrete.rows
+    ]
+    assert structs.peak_bytes == concrete.peak_bytes and structs.donated == "model"
+    plan = einshard.plan(
+        step, abstract, x, candidates=[einshard.strategies.data_parallel(), fsdp], quiet=True
+    )
+    assert [row.rejected for row in plan.rows] == [None, None]

@@ -222,18 +222,19 @@ def forget_traces() -> None:
 def compile_step(call: StepCall) -> Compiled:
     """Lowers and compiles the step for its arguments' shardings (``_program``: as training runs it).
 
-    A step with a ``lower`` method (``jax.jit``, ``nnx.jit``) is lowered as it is, keeping its
-    own shardings and donation; any other function is compiled with ``jax.jit``, its leaves that
-    are not arrays held static (as ``equinox.filter_jit`` does), its first argument donated when
-    it comes back updated, and its loops' batch-major carries kept in a strategy's batch layout.
+    A step with ``lower`` and ``trace`` methods (``jax.jit``, ``nnx.jit``) is lowered as it is,
+    keeping its own shardings and donation; any other function (``equinox.filter_jit`` too) is
+    compiled with ``jax.jit``, its leaves that are not arrays held static (as
+    ``equinox.filter_jit`` does), its first argument donated when it comes back updated, and its
+    loops' batch-major carries kept in a strategy's batch layout.
     """
     start = time.perf_counter()
     with compiler_messages() as lines:
         program = step_program(call)
         compiled = _compiled(program)
         if not callable(getattr(compiled, "as_text", None)):
-            # equinox.filter_jit wraps JAX's Compiled without as_text: such a step is compiled
-            # inside a jit of einshard's own, like any function.
+            # A wrapper whose compiled program has no text: compiled inside a jit of einshard's
+            # own, like any function.
             program = step_program(call, own=False)
             compiled = _compiled(program)
     seconds = time.perf_counter() - start

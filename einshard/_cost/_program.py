@@ -20,11 +20,14 @@ strategy's batch). Then, before lowering:
   loops the model keeps are noted all the same. ``like_batch`` calls that split another axis
   than the batch's are warned of.
 
-A step with its own ``lower`` (``jax.jit``, ``nnx.jit``) keeps its own shardings and donation:
+A step with its own ``lower`` and ``trace`` (``jax.jit``, ``nnx.jit``: each array leaf, a
+``ShapeDtypeStruct`` too, is an argument of their program) keeps its own shardings and donation:
 it is lowered as it is, unless it has loops to constrain or note, when it is traced through (its
 own donation kept, read from ``Traced.args_info``; its program's parameters matched to the
 call's leaves, so a jit with static arguments, or with a Python number among its dynamic ones,
-keeps its loops too).
+keeps its loops too). Any other step (``equinox.filter_jit``, which holds a ``ShapeDtypeStruct``
+leaf static, as it holds whatever is not an array, and whose compiled program has no text) is
+compiled as a plain function, inside einshard's own ``jax.jit``.
 """
 
 from __future__ import annotations
@@ -73,12 +76,11 @@ class Program:
 def step_program(call: StepCall, *, own: bool = True) -> Program:
     """The program of ``call``'s step, traced once (see the module's docstring).
 
-    ``own=False``: a step with a ``lower`` method is compiled as a plain function all the same
-    (``equinox.filter_jit``, whose compiled program has no text).
+    ``own=False``: a step with a ``lower`` method is compiled as a plain function all the same.
     """
     import jax
 
-    if own and callable(getattr(call.fn, "lower", None)):
+    if own and _lowers_itself(call.fn):
         own_program = _own_program(call)
         if own_program is not None:
             return own_program
@@ -198,13 +200,18 @@ def constrain_loops(step: Callable[..., Any], strategy: Strategy | str) -> Calla
     return constrained
 
 
+def _lowers_itself(fn: Any) -> bool:
+    """Whether a step is lowered as it is: one with ``lower`` and ``trace`` (``jax.jit``, ``nnx.jit``)."""
+    return callable(getattr(fn, "lower", None)) and callable(getattr(fn, "trace", None))
+
+
 def _own_program(call: StepCall) -> Program | None:
     """A ``jax.jit``-like step lowered as it is, or ``None`` when einshard compiles it (see the module)."""
     fn = call.fn
     batch = call.batch_layout
-    trace = getattr(fn, "trace", None)
+    trace = fn.trace
     constrains = batch is not None and batch_split(batch, call_devices(None).count) > 1
-    if not callable(trace) or not (constrains or _batch_parts(call) > 1):
+    if not (constrains or _batch_parts(call) > 1):
         return Program(lambda: traced_under(batch, fn.lower)(*call.args, **call.kwargs))
     clear = getattr(fn, "clear_cache", None)
     if constrains and callable(clear):  # a trace under another strategy's like_batch is not this one's

@@ -183,7 +183,10 @@ class _Walk:
                 view[var] = leaf
             if from_batch:
                 batch.add(var)
-        needed = {v for v, alive in zip(jaxpr.outvars, live_out, strict=True) if alive}
+        # An output may be a literal (a constant the program returns): no value of the walk's.
+        needed = {
+            v for v, alive in zip(jaxpr.outvars, live_out, strict=True) if alive and not hasattr(v, "val")
+        }
         consumed: set[Any] = set()
         for eqn, alive in zip(jaxpr.eqns, live, strict=True):
             if alive:
@@ -209,7 +212,7 @@ class _Walk:
             for var, derived in zip(eqn.outvars, outs_batch, strict=True):
                 if derived:
                     batch.add(var)
-        return [v in batch for v in jaxpr.outvars]
+        return [not hasattr(v, "val") and v in batch for v in jaxpr.outvars]
 
     def _dot(self, eqn: Any, ins: list, view: dict, batch: set, times: float, used: bool) -> None:
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
