@@ -90,7 +90,7 @@ def _read(call: StepCall, compiled: Compiled, *, matmul_flops: bool = False) -> 
     mesh, positions = compiled.mesh(n)
     flow = Flow(module)
     parameter_paths = _parameter_paths(module, call)
-    rows, origins = attributed_rows(module, flow, mesh, positions, parameter_paths, compiled.hosts(n))
+    rows, origins = attributed_rows(module, flow, mesh, positions, parameter_paths, compiled.device_ids(n))
     findings = find_waste(
         rows,
         origins,
