@@ -106,12 +106,13 @@ def test_with_more_nics_nvlink_decides():
     assert half.seconds("all-gather", GiB, spread(1)) == pytest.approx(3 / 4 * GiB / 24e9 + 15 * US)
 
 
-def test_a_group_spread_unevenly_runs_at_its_least_populated_host():
+@pytest.mark.parametrize("gpu", sorted(GPUS))
+def test_a_group_spread_unevenly_runs_at_its_least_populated_host(gpu):
     """12 devices: 8 on host 0, 4 on host 1: g = 4."""
-    model = links("h100")
+    model = links(gpu)
     group = (tuple(range(12)),)
     assert model.spread(group[0]) == (4, 2)
-    expected = 11 / 12 * GiB / min(4 * 48e9, 450e9 * 4 / 3) + 1 * 5 * US + 10 * US
+    expected = 11 / 12 * GiB / ACROSS[gpu][4] + 1 * 5 * US + 10 * US
     assert model.seconds("all-gather", GiB, group) == pytest.approx(expected)
     # All groups run at once: the slowest decides (here the spread group, beside one inside a host).
     both = (tuple(range(12)), tuple(range(16, 24)))
@@ -292,6 +293,19 @@ def test_a_report_s_rows_are_timed_by_the_links_with_their_groups_and_again_at_o
     fewer = estimated(_report(rows), figures(H100.replace({"nics_per_host": 4})))
     assert fewer.rows[2].seconds == pytest.approx(2 * 3 / 4 * GiB / 24e9 + 6 * 5 * US)
     assert fewer.rows[3].seconds == report.rows[3].seconds
+
+
+def test_a_report_s_all_to_all_and_uneven_group_across_hosts():
+    """An all-to-all over 4 hosts of 8: 3/4 of its array on each device's one NIC; an all-gather
+    over 8 + 2 devices of 2 hosts: g = 2."""
+    rows = [
+        _row("all-to-all", GiB, spread(8, hosts=4), "a2a"),
+        _row("all-gather", GiB, (tuple(range(10)),), "ag"),
+    ]
+    report = estimated(_report(rows), figures())
+    assert report.rows[0].seconds == pytest.approx(24 / 32 * GiB / 48e9 + (3 * 5 + 28) * US)
+    assert report.rows[1].seconds == pytest.approx(9 / 10 * GiB / 96e9 + 5 * US + 8 * US)
+    assert [row.hosts for row in report.rows] == [4, 2]
 
 
 def test_a_row_made_without_groups_is_one_group_of_its_size():
