@@ -198,6 +198,7 @@ COUNT_INDEPENDENT = [
     "tests/test_layers.py",
     "tests/test_step_time_rules.py",
     "tests/test_step_time_properties.py",
+    "tests/test_links.py",
 ]
 
 
@@ -373,6 +374,9 @@ TARGET_TESTS = [
     # A TPU's scanned step (its loops, async collective fusions) and a GPU's, compiled here.
     "tests/test_step_time_programs.py::test_a_tpu_scanned_step_s_loops_and_async_collective_fusions_are_read",
     "tests/test_step_time_programs.py::test_a_gpu_scanned_step_s_async_fusions_cost_their_layer_not_their_stack",
+    # Which host each compile-only GPU is on, and each GPU's links with their sources.
+    "tests/test_links.py::test_the_compile_only_gpus_hosts_are_the_links_answer",
+    "tests/test_links.py::test_each_gpu_s_links_come_with_their_sources",
 ]
 
 
