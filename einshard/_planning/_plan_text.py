@@ -141,7 +141,7 @@ def _group_axis(row: StepRow, model: int | None, n_devices: int, links: Links) -
     size = row.group_size
     if size == n_devices:
         return "all devices"
-    group = sorted(row.groups[0]) if row.groups else []
+    group = sorted(max(row.groups, key=len)) if row.groups else []  # the widest, as group_size
     if model and group:
         if size == model and group == list(range(group[0], group[0] + model)):
             return "model axis"
