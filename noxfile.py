@@ -203,6 +203,7 @@ COUNT_INDEPENDENT = [
     "tests/test_matmul_flops.py",
     "tests/test_out_of_memory.py",
     "tests/test_tpu.py",
+    "tests/test_links.py",
 ]
 
 
@@ -392,6 +393,9 @@ TARGET_TESTS = [
     "tests/test_out_of_memory.py",
     # The TPU generations' figures and libtpu's compile-only devices: their coordinates, slices.
     "tests/test_tpu.py",
+    # Which host each compile-only GPU is on, and each GPU's links with their sources.
+    "tests/test_links.py::test_the_compile_only_gpus_hosts_are_the_links_answer",
+    "tests/test_links.py::test_each_gpu_s_links_come_with_their_sources",
 ]
 
 

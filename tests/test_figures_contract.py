@@ -8,7 +8,8 @@ and ``Hardware.replace``), ``StepReport.at`` and ``Plan.at``. What each figure m
 * a time (a latency, the launch floor): a finite number of seconds, 0 or more;
 * a fraction (an efficiency): above 0 and at most 1;
 * a size (``memory_per_device``, ``memory_bytes``): a whole number of bytes above 0 (a float
-  that is whole, ``80e9`` or ``80.5e9``, is taken; ``2.5`` is not).
+  that is whole, ``80e9`` or ``80.5e9``, is taken; ``2.5`` is not);
+* a count (``nics_per_host``): a whole number above 0, the same way.
 
 A bool is not a number. Each bad value is an ``EinshardError`` whose headline names the figure
 and the value as the user wrote them and what the figure must be. On the keyword and
@@ -41,12 +42,14 @@ MUST_BE = {
     "time": "a finite number of seconds, 0 or more",
     "fraction": "a fraction above 0 and at most 1",
     "bytes": "a whole number of bytes above 0",
+    "count": "a whole number above 0",
 }
 BAD = {
     "rate": [0, 0.0, -1, -1e9, math.nan, math.inf, -math.inf, True, False, "fast", "450e9", 1j, [450e9]],
     "time": [-1, -1e-6, math.nan, math.inf, -math.inf, True, "1us", "0"],
     "fraction": [0, 0.0, -0.5, 2.0, 1.0000001, math.nan, math.inf, True, "0.7"],
     "bytes": [0, -1, 2.5, 80e9 + 0.5, 0.5, -80e9, math.nan, math.inf, True, "80GB", np.float64(1.5)],
+    "count": [0, -1, 2.5, 0.5, -8, math.nan, math.inf, True, False, "8", np.float64(1.5), [8]],
 }
 KIND = {
     "bandwidth": "rate",
@@ -61,6 +64,7 @@ KIND = {
     "memory_efficiency": "fraction",
     "memory_bytes": "bytes",
     "memory_per_device": "bytes",
+    "nics_per_host": "count",
 }
 HARDWARE_NAMES = [
     "memory_bytes",
@@ -71,6 +75,7 @@ HARDWARE_NAMES = [
     "launch_seconds",
     "bandwidth",
     "network_bandwidth",
+    "nics_per_host",
     "latency",
     "network_latency",
 ]
@@ -177,6 +182,11 @@ def test_good_figures_are_taken_as_numbers_of_their_kind():
     assert hardware.efficiency == 1.0 and hardware.memory_bytes == 16_000_000_000
     assert type(hardware.memory_bytes) is int
     assert hardware.flops_per_second == hardware.peak_flops_per_second  # at the whole peak
+    assert (
+        _target.checked_figure("nics_per_host", 4.0) == 4
+        and type(_target.checked_figure("nics_per_host", 4.0)) is int
+    )
+    assert _target.checked_figure("nics_per_host", np.int64(16)) == 16
 
 
 # --- .at(): one report and one plan, compiled once -------------------------------------------------

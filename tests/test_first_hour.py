@@ -167,7 +167,11 @@ def test_the_version_is_a_release_the_changelog_describes():
     changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
     versions = re.findall(r"^## (\S+) \((\d{4}-\d\d-\d\d)\)$", changelog, re.MULTILINE)
     assert versions and versions[0][0] == einshard.__version__, versions  # dated
-    assert "0.2.0" in changelog.split("\n## ")[1]  # says what changed since 0.2.0
+    # Work since the release sits under "## Unreleased", above it; the release says what changed since 0.2.0.
+    sections = changelog.split("\n## ")[1:]
+    assert sections[0].startswith(("Unreleased\n", f"{einshard.__version__} (")), sections[0][:40]
+    release = next(section for section in sections if section.startswith(f"{einshard.__version__} ("))
+    assert "0.2.0" in release
     # No address that serves another version (the public repository's newest is 0.2.0).
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     assert "urls" not in project, project.get("urls")

@@ -293,29 +293,37 @@ HOPS = {  # ring steps per run, for a group of g devices (each pays the latency 
     "all-to-all": lambda g: g - 1,
     "collective-permute": lambda g: 1,
 }
+SENT = {  # bytes each device sends per run, as a multiple of its array, for a group of g devices
+    "all-reduce": lambda g: 2 * (g - 1) / g,
+    "all-gather": lambda g: (g - 1) / g,
+    "reduce-scatter": lambda g: (g - 1) / g,
+    "all-to-all": lambda g: (g - 1) / g,
+    "collective-permute": lambda g: 1.0,
+}
 
 
 def _report(collectives, flops, peak) -> einshard.StepReport:
-    """A step report with these collectives ``[(kind, traffic, group size), ...]``, one instruction each."""
+    """A step report with these collectives ``[(kind, array bytes, group size), ...]``, one each."""
     rows = tuple(
         einshard.StepRow(
             kind=kind,
             dtype="f32",
-            shape=(traffic,),
-            bytes=4 * traffic,
+            shape=(nbytes // 4,),
+            bytes=nbytes,
             group_size=group,
             axes=None,
             times=1,
             times_known=True,
-            traffic=traffic,
+            traffic=round(SENT[kind](group) * nbytes),
             seconds=None,
             phase="backward",
             op_name="",
             source=None,
             param=None,
             instruction=f"{kind}.{i}",
+            groups=(tuple(range(group)),),
         )
-        for i, (kind, traffic, group) in enumerate(collectives)
+        for i, (kind, nbytes, group) in enumerate(collectives)
     )
     by_kind: dict[str, int] = {}
     for row in rows:
@@ -344,7 +352,7 @@ def _report(collectives, flops, peak) -> einshard.StepReport:
     )
 
 
-# Traffic as a base times one of these: equal, within the margin of each other, just outside it.
+# Bytes as a base times one of these: equal, within the margin of each other, just outside it.
 MULTIPLIERS = [1.0, 1.0, 1.005, 1.0199, 1.0201, 1.05, 2.0]
 
 
@@ -363,8 +371,8 @@ def candidate_lists(draw):
         collectives = []
         for _ in range(draw(st.integers(0, 2))):
             kind = draw(st.sampled_from(list(HOPS)))
-            traffic = round(base * draw(st.sampled_from(MULTIPLIERS)))
-            collectives.append((kind, traffic, draw(st.sampled_from([2, 3, 8, 16]))))
+            nbytes = 4 * round(base * draw(st.sampled_from(MULTIPLIERS)))
+            collectives.append((kind, nbytes, draw(st.sampled_from([2, 3, 8, 16]))))
         flops = draw(st.one_of(st.none(), st.sampled_from(MULTIPLIERS).map(lambda m: round(m * base * 1e3))))
         peak = draw(st.one_of(st.none(), st.sampled_from([1 << 20, 3 << 20, 5 << 20])))
         stale = draw(st.booleans())  # rejected for memory at earlier figures
@@ -380,10 +388,11 @@ def candidate_lists(draw):
 
 
 def _hand_time(report: einshard.StepReport, figures: dict) -> float:
-    """Communication by the ring (bytes over bandwidth, latency per ring step) plus compute."""
+    """Communication by the ring (the bytes sent over bandwidth, latency per ring step) plus compute."""
     total = 0.0
     for row in report.rows:
-        total += row.traffic / figures["bandwidth"] + HOPS[row.kind](row.group_size) * figures["latency"]
+        sent = SENT[row.kind](row.group_size) * row.bytes
+        total += sent / figures["bandwidth"] + HOPS[row.kind](row.group_size) * figures["latency"]
     if figures["flops_per_second"] is not None and report.flops is not None:
         total += report.flops / figures["flops_per_second"]
     return total

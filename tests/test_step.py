@@ -523,4 +523,4 @@ def test_jax_s_private_device_assignment_that_the_report_reads_is_there():
     assert all(hasattr(s, "_device_assignment") for s in compiled._shardings())
     assert [d.id for d in compiled.partition_devices(n)] == [d.id for d in devices]
     assert compiled.platform() == "cpu"
-    assert compiled.hosts(n) == [0] * n
+    assert compiled.device_ids(n) == [d.id for d in devices]

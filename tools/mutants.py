@@ -80,12 +80,14 @@ class Mutant:
 
 REPORT = "einshard/_cost/_report.py"
 ATTRIBUTION = "einshard/_cost/_attribution.py"
+LINKS = "einshard/_cost/_links.py"
 PLANNER = "einshard/_planning/_planner.py"
 CANDIDATES = "einshard/_planning/_candidates.py"
 STRATEGIES = "einshard/_planning/_strategies.py"
 STRATEGY = "einshard/_trees/_strategy.py"
 MESH = "einshard/_sharding/_mesh.py"
 VOLUMES = ("tests/test_volumes.py", "tests/test_step.py")
+LINK_TESTS = "tests/test_links.py"
 PLANNING = ("tests/test_planner.py",)
 MEET = ("tests/test_meet.py", "tests/test_arrays.py")
 OPTAX = ("tests/test_optax.py", "tests/test_optax_layouts.py", "tests/test_report_bytes.py")
@@ -94,7 +96,7 @@ MUTANTS = [
     # --- the step report's ring volumes and estimate ---
     Mutant(
         "ring-all-gather-doubled",
-        REPORT,
+        LINKS,
         '    "all-gather": (lambda n: (n - 1) / n, lambda n: n - 1),',
         '    "all-gather": (lambda n: 2 * (n - 1) / n, lambda n: n - 1),',
         VOLUMES,
@@ -102,7 +104,7 @@ MUTANTS = [
     ),
     Mutant(
         "ring-all-reduce-halved",
-        REPORT,
+        LINKS,
         '    "all-reduce": (lambda n: 2 * (n - 1) / n, lambda n: 2 * (n - 1)),',
         '    "all-reduce": (lambda n: (n - 1) / n, lambda n: 2 * (n - 1)),',
         VOLUMES,
@@ -110,7 +112,7 @@ MUTANTS = [
     ),
     Mutant(
         "ring-reduce-scatter-doubled",
-        REPORT,
+        LINKS,
         '    "reduce-scatter": (lambda n: (n - 1) / n, lambda n: n - 1),',
         '    "reduce-scatter": (lambda n: 2 * (n - 1) / n, lambda n: n - 1),',
         VOLUMES,
@@ -118,7 +120,7 @@ MUTANTS = [
     ),
     Mutant(
         "ring-all-to-all-whole",
-        REPORT,
+        LINKS,
         '    "all-to-all": (lambda n: (n - 1) / n, lambda n: n - 1),',
         '    "all-to-all": (lambda n: 1.0, lambda n: n - 1),',
         VOLUMES,
@@ -126,7 +128,7 @@ MUTANTS = [
     ),
     Mutant(
         "ring-permute-fraction",
-        REPORT,
+        LINKS,
         '    "collective-permute": (lambda n: 1.0, lambda n: 1),',
         '    "collective-permute": (lambda n: (n - 1) / n, lambda n: 1),',
         VOLUMES,
@@ -135,18 +137,51 @@ MUTANTS = [
     Mutant(
         "loop-trip-count-ignored",
         ATTRIBUTION,
-        "                    traffic=round(fraction(group_size) * shape.bytes) * collective.times",
-        "                    traffic=round(fraction(group_size) * shape.bytes)",
+        "                    traffic=round(fraction * shape.bytes) * collective.times,",
+        "                    traffic=round(fraction * shape.bytes),",
         VOLUMES,
         "a collective in a loop sends its bytes once, not once per trip",
     ),
     Mutant(
-        "combined-latency-per-array",
+        "combined-run-per-array",
         REPORT,
-        "if row.group_size > 1 and row.instruction not in started else 0",
-        "if row.group_size > 1 else 0",
-        VOLUMES,
-        "a combined collective pays its latency once per array, not once",
+        "            seconds = per_run[row.instruction] * share * row.times",
+        "            seconds = per_run[row.instruction] * row.times",
+        (*VOLUMES, LINK_TESTS),
+        "each array of a combined collective costs the whole run, not its share by bytes",
+    ),
+    # --- the links: a collective across GPU hosts ---
+    Mutant(
+        "links-one-nic-per-group",
+        LINKS,
+        "        return min(g * self.share, self.nvlink * g / (g - 1)) if g > 1 else self.share",
+        "        return min(self.share, self.nvlink * g / (g - 1)) if g > 1 else self.share",
+        (LINK_TESTS,),
+        "a group across hosts runs at one NIC, not at its g devices' NICs",
+    ),
+    Mutant(
+        "links-most-populated-host",
+        LINKS,
+        "    return min(counts.values(), default=0), len(counts)",
+        "    return max(counts.values(), default=0), len(counts)",
+        (LINK_TESTS,),
+        "a group spread unevenly runs at its most-populated host, not its least",
+    ),
+    Mutant(
+        "links-latency-all-between",
+        LINKS,
+        "        return between * self.network_latency + (steps - between) * self.latency",
+        "        return steps * self.network_latency",
+        (LINK_TESTS,),
+        "every ring step of a collective across hosts pays the network's latency",
+    ),
+    Mutant(
+        "links-all-to-all-on-rails",
+        LINKS,
+        '        if kind == "all-to-all":',
+        '        if kind == "all-to-all" and g == 1:',
+        (LINK_TESTS,),
+        "an all-to-all across hosts uses the rails as a ring does",
     ),
     # --- the planner's ranking ---
     Mutant(

@@ -20,6 +20,7 @@ from ._findings import find_waste
 from ._flow import Flow, Origin
 from ._report import StepReport, StepRow, report_of
 from ._target import Target, hardware_of
+from ._tpu import GENERATIONS
 
 __all__ = [
     "Answer",
@@ -139,8 +140,14 @@ DoesNotFitError.__module__ = "einshard"
 def does_not_fit(refusal: _hlo.OutOfMemory, target: Target | None) -> DoesNotFitError:
     """The verdict of a compile the compiler refused for memory, with its figures and the fixes."""
     label = target.label if target is not None else "these devices"
-    hardware = hardware_of(target) if target is not None and target.platform != "cpu" else None
-    of = f" (of the {hardware.device}'s {size_text(hardware.memory_bytes)})" if hardware is not None else ""
+    # A TPU's memory is its generation's figure: the verdict needs no compiler (only TPU's refuses).
+    if target is not None and target.platform == "tpu":
+        of = f" (of the TPU {target.name}'s {size_text(GENERATIONS[target.name].memory_bytes)})"
+    elif target is not None and target.platform == "gpu":
+        hardware = hardware_of(target)
+        of = f" (of the {hardware.device}'s {size_text(hardware.memory_bytes)})" if hardware else ""
+    else:
+        of = ""
     more = f"n_devices={2 * target.n_devices}" if target is not None and target.n_devices else "more devices"
     return DoesNotFitError(
         f"the step does not fit {label}: XLA's compiler for it needs {size_text(refusal.needed)} per "
@@ -181,7 +188,7 @@ def _read(call: StepCall, compiled: Compiled, *, matmul_flops: bool = False) -> 
     mesh, positions = compiled.mesh(n)
     flow = Flow(module)
     parameter_paths = _parameter_paths(module, call)
-    rows, origins = attributed_rows(module, flow, mesh, positions, parameter_paths, compiled.hosts(n))
+    rows, origins = attributed_rows(module, flow, mesh, positions, parameter_paths, compiled.device_ids(n))
     findings = find_waste(
         rows,
         origins,

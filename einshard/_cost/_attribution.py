@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 from . import _hlo
 from ._flow import THROUGH, Flow, Origin, operand_shape
-from ._report import RING, StepRow
+from ._links import sent_fraction
+from ._report import StepRow
 
 __all__ = ["attributed_rows", "mesh_axes"]
 
@@ -70,13 +71,13 @@ def attributed_rows(
     mesh: tuple[tuple[str, int], ...],
     positions: list[int],
     paths: list[str | None] | None,
-    hosts: Sequence[int] | None = None,
+    devices: Sequence[int] | None = None,
 ) -> tuple[list[StepRow], list[Origin]]:
     """One row per array of every collective, and for each row where it comes from.
 
     A combined collective over a concatenated buffer (XLA's GPU compiler's) gives one row per
-    array put into the buffer (:meth:`Flow.pieces`). ``hosts``: the host of each partition's
-    device, for the rows' :attr:`~StepRow.hosts`.
+    array put into the buffer (:meth:`Flow.pieces`). ``devices``: the device id of each
+    partition, for the rows' :attr:`~StepRow.groups` (``None``: partition ``p`` is device ``p``).
     """
     found = _hlo.collectives(module)
     origins: list[Origin] = []
@@ -84,13 +85,16 @@ def attributed_rows(
     has_grad = module.op_names_mention("transpose(")
     forward_read = flow.forward_read(has_grad) if has_grad and paths is not None else set()
     rows = []
+    as_devices: dict[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] = {}
     for collective in found:
         instruction = collective.instruction
         op_name, file, line = module.source(instruction)
         # The largest group: a permute's cycles can include devices that keep their own shard.
         group_size = max((len(group) for group in collective.groups), default=1)
         axes = mesh_axes(collective.groups, mesh, positions)
-        spans = _hosts(collective.groups, hosts)
+        groups = as_devices.get(collective.groups)
+        if groups is None:  # the collectives of a program share a few groups: one object each
+            groups = as_devices[collective.groups] = _device_groups(collective.groups, devices)
         pieces = flow.pieces(instruction)
         arrays: list[tuple[_hlo.Shape, str | None, _hlo.Instruction | None]] = []
         if pieces is not None:
@@ -111,7 +115,7 @@ def attributed_rows(
         if not phase or source is None:  # a resharding of an argument: it serves its first user
             user_phase, source = _user_phase(flow, instruction, has_grad, source)
             phase = phase or user_phase
-        fraction, _ = RING[collective.kind]
+        fraction = sent_fraction(collective.kind, group_size)
         for index, (shape, operand, value) in enumerate(arrays):
             # One of a combined collective: the line of its own array, not the collective's (the
             # combiner keeps the first array's metadata); ``None`` where the array's shows none.
@@ -142,16 +146,14 @@ def attributed_rows(
                     axes=axes,
                     times=collective.times,
                     times_known=collective.times_known,
-                    traffic=round(fraction(group_size) * shape.bytes) * collective.times
-                    if group_size > 1
-                    else 0,
+                    traffic=round(fraction * shape.bytes) * collective.times,
                     seconds=None,
                     phase=phase,
                     op_name=op_name,
                     source=own,
                     param=param,
                     instruction=instruction.name,
-                    hosts=spans,
+                    groups=groups,
                 )
             )
     return rows, origins
@@ -176,14 +178,13 @@ def _array_source(flow: Flow, operand: str | None) -> str | None:
     return None
 
 
-def _hosts(groups: Sequence[Sequence[int]], hosts: Sequence[int] | None) -> int:
-    """How many hosts the largest group's devices are on (1 without hosts)."""
-    if not hosts:
-        return 1
-    return max(
-        (len({hosts[p] for p in group if p < len(hosts)}) for group in groups),
-        default=1,
-    )
+def _device_groups(
+    groups: tuple[tuple[int, ...], ...], devices: Sequence[int] | None
+) -> tuple[tuple[int, ...], ...]:
+    """The groups of partitions as groups of device ids (the same without ``devices``)."""
+    if not devices:
+        return groups
+    return tuple(tuple(devices[p] if p < len(devices) else p for p in group) for group in groups)
 
 
 def _user_phase(

@@ -72,10 +72,13 @@ class Compiled:
                 return axes, list(range(n))
         return (("devices", n),), list(range(n))
 
-    def hosts(self, n: int) -> list[int] | None:
-        """The host (``process_index``) of each partition's device, or ``None`` when unknown."""
+    def device_ids(self, n: int) -> list[int] | None:
+        """The id of each partition's device, or ``None`` when unknown.
+
+        Which host each is on is the links' answer (:mod:`._links`).
+        """
         devices = self.partition_devices(n)
-        return None if devices is None else [int(getattr(device, "process_index", 0)) for device in devices]
+        return None if devices is None else [int(device.id) for device in devices]
 
     def partition_devices(self, n: int | None = None) -> list[Any] | None:
         """The device of each partition, in partition order (a list of ``n``, if given), or ``None``.

@@ -36,7 +36,8 @@ from .._language._text import size_text
 from . import _hlo
 from ._detect import LOOP, MOVED, Context, array_text, is_user_collective, rows_sources, rows_traffic
 from ._detect_batch import batch_arrays
-from ._report import RING, Finding, StepRow
+from ._links import sent_fraction
+from ._report import Finding, StepRow
 
 __all__ = ["find_loop_reductions", "find_moved_activations"]
 
@@ -120,10 +121,9 @@ def find_moved_activations(context: Context, extra: set[int]) -> list[Finding]:
     if not kept and weight is None:
         return []  # a dropped split: find_loop_reductions's
     sliced = [p for p in positions if rows[p].kind == "all-reduce" and _only_own_slice(context, p)]
-    scatter, _ = RING["reduce-scatter"]
-    saved = sum(
-        rows[p].traffic - round(scatter(rows[p].group_size) * rows[p].bytes) * rows[p].times for p in sliced
-    )
+    scatter = "reduce-scatter"
+    scattered = {p: round(sent_fraction(scatter, rows[p].group_size) * rows[p].bytes) for p in sliced}
+    saved = sum(rows[p].traffic - scattered[p] * rows[p].times for p in sliced)
     if saved <= 0:
         return []
     extra.update(positions)

@@ -18,7 +18,8 @@ from ._detect import (
     rows_sources,
     rows_traffic,
 )
-from ._report import RING, Finding
+from ._links import sent_fraction
+from ._report import Finding
 
 
 def find_repeated(context: Context, extra: set[int]) -> list[Finding]:
@@ -170,11 +171,10 @@ def find_sliced(context: Context, extra: set[int]) -> list[Finding]:
             positions.append(position)
     if not positions:
         return []
-    scatter, _ = RING["reduce-scatter"]
-    saved = sum(
-        rows[p].traffic - round(scatter(rows[p].group_size) * rows[p].bytes) * rows[p].times
-        for p in positions
-    )
+    saved = 0
+    for p in positions:
+        scattered = round(sent_fraction("reduce-scatter", rows[p].group_size) * rows[p].bytes) * rows[p].times
+        saved += rows[p].traffic - scattered
     params = rows_params(rows, positions)
     what = f"the gradients of {len(params)} parameters" if len(params) > 1 else (params[0] if params else "")
     what = what or f"{len(positions)} arrays"

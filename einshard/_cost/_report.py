@@ -1,4 +1,4 @@
-"""The step report: its rows, totals, estimates (ring formulas) and table."""
+"""The step report: its rows, totals, estimates (each collective's time from the links' model) and table."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any, NoReturn, TypeVar
 from .._language._errors import EinshardError
 from .._tracing._loops import LoopNote
 from ._hlo import KINDS
+from ._links import spanned_hosts
 from ._report_text import finding_headline, findings_text, report_text
 from ._rerun import stop_if_rerunning
 from ._target import FROM_SOURCE, GPU_EXTRA, GPUS, TPU_EXTRA, TPUS, Figures, Hardware
@@ -20,7 +21,6 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 __all__ = [
     "KINDS",
-    "RING",
     "Finding",
     "StepReport",
     "StepRow",
@@ -28,17 +28,6 @@ __all__ = [
     "refuses_accelerator",
     "report_of",
 ]
-
-# Ring algorithms: bytes each device sends per run, as a multiple of the buffer, and the number
-# of sequential steps (each paying the latency once), for a group of n devices.
-RING = {
-    "all-reduce": (lambda n: 2 * (n - 1) / n, lambda n: 2 * (n - 1)),
-    "all-gather": (lambda n: (n - 1) / n, lambda n: n - 1),
-    "reduce-scatter": (lambda n: (n - 1) / n, lambda n: n - 1),
-    "all-to-all": (lambda n: (n - 1) / n, lambda n: n - 1),
-    "collective-permute": (lambda n: 1.0, lambda n: 1),
-}
-assert set(RING) == set(KINDS)  # a ring formula for every kind the reader knows
 
 
 def refuses_accelerator(*, step_kwargs: bool = False) -> Callable[[_F], _F]:
@@ -113,15 +102,20 @@ class StepRow:
         times_known: False when it is inside a loop whose trip count XLA does not know
             (counted once).
         traffic: The bytes each device sends per step, by the ring formula, over all runs.
-        seconds: The estimated time over all runs at the report's bandwidth and latency, or
-            ``None`` without a bandwidth.
+        seconds: The estimated time over all runs on the links the report assumes (the
+            arrays of a combined collective share its runs' time by their bytes), or ``None``
+            without a bandwidth.
         phase: ``forward``, ``backward``, ``optimizer`` or ``""``, from JAX's op name.
         op_name: JAX's name of the operation it serves.
         source: ``file:line`` of the user code, or ``None``.
         param: The path of the parameter it gathers or whose gradient it reduces, or ``None``.
         instruction: The HLO instruction (rows of one combined collective share it).
-        hosts: How many hosts the devices of its largest group are on (1 on CPU devices and
-            TPU slices); a collective across hosts runs at the network's bandwidth.
+        hosts: How many hosts the devices of its widest group are on, by the links' model (1 on
+            CPU devices and TPU slices, and before an estimate); a collective across hosts runs on
+            their NICs.
+        groups: The device groups it runs over, as device ids (a permute: the devices each
+            chain of its pairs joins): what its time is asked of the links with (``()`` in a row
+            made by hand: one group of ``group_size`` devices, from id 0).
     """
 
     kind: str
@@ -140,6 +134,7 @@ class StepRow:
     param: str | None
     instruction: str
     hosts: int = 1
+    groups: tuple[tuple[int, ...], ...] = dataclasses.field(default=(), repr=False)
 
     @property
     def total_bytes(self) -> int:
@@ -222,7 +217,7 @@ class StepReport:
             ``None`` on CPU devices.
         flops_source: Where :attr:`flops` comes from when the compiled program has no cost
             analysis (a compile-only device's), or ``None``: from the program itself.
-        network_bandwidth: Bytes per second each device sends to other hosts, for the rows whose
+        network_bandwidth: Bytes per second one NIC sends to other hosts, for the rows whose
             groups span hosts, or ``None``: every row at :attr:`bandwidth`.
         unmatched_rules: The patterns of the ``rules=`` that matched no path of the step's
             arguments (``params/layers/0/kernel``, ``batch``), as :func:`~einshard.explain` lists
@@ -344,7 +339,8 @@ class StepReport:
         """The same report at other figures; no recompile.
 
         Estimated at another bandwidth, latency or FLOP/s; the figures not given are kept. A
-        bandwidth given is every collective's (the target's network figure is dropped). Another
+        bandwidth given is every collective's (the target's NICs are dropped: one link, within
+        and across hosts). Each row's time is asked of the links again, with its groups. Another
         target is another compile: ``explain_step(..., target=...)``.
         """
         figures = self.figures or Figures(self.target, self.hardware)
@@ -408,29 +404,35 @@ def _totals(rows: Sequence[StepRow]) -> dict[str, Any]:
 def estimated(report: StepReport, figures: Figures) -> StepReport:
     """The report with its rows' times and the totals estimated at these figures.
 
-    A row whose groups span hosts runs at the network's bandwidth and latency where there is
-    one (a ring is as fast as its slowest link), the others at ``bandwidth``. A GPU or TPU
-    target's step time is simulated from its program (:mod:`._timing`); CPU devices keep
-    ``flops / flops_per_second`` plus the collectives, without overlap: simulated CPU devices
-    share one host's cores, and a schedule of them describes no hardware.
+    Each collective's time is the links' model's (:attr:`Figures.links`), asked with its kind,
+    its arrays' bytes and its device groups: one run of a combined collective carries its arrays
+    together (its latency paid once), and each array's row has its share by its bytes. A GPU or
+    TPU target's step time is simulated from its program (:mod:`._timing`), each collective at
+    that time per run; CPU devices keep ``flops / flops_per_second`` plus the collectives,
+    without overlap: simulated CPU devices share one host's cores, and a schedule of them
+    describes no hardware.
     """
     bandwidth = figures.bandwidth
-    rows = []
-    started: set[str] = set()
+    links = figures.links
+    first: dict[str, StepRow] = {}
+    run_bytes: dict[str, int] = {}
+    for row in report.rows:
+        first.setdefault(row.instruction, row)
+        run_bytes[row.instruction] = run_bytes.get(row.instruction, 0) + row.bytes
     per_run: dict[str, float] = {}
+    hosts: dict[str, int] = {}
+    if links is not None:
+        for name, row in first.items():
+            groups = _groups(row)
+            per_run[name] = links.seconds(row.kind, run_bytes[name], groups) if run_bytes[name] else 0.0
+            hosts[name] = spanned_hosts(links, groups)
+    rows = []
     for row in report.rows:
         seconds = None
-        if bandwidth is not None:
-            _, steps = RING[row.kind]
-            # The arrays of a combined collective travel together: its latency is paid once.
-            hops = steps(row.group_size) if row.group_size > 1 and row.instruction not in started else 0
-            started.add(row.instruction)
-            across = row.hosts > 1 and figures.network_bandwidth is not None
-            link = figures.network_bandwidth if across and figures.network_bandwidth else bandwidth
-            latency = figures.network_latency if across else figures.latency
-            seconds = row.traffic / link + row.times * hops * latency
-            per_run[row.instruction] = per_run.get(row.instruction, 0.0) + seconds / max(row.times, 1)
-        rows.append(dataclasses.replace(row, seconds=seconds))
+        if links is not None:
+            share = row.bytes / run_bytes[row.instruction] if run_bytes[row.instruction] else 0.0
+            seconds = per_run[row.instruction] * share * row.times
+        rows.append(dataclasses.replace(row, seconds=seconds, hosts=hosts.get(row.instruction, 1)))
     communication = sum(r.seconds for r in rows if r.seconds is not None) if bandwidth is not None else None
     flops_per_second = figures.flops_per_second
     compute = report.flops / flops_per_second if flops_per_second and report.flops is not None else None
@@ -463,6 +465,11 @@ def estimated(report: StepReport, figures: Figures) -> StepReport:
         figures=figures,
         **simulated,
     )
+
+
+def _groups(row: StepRow) -> tuple[tuple[int, ...], ...]:
+    """A row's device groups; a row made without them (by hand): one group of its size, ids from 0."""
+    return row.groups or (tuple(range(row.group_size)),)
 
 
 def _rates(hardware: Hardware, figures: Figures) -> Rates:

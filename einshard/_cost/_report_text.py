@@ -17,6 +17,7 @@ __all__ = [
     "collectives_text",
     "finding_headline",
     "findings_text",
+    "links_text",
     "loops_lines",
     "memory_note",
     "report_text",
@@ -109,13 +110,7 @@ def _columns(report: Any) -> tuple[list[str], list[list[str]], list[str]]:
             + (f" ({report.flops_source})" if report.flops_source else "")
         )
     if report.communication_seconds is not None and report.bandwidth is not None:
-        links = f"{report.bandwidth / 1e9:g} GB/s"
-        if report.network_bandwidth is not None and any(row.hosts > 1 for row in report.rows):
-            links += f" within a host, {report.network_bandwidth / 1e9:g} GB/s across hosts"
-        text = (
-            f"estimate at {links}, latency {seconds_text(report.latency)}: "
-            f"communication {seconds_text(report.communication_seconds)}"
-        )
+        text = f"estimate at {links_text(report)}: communication {seconds_text(report.communication_seconds)}"
         if report.compute_seconds is not None:
             bound = "communication" if report.communication_bound else "compute"
             text += (
@@ -237,11 +232,19 @@ def _simulated_lines(report: Any) -> list[str]:
     lines += _wrapped(
         f"  assumed: {rates}; memory at {hardware.memory_efficiency:g} of "
         f"{hardware.memory_bandwidth / 1e12:.3g} TB/s; {seconds_text(hardware.launch_seconds)} per kernel at "
-        f"least; {seconds_text(report.latency)} per ring step"
+        f"least; links: {links_text(report)}"
         + (" (no TPU time was measured: these are a GPU's figures)" if "TPU" in hardware.device else ""),
         "  ",
     )
     return lines
+
+
+def links_text(report: Any) -> str:
+    """What the report's collectives were timed on, in its links' words (``'450 GB/s per device, ...'``)."""
+    links = report.figures.links if report.figures is not None else None
+    if links is None:
+        return f"{report.bandwidth / 1e9:g} GB/s per device, latency {seconds_text(report.latency)}"
+    return links.assumed()
 
 
 def memory_note(report: Any) -> str:

@@ -108,10 +108,10 @@ def explain_step(
             needs ``tpu-target``). A target other than ``'cpu'`` is always compiled
             in a child process.
         hardware: Figures of the target to use instead of its own, by name
-            (``{'efficiency': 0.6, 'network_bandwidth': 25e9}``; see :class:`~einshard.Hardware`).
+            (``{'efficiency': 0.6, 'nics_per_host': 4}``; see :class:`~einshard.Hardware`).
         bandwidth: Bytes per second each device sends, for the communication estimate (every
-            collective's; default with a target: its NVLink or ICI figure, and its network's for
-            collectives across hosts).
+            collective's; default with a target: its NVLink or ICI figure, and its hosts' NICs
+            for collectives across hosts).
         latency: Seconds per step of a ring algorithm (default: 0, or the target's figure per
             link: NVLink, its network, ICI).
         flops_per_second: FLOP/s per device the compute estimate assumes; with a target, the

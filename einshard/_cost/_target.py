@@ -27,6 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from .._language._errors import EinshardError, short_repr
+from ._links import (
+    GPUS_PER_HOST,
+    NETWORK_LATENCY,
+    NVLINK_LATENCY,
+    GpuHosts,
+    Links,
+    OneLink,
+    gpu_wiring,
+)
 from ._tpu import BOOK, GENERATIONS
 
 __all__ = [
@@ -62,7 +71,6 @@ TPUS = {name: generation.torus_dims for name, generation in GENERATIONS.items()}
 FROM_SOURCE = "in einshard's source folder (the git clone or unpacked archive it was installed from)"
 GPU_EXTRA = ".[gpu-target]"
 TPU_EXTRA = ".[tpu-target]"
-GPUS_PER_HOST = 8  # an HGX / DGX board: NVLink joins the 8 GPUs of a host
 
 # The figures a simulated step time assumes (_timing), each stated with where it comes from.
 # The fraction of the matrix units' peak a large gemm reaches: cuBLAS's large bf16 gemms on
@@ -80,22 +88,9 @@ MEMORY_EFFICIENCY_SOURCE = "assumed: what a streaming copy reaches of the HBM's 
 # graphs; a kernel's own start and drain take a few microseconds).
 LAUNCH_SECONDS = 2e-6
 LAUNCH_SOURCE = "assumed: a kernel's launch and tail on a GPU, about 2 us"
-# Latency per ring step: NCCL's tuning model (src/graph/tuning.cc) gives NVLink about 0.6 us of
-# hardware latency per step and a few us of network latency per step; 1 us and 5 us are taken.
-NVLINK_LATENCY = 1e-6
-NETWORK_LATENCY = 5e-6
+# A GPU host's links (NVLink, its NICs, their latencies) are _links.gpu_wiring's, with their sources.
 ICI_LATENCY = 1e-6
-LATENCY_SOURCE = "NCCL's tuning model (src/graph/tuning.cc): about 1 us per ring step on NVLink"
-NETWORK_LATENCY_SOURCE = "NCCL's tuning model (src/graph/tuning.cc): about 5 us per ring step across hosts"
 TPU_ASSUMED = "assumed, as for a GPU: no TPU time was measured"
-
-# NVLink, per link and direction, by compute capability's major version (NVIDIA's datasheets:
-# NVLink 3 (A100) and 4 (H100, H200) 25 GB/s, NVLink 5 (B200) 50 GB/s).
-_NVLINK_PER_LINK = {8: 25e9, 9: 25e9, 10: 50e9}
-_A100_LINKS = 12  # the A100 spec has no interconnect entry; the A100 SXM has 12 NVLink 3 links
-# Between hosts: one 400 Gb/s NIC per GPU (ConnectX-7 in DGX H100, H200 and B200; 200 Gb/s HDR
-# in DGX A100).
-_NETWORK = {8: 25e9, 9: 50e9, 10: 50e9}
 
 # A TPU's figures are Google's and the scaling book's (_tpu.GENERATIONS, each with its source).
 # libtpu keeps part of the HBM for itself: 15.75 of v5e's 16 GiB, 31.24 of v6e's 32 GiB are
@@ -110,6 +105,7 @@ _FIGURES = (
     "launch_seconds",
     "bandwidth",
     "network_bandwidth",
+    "nics_per_host",
     "latency",
     "network_latency",
 )
@@ -117,7 +113,8 @@ _FIGURES = (
 # Every figure a user gives, in hardware= (a Hardware's names) or as a keyword of explain_step,
 # plan, plan_batches and .at(): what it is, what it means, and an example of it. What it is
 # decides its check: a rate is finite and above 0 (an estimate divides by it), a time finite and
-# not negative, a fraction above 0 and at most 1, a size a whole number of bytes above 0.
+# not negative, a fraction above 0 and at most 1, a size a whole number of bytes above 0, a count
+# a whole number above 0.
 _FIGURE_KINDS: dict[str, tuple[str, str, str]] = {
     "memory_bytes": ("bytes", "the memory of each device, in bytes", "80e9"),
     "memory_bandwidth": ("rate", "the bytes per second between a device and its memory", "3.35e12"),
@@ -130,7 +127,8 @@ _FIGURE_KINDS: dict[str, tuple[str, str, str]] = {
     ),
     "launch_seconds": ("time", "what each kernel costs at least, in seconds", "2e-6"),
     "bandwidth": ("rate", "the bytes per second each device sends", "450e9"),
-    "network_bandwidth": ("rate", "the bytes per second each device sends to other hosts", "50e9"),
+    "network_bandwidth": ("rate", "the bytes per second one NIC sends to other hosts", "48e9"),
+    "nics_per_host": ("count", "how many NICs each host sends to the other hosts on", "8"),
     "latency": ("time", "the seconds each step of a ring algorithm takes", "1e-6"),
     "network_latency": ("time", "the seconds each ring step across hosts takes", "5e-6"),
     "flops_per_second": ("rate", "the FLOP/s each device computes at", "700e12"),
@@ -153,9 +151,11 @@ class Hardware:
         launch_seconds: What each kernel costs at least (its launch and tail).
         bandwidth: Bytes per second each device sends to the devices of its host (NVLink) or
             its slice (ICI).
-        network_bandwidth: Bytes per second each device sends to other hosts (GPUs), or ``None``
-            (a TPU slice: ICI joins its hosts).
+        network_bandwidth: Bytes per second one NIC sends to other hosts, as NCCL reaches it
+            (GPUs), or ``None`` (a TPU slice: ICI joins its hosts).
         devices_per_host: How many devices share a host's NVLink, or ``None``.
+        nics_per_host: How many NICs each host sends to the other hosts on (GPUs: one per GPU on
+            a DGX), or ``None``.
         sources: Where each figure comes from, by its name.
         latency: Seconds per ring step on the ``bandwidth`` link.
         network_latency: Seconds per ring step across hosts, or ``None``.
@@ -178,6 +178,7 @@ class Hardware:
     latency: float = NVLINK_LATENCY
     network_latency: float | None = NETWORK_LATENCY
     matmul_peaks: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    nics_per_host: int | None = None
 
     @property
     def flops_per_second(self) -> float:
@@ -230,8 +231,9 @@ def checked_figure(name: str, value: Any, *, in_hardware: bool = False) -> Any:
     A rate (a bandwidth, FLOP/s) is a finite number above 0; a time (a latency, the launch
     floor) a finite number of seconds, 0 or more; a fraction (an efficiency) above 0 and at most
     1; a size in bytes (``memory_per_device``, ``memory_bytes``) a whole number above 0, an
-    integer or a float that is a whole number (``80e9``, not ``2.5``). A bool is not a number. Rates,
-    times and fractions come back as floats, sizes as ints.
+    integer or a float that is a whole number (``80e9``, not ``2.5``); a count (``nics_per_host``)
+    a whole number above 0 the same way. A bool is not a number. Rates, times and fractions come
+    back as floats, sizes and counts as ints.
 
     Args:
         name: The figure's name: a keyword of ``explain_step``, ``plan``, ``plan_batches`` or
@@ -255,9 +257,14 @@ def checked_figure(name: str, value: Any, *, in_hardware: bool = False) -> Any:
     written = f"hardware={{{name!r}: {example}}}" if in_hardware else f"{name}={example}"
     number = _real(value)
     not_bool = "A bool is not a number. " if isinstance(value, bool) else ""
-    if kind == "bytes":
+    if kind in ("bytes", "count"):
         whole = isinstance(value, numbers.Integral) or (number is not None and number.is_integer())
         if number is None or not whole or not number > 0:
+            if kind == "count":
+                raise EinshardError(
+                    f"{shown} must be a whole number above 0",
+                    hint=f"{not_bool}Give {meaning}, e.g. {written}.",
+                )
             raise EinshardError(
                 f"{shown} must be a whole number of bytes above 0",
                 hint=f"{not_bool}Give {meaning}, e.g. {written} or 80 << 30 (a float is taken when it is "
@@ -589,10 +596,10 @@ class Figures:
         hardware: The target's figures with the ``hardware=`` given instead, or ``None`` (CPU).
         bandwidth: Bytes per second each device sends (a collective within a host or slice),
             or ``None``: no communication estimate.
-        network_bandwidth: Bytes per second across hosts, or ``None``: every collective at
-            ``bandwidth``.
+        network_bandwidth: Bytes per second one NIC sends to other hosts, or ``None``: every
+            collective at ``bandwidth``.
         latency: Seconds per ring step at ``bandwidth``.
-        network_latency: Seconds per ring step across hosts.
+        network_latency: Seconds per ring step between hosts.
         flops_per_second: On CPU devices: the FLOP/s of the compute estimate, or ``None``. On a
             target: given, the rate every dot runs at instead of the matrix units' per type;
             else the bf16 rate a large gemm reaches (shown).
@@ -614,6 +621,24 @@ class Figures:
     def simulated(self) -> bool:
         """Whether a step time is simulated from the program (a GPU or TPU target)."""
         return self.hardware is not None
+
+    @property
+    def links(self) -> Links | None:
+        """The devices' links every collective's time is asked of, or ``None`` without a bandwidth.
+
+        See :mod:`~einshard._cost._links`: GPU hosts with their NICs where the target has them;
+        else (CPU devices, a TPU slice, a bandwidth given, which is every collective's) one link.
+        """
+        if self.bandwidth is None:
+            return None
+        hardware = self.hardware
+        per_host = hardware.devices_per_host if hardware is not None else None
+        nics = hardware.nics_per_host if hardware is not None else None
+        if per_host is None or nics is None or self.network_bandwidth is None:
+            return OneLink(self.bandwidth, self.latency, per_host)
+        return GpuHosts(
+            per_host, self.bandwidth, self.latency, nics, self.network_bandwidth, self.network_latency
+        )
 
     def at(
         self,
@@ -712,21 +737,16 @@ def _gpu_hardware(name: str) -> Hardware:
     figures = spec_figures(spec)
     source = f"XLA's spec of the {GPUS[name]} (in jax-cuda13-plugin)"
     major = int(figures.get("compute_capability", 9))
-    per_link = _NVLINK_PER_LINK.get(major, 25e9)
-    if "active_links" in figures:
-        links, links_source = int(figures["active_links"]), f"{source}: device_interconnect_info"
-    else:
-        links, links_source = _A100_LINKS, "NVIDIA's A100 datasheet (the spec has no interconnect entry)"
+    links = int(figures["active_links"]) if "active_links" in figures else None
+    wiring, wiring_sources = gpu_wiring(major, links, source)
     return Hardware(
         device=GPUS[name],
         memory_bytes=int(figures["device_memory_size"]),
         memory_bandwidth=figures["memory_bandwidth"],
         peak_flops_per_second=figures["peak_flops_per_second"],
         efficiency=DEFAULT_EFFICIENCY,
-        bandwidth=links * per_link,
-        network_bandwidth=_NETWORK.get(major, 50e9),
-        devices_per_host=GPUS_PER_HOST,
         matmul_peaks={k.removeprefix("matrix_"): v for k, v in figures.items() if k.startswith("matrix_")},
+        **wiring,
         sources={
             "memory_bytes": f"{source}: device_memory_size",
             "memory_bandwidth": f"{source}: memory_bandwidth",
@@ -734,13 +754,8 @@ def _gpu_hardware(name: str) -> Hardware:
             "efficiency": EFFICIENCY_SOURCE,
             "memory_efficiency": MEMORY_EFFICIENCY_SOURCE,
             "launch_seconds": LAUNCH_SOURCE,
-            "latency": LATENCY_SOURCE,
-            "network_latency": NETWORK_LATENCY_SOURCE,
             "matmul_peaks": f"{source}: the matrix units' rate per element type x cores",
-            "bandwidth": f"{links} NVLink links x {per_link / 1e9:g} GB/s per direction ({links_source})",
-            "network_bandwidth": "one 400 Gb/s NIC per GPU (DGX)"
-            if major >= 9
-            else "one 200 Gb/s NIC per GPU (DGX A100)",
+            **wiring_sources,
         },
     )
 

@@ -12,7 +12,8 @@ candidate: :func:`step_costs`) and the candidate's layouts (known before compili
   program on blocks of one shape, so no device holds less than its share of a whole array.
 - **time**: the step's dots at the rate the step time is simulated at (the fastest of the
   matrix units' rates its element types run at), their flops spread over every device; and the
-  gradients the layout must sum over devices, at the links' bandwidths (:class:`Bounds`).
+  gradients the layout must sum over devices, on the links (``Links.least_seconds``: the bytes
+  that must cross hosts on the hosts' NICs, the others on NVLink; :class:`Bounds`).
 
 A candidate whose memory bound is over the memory per device cannot fit; one whose time bound is
 slower than a candidate already compiled cannot win (``plan`` leaves both uncompiled).
@@ -29,6 +30,7 @@ from typing import Any
 
 from .._arrays._leaves import is_jax_array, is_traced, itemsize
 from .._cost._call import StepCall, traced_dtype
+from .._cost._links import Links
 from .._cost._target import Figures
 from .._language._errors import EinshardError
 from .._tracing._jaxprs import inner_jaxpr, is_backward, is_jaxpr, scan_counts, var_nbytes, var_shape
@@ -321,8 +323,8 @@ class Bounds:
             partial sums of a block sends at least ``(g - 1) / g`` of it, whatever the algorithm).
         network_traffic: Of those, the bytes that must cross hosts, for a target with hosts.
         seconds: At least the step's time at the figures, or ``None`` without a time: the larger
-            of its dots at the matrix units' rate (flops over every device) and its traffic at
-            the links' bandwidths.
+            of its dots at the matrix units' rate (flops over every device) and its traffic on
+            the links.
     """
 
     argument_bytes: int
@@ -358,14 +360,13 @@ def bounds(
     donated = call.donate or callable(getattr(call.fn, "lower", None))
     outputs = 0 if donated else costs.output_bytes
     memory = arguments + (outputs + costs.largest_dot_bytes) // n_devices
-    hardware = figures.hardware
-    per_host = hardware.devices_per_host if hardware is not None else None
-    traffic, network = _gradient_sums(call, assignment, n_devices, costs.summed, per_host)
+    links = figures.links
+    traffic, network = _gradient_sums(call, assignment, n_devices, costs.summed, links)
     return Bounds(arguments, memory, traffic, network, _seconds(costs, traffic, network, n_devices, figures))
 
 
 def _gradient_sums(
-    call: StepCall, assignment: Any, n_devices: int, summed: frozenset[int], per_host: int | None
+    call: StepCall, assignment: Any, n_devices: int, summed: frozenset[int], links: Links | None
 ) -> tuple[int, int]:
     """The bytes each device sends at least to sum the gradients, all links and across hosts.
 
@@ -373,7 +374,8 @@ def _gradient_sums(
     blocks, so ``g`` partial sums, and at least ``g - 1`` of them must leave their device (one
     send per element, however they are combined): ``(g - 1) * block`` sent in all. Every device
     runs the same program, so each sends at least ``1 / n`` of the total. Across hosts likewise,
-    with the hosts whose batch blocks differ in place of devices.
+    with the hosts whose batch blocks differ in place of devices: which host a device is on is the
+    links' answer (a target's device order is its devices by id, so a layout's position is an id).
     """
     batch_leaves = [i for i in _batch_leaves(call) if assignment.leaves[i][1] is not None]
     if not batch_leaves:
@@ -394,10 +396,10 @@ def _gradient_sums(
         for devices in holders.values():
             partials = len({data[d] for d in devices})
             total += (partials - 1) * block
-            if per_host:
+            if links is not None:
                 hosts: dict[int, set] = collections.defaultdict(set)
                 for d in devices:
-                    hosts[d // per_host].add(data[d])
+                    hosts[links.host(d)].add(data[d])
                 sets = list(hosts.values())
                 # Hosts holding the same batch blocks hold the same partial sums: count those that differ.
                 if all(a.isdisjoint(b) for i, a in enumerate(sets) for b in sets[i + 1 :]):
@@ -407,10 +409,8 @@ def _gradient_sums(
 
 def _seconds(costs: StepCosts, traffic: int, network: int, n_devices: int, figures: Figures) -> float | None:
     """The time bound at the figures: dots at the fastest rate they may run at, traffic at the links."""
-    communication = None
-    if figures.bandwidth is not None:
-        across = figures.network_bandwidth or figures.bandwidth
-        communication = (traffic - network) / figures.bandwidth + network / across
+    links = figures.links
+    communication = links.least_seconds(traffic, network) if links is not None else None
     flops = sum(costs.dot_flops.values()) / n_devices
     hardware = figures.hardware
     if hardware is None:  # CPU devices: flops at the given rate plus communication, no overlap

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._cost._links import Links, spanned_hosts
 from .._cost._report import KINDS, StepReport, StepRow
 from .._language._text import seconds_text, size_text, table_text
 
@@ -101,12 +102,12 @@ def _verdict(row: Any, rank: int) -> str:
 def _hosts_lines(plan: Any) -> list[str]:
     """On several hosts, one line per compiled candidate: which of its collectives cross hosts.
 
-    Read from the report's rows (a row's groups over more than one host run at the network's
-    bandwidth), by kind and the axis their groups run over, with the bytes per device per step;
-    a model axis wider than a host says so.
+    Read from the report's rows (a row's groups over more than one host run on the hosts' NICs;
+    which host a device is on is the links' answer), by kind and the axis their groups run over,
+    with the bytes per device per step; a model axis wider than a host says so.
     """
-    per_host = plan.hardware.devices_per_host if plan.hardware is not None else None
-    if not per_host or plan.n_devices <= per_host:
+    links = plan.figures.links
+    if links is None or spanned_hosts(links, (tuple(range(plan.n_devices)),)) < 2:
         return []
     lines = []
     for row in plan.rows:
@@ -117,37 +118,36 @@ def _hosts_lines(plan: Any) -> list[str]:
         crossing: dict[tuple[str, str], int] = {}
         for step_row in row.report.rows:
             if step_row.hosts > 1:
-                axis = _group_axis(step_row, model, plan.n_devices, per_host)
-                key = (step_row.kind, axis)
+                key = (step_row.kind, _group_axis(step_row, model, plan.n_devices, links))
                 crossing[key] = crossing.get(key, 0) + step_row.total_bytes
         parts = [f"{kind} {size_text(size)} ({axis})" for (kind, axis), size in crossing.items()]
         head = f"{row.name}: "
-        if model is not None and model > per_host:
-            head += f"its model axis of {model} spans {-(-model // per_host)} hosts; "
+        model_hosts = spanned_hosts(links, (tuple(range(model)),)) if model is not None else 0
+        if model_hosts > 1:
+            head += f"its model axis of {model} spans {model_hosts} hosts; "
         elif model is not None:
             head += "its model axis stays inside a host; "
         lines.append(head + ("crosses hosts: " + ", ".join(parts) if parts else "nothing crosses hosts"))
     return lines
 
 
-def _group_axis(row: StepRow, model: int | None, n_devices: int, per_host: int) -> str:
-    """The axis a collective's groups run over, in a strategy's words, by their size and hosts.
+def _group_axis(row: StepRow, model: int | None, n_devices: int, links: Links) -> str:
+    """The axis a collective's groups run over, in a strategy's words, read from its groups.
 
-    A model axis is ``model`` neighbouring devices (``-(-model // per_host)`` hosts), a data axis
-    one device of each model group (one host's worth per host below a host's size, else one
-    device per host): where the two have one size, the hosts tell them apart.
+    In einshard's device order a model axis is ``model`` neighbouring devices, a data axis one
+    device of each model group (every ``model``-th device); a group with one device on each of
+    its hosts is ``one device per host``.
     """
     size = row.group_size
     if size == n_devices:
         return "all devices"
-    if model:
-        data = n_devices // model
-        data_hosts = n_devices // per_host if model < per_host else data
-        if size == data and row.hosts == data_hosts:
-            return "data axis"
-        if size == model:
+    group = sorted(max(row.groups, key=len)) if row.groups else []  # the widest, as group_size
+    if model and group:
+        if size == model and group == list(range(group[0], group[0] + model)):
             return "model axis"
-    if size == n_devices // per_host and row.hosts == size:
+        if size == n_devices // model and group == list(range(group[0], n_devices, model)):
+            return "data axis"
+    if group and spanned_hosts(links, (tuple(group),)) == size:
         return "one device per host"
     return f"groups of {size} on {row.hosts} hosts"
 
@@ -179,11 +179,9 @@ def _footer(plan: Any) -> list[str]:
             )
     rejected += _left_lines(plan)
     figures = []
-    if plan.bandwidth is not None:
-        links = f"{plan.bandwidth / 1e9:g} GB/s per device"
-        if plan.network_bandwidth is not None:
-            links += f" ({plan.network_bandwidth / 1e9:g} GB/s across hosts)"
-        figures.append(f"{links}, latency {seconds_text(plan.latency)}")
+    links = plan.figures.links
+    if links is not None:
+        figures.append(links.assumed())
     if plan.flops_per_second is not None:
         figures.append(f"{plan.flops_per_second:.3g} FLOP/s per device")
     if plan.memory_per_device is not None:
@@ -251,7 +249,7 @@ def _estimate_text(plan: Any) -> str:
     return (
         "Simulated, not measured: each candidate's program, its kernels in order at its element "
         "types' gemm rates or the memory's bandwidth, its async collectives beside the kernels "
-        f"between their start and done (ring formulas with {seconds_text(plan.latency)} per step). "
+        "between their start and done (ring formulas on the links named above). "
         f"Assumed: gemms at {hardware.efficiency:g} of the matrix units' peak, memory at "
         f"{hardware.memory_efficiency:g} of its bandwidth, {seconds_text(hardware.launch_seconds)} per "
         f"kernel at least.{tpu}"

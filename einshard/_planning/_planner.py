@@ -179,7 +179,7 @@ class Plan:
         flops_per_second: FLOP/s per device the compute estimate assumes, or ``None``.
         target: What the candidates were compiled for (``'cpu'``, ``'h100'``, ``'v5e'`` ...).
         hardware: The target's figures (:class:`~einshard.Hardware`), or ``None`` on CPU devices.
-        network_bandwidth: Bytes per second per device across hosts, or ``None``.
+        network_bandwidth: Bytes per second one NIC sends across hosts, or ``None``.
         figures: The figures resolved once (the target's, with those given instead).
         timings: Where the plan's time went (:class:`~einshard._planning._candidates.Timings`):
             the child process's start, tracing the step, reading its roles, each compile and
@@ -263,10 +263,10 @@ class Plan:
         """The same candidates ranked at other figures; no recompile.
 
         The figures not given are kept; a bandwidth given is every collective's (the target's
-        network figure is dropped). Another target is another compile: ``plan(..., target=...)``.
-        A candidate left uncompiled (its bounds over the memory, or slower than the winner) has no
-        program to rank: at figures where its bounds no longer reject it, its row says to plan
-        again with them.
+        NICs are dropped: one link, within and across hosts). Another target is another compile:
+        ``plan(..., target=...)``. A candidate left uncompiled (its bounds over the memory, or
+        slower than the winner) has no program to rank: at figures where its bounds no longer
+        reject it, its row says to plan again with them.
         """
         figures = self.figures.at(
             memory_per_device=memory_per_device,
@@ -334,7 +334,7 @@ def plan(
         memory_per_device: Bytes each device has; candidates that need more are rejected
             (default with a target: its device's memory).
         bandwidth: Bytes per second each device sends, for the communication estimate (default
-            with a target: its NVLink or ICI figure, its network's across hosts).
+            with a target: its NVLink or ICI figure, its hosts' NICs across hosts).
         latency: Seconds per step of a ring algorithm (default: 0, or the target's per link).
         flops_per_second: FLOP/s per device the compute estimate assumes; with a target, the
             rate every dot runs at instead of its matrix units' per element type.
