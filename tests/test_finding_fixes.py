@@ -10,8 +10,6 @@ table of them is checked against it (``test_the_cost_pages_table_is_these_number
 from __future__ import annotations
 
 import ast
-import importlib.util
-import os
 import re
 from pathlib import Path
 
@@ -24,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import einshard
 from einshard import strategies
+from tests.test_targets import needs_gpu
 
 N = jax.device_count()
 pytestmark = pytest.mark.skipif(N != 8, reason="the numbers are worked out for 8 devices")
@@ -421,11 +420,7 @@ def _moved_activations(report: einshard.StepReport) -> list:
     return [row for row in report.rows if row.param is None and row.times > 1 and 16 in row.shape]
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("jax_plugins.xla_cuda13") is None
-    and os.environ.get("EINSHARD_TARGET_TESTS") != "1",
-    reason="XLA's GPU compiler is not installed: pip install '.[gpu-target]' (nox -s targets does)",
-)
+@needs_gpu
 def test_activations_gathered_in_place_of_weights_are_reduce_scattered_on_the_target_the_fix_names():
     """The finding's first fix: the target's compiler (target='h100'). The same program, the
     partial sums reduce-scattered: the moved activations send at least 90 % of the finding's bytes

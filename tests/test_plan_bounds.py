@@ -18,6 +18,7 @@ from einshard._planning._bounds import argument_bytes_per_device
 from einshard._trees._strategy import with_batch
 from tests.test_planner import HIDDEN, D, sgd_step
 from tests.test_planner import mlp_params as params
+from tests.test_targets import needs_gpu
 
 N = jax.device_count()
 
@@ -99,16 +100,7 @@ def test_when_every_candidate_is_bounded_out_nothing_is_compiled(compiles):
         _ = plan.best
 
 
-def _has_gpu_compiler() -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-@pytest.mark.skipif(not _has_gpu_compiler(), reason="XLA's GPU compiler is not installed")
+@needs_gpu
 @pytest.mark.parametrize("name", ["dp", "fsdp", "tp_unfused", "derived_hybrid4"])
 def test_the_compile_only_gpu_options_leave_the_program_s_figures_unchanged(name, monkeypatch):
     """``_child.COMPILE_ONLY_GPU_FLAGS`` (each shortens the compile) against XLA's defaults for them."""
@@ -146,7 +138,7 @@ def test_the_compile_only_gpu_options_leave_the_program_s_figures_unchanged(name
     assert fast.simulated_seconds == pytest.approx(slow.simulated_seconds, rel=1e-9)
 
 
-@pytest.mark.skipif(not _has_gpu_compiler(), reason="XLA's GPU compiler is not installed")
+@needs_gpu
 def test_a_child_s_kernel_cache_leaves_the_figures_unchanged_and_is_removed(monkeypatch):
     """Each child of a GPU plan keeps XLA's compiled kernels in a file of its own (``KERNEL_CACHE_FLAG``):
     the later candidates' figures are those of compiles without it, the file was written, and its

@@ -23,6 +23,7 @@ from tests import gpt_steps as gpt
 from tests.test_plan_opt_state import TX, tuple_step
 from tests.test_planner import D, sgd_step
 from tests.test_planner import mlp_params as params
+from tests.test_targets import needs_gpu
 
 N = jax.device_count()
 MLP_CANDIDATES = [strategies.data_parallel(), strategies.fsdp(min_bytes=0), strategies.tensor_parallel()]
@@ -261,16 +262,7 @@ def test_plan_batches_rejects_a_candidate_whose_arguments_exceed_the_memory_with
     assert rows["fsdp"].compiles > 0
 
 
-def _has_gpu_compiler() -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-@pytest.mark.skipif(not _has_gpu_compiler(), reason="XLA's GPU compiler is not installed")
+@needs_gpu
 def test_on_a_gpu_target_the_bounds_hold_and_the_winner_is_the_same():
     """The GPT's AdamW step for 16 H100s (two hosts): each bound against the simulated program."""
     step, state, batch, _ = CASES["gpt_adamw"]
