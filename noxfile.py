@@ -204,6 +204,7 @@ COUNT_INDEPENDENT = [
     "tests/test_out_of_memory.py",
     "tests/test_tpu.py",
     "tests/test_links.py",
+    "tests/test_jaxprs.py",
 ]
 
 

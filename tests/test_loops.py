@@ -147,7 +147,7 @@ def test_a_shard_map_s_outputs_have_no_batch_axis_the_reading_can_tell():
 
     closed = jax.make_jaxpr(fn)(jnp.ones((B, H)))
     assert closed.out_avals[0].shape == (B // N, N * H)
-    assert _batch_axes.read(closed.jaxpr, [0]).outputs == [UNKNOWN]
+    assert _batch_axes.batch_axes_of(closed.jaxpr, [0]).outputs == [UNKNOWN]
 
 
 # --- the model's own constraint -------------------------------------------------------------------

@@ -41,7 +41,7 @@ def axes_of(fn, args, batch_positions):
     flat, tree = jax.tree.flatten(args)
     closed = jax.make_jaxpr(lambda *f: jax.tree.leaves(fn(*jax.tree.unflatten(tree, f))))(*flat)
     in_axes = [0 if i in batch_positions else None for i in range(len(flat))]
-    return _batch_axes.read(closed.jaxpr, in_axes).outputs
+    return _batch_axes.batch_axes_of(closed.jaxpr, in_axes).outputs
 
 
 def test_an_embedding_lookup_and_the_products_after_it_keep_the_batch_first():
@@ -87,7 +87,7 @@ def test_a_carry_that_starts_as_zeros_and_an_rnn_over_time_are_batch_major():
 
     assert axes_of(fn, (jnp.ones((H, H)), jnp.ones((5, B, H))), set()) == [ABSENT] * 3  # no batch given
     closed = jax.make_jaxpr(fn)(jnp.ones((H, H)), jnp.ones((5, B, H)))
-    outs = _batch_axes.read(closed.jaxpr, [None, 1]).outputs  # the batch is axis 1 of xs
+    outs = _batch_axes.batch_axes_of(closed.jaxpr, [None, 1]).outputs  # the batch is axis 1 of xs
     assert outs == [0, 1, REDUCED]
 
 
@@ -104,7 +104,7 @@ def test_a_gradient_accumulated_in_a_loop_is_reduced_and_a_batch_second_carry_is
         return acc, xt
 
     closed = jax.make_jaxpr(fn)(jnp.ones((B, H)))
-    assert _batch_axes.read(closed.jaxpr, [0]).outputs == [REDUCED, 1]
+    assert _batch_axes.batch_axes_of(closed.jaxpr, [0]).outputs == [REDUCED, 1]
     rewritten, notes = _loops.constrained_jaxpr(closed.jaxpr, [0], lambda x: x)
     assert rewritten is closed.jaxpr  # nothing to constrain
     (note,) = notes
@@ -126,7 +126,7 @@ def test_a_while_loop_and_a_cond_in_its_body_are_read_through():
         return jax.lax.while_loop(lambda c: c[0] < 4, body, (0, x))
 
     closed = jax.make_jaxpr(fn)(jnp.ones((B, H)))
-    assert _batch_axes.read(closed.jaxpr, [0]).outputs == [ABSENT, 0]
+    assert _batch_axes.batch_axes_of(closed.jaxpr, [0]).outputs == [ABSENT, 0]
     _, notes = _loops.constrained_jaxpr(closed.jaxpr, [0], lambda x: x)
     assert [(n.primitive, n.constrained) for n in notes] == [("while", 1)]
 

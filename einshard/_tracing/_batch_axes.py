@@ -29,11 +29,11 @@ __all__ = [
     "REDUCED",
     "UNKNOWN",
     "Axis",
-    "Reading",
+    "BatchAxes",
+    "batch_axes_of",
     "combined",
     "join",
     "loop_carries",
-    "read",
 ]
 
 Axis = int | None
@@ -75,7 +75,7 @@ def _depends(axis: Axis) -> bool:
     return axis is not ABSENT
 
 
-class Reading:
+class BatchAxes:
     """The batch's axis of every value of one jaxpr, for the axes of its inputs."""
 
     def __init__(self, jaxpr: Any, in_axes: Sequence[Axis]) -> None:
@@ -102,9 +102,9 @@ class Reading:
         return [self.axis(atom) for atom in self.jaxpr.outvars]
 
 
-def read(jaxpr: Any, in_axes: Sequence[Axis]) -> Reading:
+def batch_axes_of(jaxpr: Any, in_axes: Sequence[Axis]) -> BatchAxes:
     """The batch's axis of every value of ``jaxpr`` (open or closed), given its inputs'."""
-    return Reading(jaxpr, in_axes)
+    return BatchAxes(jaxpr, in_axes)
 
 
 # --- loops ----------------------------------------------------------------------------------------
@@ -149,7 +149,7 @@ def _fixpoint(
 ) -> tuple[list[Axis], list[Axis]]:
     # Each carry's axis only rises (absent, an axis, unknown): a few passes reach the fixpoint.
     for _ in range(2 * len(carry) + 2):
-        outs = read(body, inputs(carry)).outputs
+        outs = batch_axes_of(body, inputs(carry)).outputs
         new = [join(c, o) for c, o in zip(carry, outs[first : first + len(carry)], strict=True)]
         if new == carry:
             break
@@ -196,7 +196,7 @@ def _call(eqn: Any, ins: list[Axis]) -> list[Axis] | None:
     for sub in subs:
         inner = inner_jaxpr(sub)
         if len(inner.invars) == len(ins) and len(inner.outvars) == len(eqn.outvars):
-            return read(inner, ins).outputs
+            return batch_axes_of(inner, ins).outputs
     return None
 
 
@@ -460,7 +460,7 @@ def _scan(eqn: Any, ins: list[Axis]) -> list[Axis]:
     carries = loop_carries(eqn, ins)
     assert carries is not None
     carry, body_inputs = carries
-    outs = read(eqn.params["jaxpr"], body_inputs).outputs
+    outs = batch_axes_of(eqn.params["jaxpr"], body_inputs).outputs
     stacked = [a if a is None or a < 0 else a + 1 for a in outs[len(carry) :]]
     return [*carry, *stacked]
 
@@ -478,7 +478,7 @@ def _cond(eqn: Any, ins: list[Axis]) -> list[Axis]:
         return [UNKNOWN] * len(eqn.outvars)
     outs: list[Axis] = [ABSENT] * len(eqn.outvars)
     for branch in eqn.params["branches"]:
-        for i, axis in enumerate(read(branch, operands).outputs):
+        for i, axis in enumerate(batch_axes_of(branch, operands).outputs):
             outs[i] = join(outs[i], axis)
     if index == REDUCED:  # which branch runs depends on the batch: every output does too
         outs = [REDUCED if axis is ABSENT else axis for axis in outs]

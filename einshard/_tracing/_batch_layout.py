@@ -1,13 +1,13 @@
-"""The batch's layout inside a step: ``use_strategy``, ``like_batch`` and ``constrain_loops``.
+"""The batch's layout inside a step: ``use_strategy`` and ``like_batch``.
 
 Model code marks a batch-major activation once (``x = einshard.like_batch(x)``, in a scanned
 layer's body); the layout comes from the strategy the step runs under: the candidate's while
 :func:`~einshard.plan` compiles it, the one in a :func:`use_strategy` block when the user runs
 the step. Outside any, ``like_batch`` returns its argument: the model still runs on one device.
 
-:func:`constrain_loops` does the same for a step nobody marked: it finds the loops whose carry
-comes from the batch (``_loops``) and constrains their carries, so the step the user runs is
-the program ``plan`` ranked.
+``constrain_loops`` (in ``_cost/_program.py``, beside the program it rewrites) does the same for
+a step nobody marked: it finds the loops whose carry comes from the batch (``_loops``) and
+constrains their carries, so the step the user runs is the program ``plan`` ranked.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ backward pass, and the user's line behind it.
 JAX's jaxpr types change between versions (a scan's constants and carries are counted by
 ``num_consts`` / ``num_carry`` in older JAX and by the flat tree ``ft_in`` in newer JAX; a
 sub-program is a ``ClosedJaxpr`` or an open ``Jaxpr``): what differs is answered here, once, and
-``tests/test_tracing.py`` fails loudly where a JAX version answers none of the known ways.
+``tests/test_jaxprs.py`` fails loudly where a JAX version answers none of the known ways.
 """
 
 from __future__ import annotations

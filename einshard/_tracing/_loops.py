@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._language._errors import EinshardError
-from ._batch_axes import ABSENT, REDUCED, UNKNOWN, Axis, loop_carries, read
+from ._batch_axes import ABSENT, REDUCED, UNKNOWN, Axis, batch_axes_of, loop_carries
 from ._jaxprs import (
     closed_jaxpr,
     evaluate,
@@ -181,11 +181,11 @@ def _rewrite(jaxpr: Any, in_axes: list[Axis], rewrite: _Rewrite, backward: bool)
     """
     if not rewrite.has_loop(jaxpr):
         return jaxpr
-    reading = read(jaxpr, in_axes)
+    axes = batch_axes_of(jaxpr, in_axes)
     eqns = []
     changed = False
     for eqn in jaxpr.eqns:
-        ins = reading.inputs(eqn)
+        ins = axes.inputs(eqn)
         name = eqn.primitive.name
         inside = backward or is_backward(eqn)
         if name in _LOOPS:
@@ -485,9 +485,9 @@ def _marks(jaxpr: Any, in_axes: list[Axis], found: list, seen: set) -> None:
     if key in seen:
         return
     seen.add(key)
-    reading = read(jaxpr, in_axes)
+    axes = batch_axes_of(jaxpr, in_axes)
     for eqn in jaxpr.eqns:
-        ins = reading.inputs(eqn)
+        ins = axes.inputs(eqn)
         name = eqn.primitive.name
         if name == "sharding_constraint" and MARK in str(getattr(eqn.source_info, "name_stack", "")):
             _judge(eqn, ins[0], found)
