@@ -50,7 +50,7 @@ from .._tracing._batch_layout import (
     traced_under,
 )
 from .._tracing._constants import shared_constants
-from .._tracing._jaxprs import evaluate, inner_jaxpr, is_backward, is_jaxpr, user_line
+from .._tracing._jaxprs import evaluate, inner_jaxpr, is_backward, runs, user_line
 from .._tracing._loops import LoopNote, constrained_jaxpr, has_loop, misplaced_marks
 from .._trees._strategy import Strategy
 from ._call import StepCall
@@ -305,10 +305,9 @@ def _unmatched_loops(jaxpr: Any) -> tuple[LoopNote, ...]:
             if eqn.primitive.name in ("scan", "while"):
                 notes.append(LoopNote(user_line(eqn), eqn.primitive.name, is_backward(eqn), 0, reason))
                 continue  # its body's loops are its own
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    if is_jaxpr(sub):
-                        walk(sub)
+            called = runs(eqn)
+            for sub in called.programs if called is not None else ():
+                walk(sub)
 
     walk(jaxpr)
     return tuple(notes)

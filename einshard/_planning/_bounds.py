@@ -33,7 +33,7 @@ from .._cost._call import StepCall, traced_dtype
 from .._cost._links import Links
 from .._cost._target import Figures
 from .._language._errors import EinshardError
-from .._tracing._jaxprs import inner_jaxpr, is_backward, is_jaxpr, scan_counts, var_nbytes, var_shape
+from .._tracing._jaxprs import CALL, SCAN, inner_jaxpr, is_backward, runs, scan_counts, var_nbytes, var_shape
 from .._trees._rules import RulesLike
 
 __all__ = ["Bounds", "StepCosts", "argument_bytes_per_device", "bounds", "step_costs"]
@@ -262,19 +262,14 @@ def _inner_jaxpr(eqn: Any, live_out: list[bool]) -> tuple[Any, list[bool], int] 
     ``None`` for a ``while`` or ``cond`` (unknown trips or path), a ``shard_map`` (per-device
     shapes) or an operation without one.
     """
-    name = eqn.primitive.name
-    if name == "scan":
+    called = runs(eqn)
+    if called is not None and called.how == SCAN:
         _, carries = scan_counts(eqn.params, len(eqn.invars))
         # A carry may feed the next step's needed results: every carry counts as needed.
         needed = [True] * carries + list(live_out[carries:])
-        return eqn.params["jaxpr"], needed, int(eqn.params.get("length", 1))
-    if name in ("while", "cond", "shard_map"):
-        return None
-    subs = [v for v in eqn.params.values() if is_jaxpr(v)]
-    if len(subs) == 1:
-        body = inner_jaxpr(subs[0])
-        if len(body.invars) == len(eqn.invars) and len(body.outvars) == len(eqn.outvars):
-            return subs[0], list(live_out), 1
+        return called.programs[0], needed, called.times or 1
+    if called is not None and called.how == CALL:
+        return called.programs[0], list(live_out), 1
     return None
 
 

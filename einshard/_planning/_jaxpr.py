@@ -29,11 +29,13 @@ from typing import Any
 
 from .._language._union import UnionFind
 from .._tracing._jaxprs import (
+    CALL,
+    PER_DEVICE,
     inner_jaxpr,
     is_backward,
-    is_jaxpr,
     keeps_shape,
     reshape_groups,
+    runs,
     scan_counts,
     user_line,
     var_nbytes,
@@ -163,13 +165,11 @@ class Reader:
             return [plain(CONST, var_rank(v)) for v in eqn.outvars]
         if name in STOPS:
             return self.opaque(eqn, ins, f"{name}, {STOPS[name]}")
-        subs = [v for v in eqn.params.values() if is_jaxpr(v)]
-        if (
-            len(subs) == 1
-            and len(inner_jaxpr(subs[0]).invars) == len(ins)
-            and len(inner_jaxpr(subs[0]).outvars) == len(eqn.outvars)
-        ):
-            return self.call(eqn, subs[0], ins)
+        called = runs(eqn)
+        # A shard_map's body is read as a call: its leaves' roles are the step's, on blocks.
+        if called is not None and called.how in (CALL, PER_DEVICE):
+            return self.call(eqn, called.programs[0], ins)
+        subs = called.programs if called is not None else ()
         if kind == CONST:
             return [plain(CONST, var_rank(v)) for v in eqn.outvars]
         # A primitive JAX does not define (tests/test_primitives.py holds JAX's own to the lists).

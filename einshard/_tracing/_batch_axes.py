@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._jaxprs import inner_jaxpr, is_jaxpr, reshape_groups, scan_counts, var_shape
-from ._primitives import CALLS, CONSTANT, CUMULATIVE, ELEMENTWISE, IDENTITY, RANDOM
+from ._jaxprs import CALL, inner_jaxpr, reshape_groups, runs, scan_counts, var_shape
+from ._primitives import CONSTANT, CUMULATIVE, ELEMENTWISE, IDENTITY, RANDOM
 
 __all__ = [
     "ABSENT",
@@ -176,28 +176,22 @@ def _eqn_axes(eqn: Any, ins: list[Axis]) -> list[Axis]:
         return [ABSENT] * n
     if name in CUMULATIVE:
         return [ins[0]]
-    if name in _KNOWN_STOPS:
-        return [UNKNOWN] * n
-    called = _call(eqn, ins)  # a call (CALLS), or another library's primitive with one sub-program
+    called = _call(eqn, ins)  # a call (jit, checkpoint ...), or another library's primitive with one
     if called is not None:
         return called
     return [UNKNOWN] * n
 
 
-# Calls (in CALLS) whose program is not the equation's on whole arrays: a shard_map's body sees one
-# device's block, and its outputs put those blocks together along the axes its out_specs name.
-_KNOWN_STOPS = frozenset({"shard_map"})
-assert _KNOWN_STOPS <= CALLS  # checked before CALLS is: a stop that is also read through
-
-
 def _call(eqn: Any, ins: list[Axis]) -> list[Axis] | None:
-    """Through the one sub-program of a call whose inputs and outputs are the equation's."""
-    subs = [value for value in eqn.params.values() if is_jaxpr(value)]
-    for sub in subs:
-        inner = inner_jaxpr(sub)
-        if len(inner.invars) == len(ins) and len(inner.outvars) == len(eqn.outvars):
-            return batch_axes_of(inner, ins).outputs
-    return None
+    """Through a call's program (:func:`runs`: ``CALL``), inputs to inputs and outputs to outputs.
+
+    ``None`` for any other: a ``shard_map``'s body sees one device's block, and its outputs put
+    those blocks together along the axes its out_specs name, which the reading does not follow.
+    """
+    called = runs(eqn)
+    if called is None or called.how != CALL:
+        return None
+    return batch_axes_of(called.programs[0], ins).outputs
 
 
 def _shape(atom: Any) -> tuple[int, ...]:

@@ -1,7 +1,8 @@
 """The small questions every reader of a jaxpr asks of it.
 
 Shapes, bytes, inner jaxprs, scan counts, reshape groups, whether an operation belongs to the
-backward pass, and the user's line behind it.
+backward pass, the user's line behind it, and the one walk's question: which sub-programs an
+equation runs, and how often (:func:`runs`).
 
 JAX's jaxpr types change between versions (a scan's constants and carries are counted by
 ``num_consts`` / ``num_carry`` in older JAX and by the flat tree ``ft_in`` in newer JAX; a
@@ -11,6 +12,7 @@ sub-program is a ``ClosedJaxpr`` or an open ``Jaxpr``): what differs is answered
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from .._arrays._leaves import nbytes
@@ -19,6 +21,13 @@ from .._language._sources import user_frame
 from ._primitives import AXIS_PARAMS
 
 __all__ = [
+    "CALL",
+    "COND",
+    "OTHER",
+    "PER_DEVICE",
+    "SCAN",
+    "WHILE",
+    "Runs",
     "closed_jaxpr",
     "evaluate",
     "inner_jaxpr",
@@ -26,6 +35,7 @@ __all__ = [
     "is_jaxpr",
     "keeps_shape",
     "reshape_groups",
+    "runs",
     "scan_counts",
     "user_line",
     "var_nbytes",
@@ -58,6 +68,74 @@ def inner_jaxpr(jaxpr: Any) -> Any:
 
 def is_jaxpr(value: Any) -> bool:
     return hasattr(inner_jaxpr(value), "eqns")
+
+
+# How an equation runs its sub-programs (Runs.how).
+CALL = "call"  # one program, once, on the equation's inputs, making its outputs, one for one
+SCAN = "scan"  # the body, a known number of times
+WHILE = "while"  # the condition and the body, a number of times known only at run time
+COND = "cond"  # one of the branches, once, on the operands (the inputs after the index)
+PER_DEVICE = "per_device"  # a shard_map's body, on each device's block of the inputs
+OTHER = "other"  # sub-programs run in none of these ways (another library's primitive)
+
+
+@dataclasses.dataclass(frozen=True)
+class Runs:
+    """The sub-programs one equation runs, how, and how often: every walk of a jaxpr asks this.
+
+    Attributes:
+        how: :data:`CALL`, :data:`SCAN`, :data:`WHILE`, :data:`COND`, :data:`PER_DEVICE` or
+            :data:`OTHER`.
+        programs: The sub-programs as the equation holds them (closed or open): a call's or a
+            scan's one, a while's condition and body, a cond's branches.
+        keys: The parameter holding each (a cond's branches all ``'branches'``).
+        times: How often each runs per run of the equation: a scan's length, 1, or ``None``
+            (a while's trips, unknown before it runs).
+    """
+
+    how: str
+    programs: tuple[Any, ...]
+    keys: tuple[str, ...]
+    times: int | None = 1
+
+    @property
+    def bodies(self) -> tuple[Any, ...]:
+        """The open jaxprs of :attr:`programs`."""
+        return tuple(inner_jaxpr(program) for program in self.programs)
+
+
+def runs(eqn: Any) -> Runs | None:
+    """Which sub-programs ``eqn`` runs, how and how often; ``None`` for an equation with none.
+
+    A call (``jit``, ``checkpoint``, ``custom_jvp`` / ``custom_vjp``, ``composite``, another
+    library's) runs the first sub-program whose inputs and outputs are the equation's one for one:
+    any others are its rules for derivatives (``linear_call``'s transpose). A ``shard_map``'s body
+    has them one for one too, but sees each device's block, not the arrays: :data:`PER_DEVICE`.
+    """
+    name = eqn.primitive.name
+    params = eqn.params
+    if name == "scan":
+        return Runs(SCAN, (params["jaxpr"],), ("jaxpr",), int(params.get("length", 1)))
+    if name == "while":
+        return Runs(WHILE, (params["cond_jaxpr"], params["body_jaxpr"]), ("cond_jaxpr", "body_jaxpr"), None)
+    if name == "cond":
+        branches = tuple(params["branches"])
+        return Runs(COND, branches, ("branches",) * len(branches))
+    held = [
+        (key, item)
+        for key, value in params.items()
+        for item in (value if isinstance(value, (tuple, list)) else (value,))
+        if is_jaxpr(item)
+    ]
+    if not held:
+        return None
+    if name == "shard_map":
+        return Runs(PER_DEVICE, (params["jaxpr"],), ("jaxpr",))
+    for key, program in held:
+        body = inner_jaxpr(program)
+        if len(body.invars) == len(eqn.invars) and len(body.outvars) == len(eqn.outvars):
+            return Runs(CALL, (program,), (key,))
+    return Runs(OTHER, tuple(program for _, program in held), tuple(key for key, _ in held), None)
 
 
 def scan_counts(params: dict, n_inputs: int) -> tuple[int, int]:

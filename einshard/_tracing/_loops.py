@@ -31,16 +31,16 @@ from typing import Any
 from .._language._errors import EinshardError
 from ._batch_axes import ABSENT, REDUCED, UNKNOWN, Axis, batch_axes_of, loop_carries
 from ._jaxprs import (
+    CALL,
     closed_jaxpr,
     evaluate,
     inner_jaxpr,
     is_backward,
-    is_jaxpr,
+    runs,
     scan_counts,
     user_line,
     var_shape,
 )
-from ._primitives import CALLS
 
 __all__ = ["BY_EINSHARD", "BY_MODEL", "MARK", "LoopNote", "constrained_jaxpr", "has_loop", "misplaced_marks"]
 
@@ -110,14 +110,9 @@ def has_loop(jaxpr: Any, memo: dict[int, bool] | None = None) -> bool:
     return found
 
 
-def _sub_jaxprs(eqn: Any) -> list[Any]:
-    out = []
-    for value in eqn.params.values():
-        if is_jaxpr(value):
-            out.append(value)
-        elif isinstance(value, (tuple, list)):
-            out += [item for item in value if is_jaxpr(item)]
-    return out
+def _sub_jaxprs(eqn: Any) -> tuple[Any, ...]:
+    called = runs(eqn)
+    return called.programs if called is not None else ()
 
 
 Fits = Callable[[tuple[int, ...]], "str | None"]
@@ -216,17 +211,19 @@ def _with_param(
 
 
 def _calls(eqn: Any, ins: list[Axis], rewrite: _Rewrite, backward: bool) -> Any:
-    """A call (``jit``, ``checkpoint``, a custom derivative) whose program has loops: rewritten inside."""
-    for key, value in eqn.params.items():
-        if not is_jaxpr(value):
-            continue
-        inner = inner_jaxpr(value)
-        if len(inner.invars) != len(ins) or not rewrite.has_loop(inner):
-            continue
-        new = _rewrite(inner, ins, rewrite, backward)
-        if new is not inner:
-            eqn = _with_param(eqn, key, value, new)
-    return eqn
+    """A call (``jit``, ``checkpoint``, a custom derivative) whose program has loops: rewritten inside.
+
+    Not a ``shard_map``'s body: it sees one device's block, where the batch's layout means nothing.
+    """
+    called = runs(eqn)
+    if called is None or called.how != CALL:
+        return eqn
+    (value,), (key,) = called.programs, called.keys
+    inner = inner_jaxpr(value)
+    if not rewrite.has_loop(inner):
+        return eqn
+    new = _rewrite(inner, ins, rewrite, backward)
+    return eqn if new is inner else _with_param(eqn, key, value, new)
 
 
 def _branches(eqn: Any, operands: list[Axis], rewrite: _Rewrite, backward: bool) -> Any:
@@ -362,14 +359,8 @@ def _constrained_result(jaxpr: Any, var: Any, parts: int, depth: int) -> bool:
 
 def _call_body(eqn: Any) -> Any:
     """The open program of a call whose inputs and outputs are the equation's, or ``None``."""
-    if eqn.primitive.name not in CALLS or eqn.primitive.name == "shard_map":
-        return None
-    for value in eqn.params.values():
-        if is_jaxpr(value):
-            inner = inner_jaxpr(value)
-            if len(inner.invars) == len(eqn.invars) and len(inner.outvars) == len(eqn.outvars):
-                return inner
-    return None
+    called = runs(eqn)
+    return called.bodies[0] if called is not None and called.how == CALL else None
 
 
 def _split_axes(eqn: Any) -> list[int] | None:
