@@ -185,6 +185,7 @@ COMPILES_STEPS = [
     "tests/test_children.py",
     "tests/test_every_path.py",
     "tests/test_own_errors.py",
+    "tests/test_loops.py",
 ]
 
 
