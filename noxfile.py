@@ -206,6 +206,7 @@ COUNT_INDEPENDENT = [
     "tests/test_tpu.py",
     "tests/test_links.py",
     "tests/test_jaxprs.py",
+    "tests/test_torus.py",
 ]
 
 
@@ -395,6 +396,9 @@ TARGET_TESTS = [
     "tests/test_out_of_memory.py",
     # The TPU generations' figures and libtpu's compile-only devices: their coordinates, slices.
     "tests/test_tpu.py",
+    # A TPU device's place as libtpu gives it, and a 2-slice FSDP program's megascale transfers.
+    "tests/test_torus.py::test_a_device_s_place_is_libtpu_s_own",
+    "tests/test_torus.py::test_two_slices_fsdp_program_sends_between_slices_at_dcn",
     # Which host each compile-only GPU is on, and each GPU's links with their sources.
     "tests/test_links.py::test_the_compile_only_gpus_hosts_are_the_links_answer",
     "tests/test_links.py::test_each_gpu_s_links_come_with_their_sources",

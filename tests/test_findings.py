@@ -181,6 +181,26 @@ def test_fsdp_gradients_all_reduced_then_sliced_are_named():
     )
 
 
+def test_the_sliced_all_reduce_s_fix_on_a_tpu_sends_to_no_other_target():
+    # The same program read as a TPU's: it is already the target's own, so the fix names no
+    # target= to try (and says why a TPU keeps all-reduces), only what the user's code can do.
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from einshard._cost._analysis import report_of_text
+
+    mesh = jax.make_mesh((N,), ("d",))
+    split = NamedSharding(mesh, P("d"))
+    shaped = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=split) for k, v in FSDP_PARAMS.items()}
+    batch = jax.ShapeDtypeStruct(FSDP_BATCH.shape, FSDP_BATCH.dtype, sharding=split)
+    text = jax.jit(sgd(mlp_loss), out_shardings=split).lower(shaped, batch).compile().as_text()
+    cpu, tpu = (only(report_of_text(text, platform=p), "sliced all-reduce") for p in ("cpu", "tpu"))
+    assert (cpu.bytes, cpu.rows) == (tpu.bytes, tpu.rows)
+    assert "target=" in cpu.fix and "h100" in cpu.fix
+    assert "target=" not in tpu.fix and "GPU" not in tpu.fix
+    assert "psum_scatter" in tpu.fix and "XLA's TPU compiler" in tpu.fix and "padded_gathers" in tpu.fix
+
+
 def test_data_parallel_gradients_are_used_whole_so_no_sliced_all_reduce():
     rules = [(r"^batch", "b d -> b* d"), (r".*", "... -> * ...")]
     params = {"up": f32(DIM, HIDDEN), "down": f32(HIDDEN, DIM)}

@@ -53,7 +53,10 @@ def test_a_tpu_target_s_hardware_carries_the_figures_and_says_what_is_assumed(na
         hardware.matmul_peaks["s8"] == chip.matmul_peaks["s8"] > hardware.peak_flops_per_second
     )  # int8 runs faster
     assert hardware.matmul_peaks["f32"] == chip.peak_flops_per_second / 6  # 'highest': 6 bf16 passes
-    assert hardware.bandwidth == chip.ici_bidirectional / 2  # the link's costing is unchanged here
+    assert (hardware.bandwidth, hardware.network_bandwidth) == (
+        chip.link_one_way,
+        chip.dcn_per_chip,
+    )  # _torus
     for assumed in ("efficiency", "memory_efficiency", "launch_seconds", "latency"):
         assert _target.TPU_ASSUMED in hardware.sources[assumed]
 

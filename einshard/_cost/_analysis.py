@@ -201,6 +201,7 @@ def _read(call: StepCall, compiled: Compiled, *, matmul_flops: bool = False) -> 
         sizes=call.array_bytes,
         table=call.table,
         loops=compiled.loops,
+        platform=compiled.platform() or "cpu",
     )
     memory = compiled.memory()
     flops = _hlo_kernels.program_matmul_flops(module) if matmul_flops else compiled.flops()
@@ -223,19 +224,22 @@ def _read(call: StepCall, compiled: Compiled, *, matmul_flops: bool = False) -> 
     return report
 
 
-def report_of_text(text: str, parameter_paths: list[str | None] | None = None) -> StepReport:
+def report_of_text(
+    text: str, parameter_paths: list[str | None] | None = None, platform: str = "cpu"
+) -> StepReport:
     """The report of a compiled program's text alone (``compiled.as_text()``, saved anywhere).
 
     The rows, bytes and findings that need only the program: its mesh is one axis of all its
     partitions, and it has no memory, flops or table. ``parameter_paths`` names the program's
-    parameters by position, for the rows' parameters.
+    parameters by position, for the rows' parameters; ``platform`` what it was compiled for
+    (``'cpu'``, ``'gpu'``, ``'tpu'``: the findings' fixes say what applies there).
     """
     module = _hlo.parse_module(text)
     n = module.num_partitions
     mesh = (("devices", n),)
     flow = Flow(module)
     rows, origins = attributed_rows(module, flow, mesh, list(range(n)), parameter_paths)
-    findings = find_waste(rows, origins, flow, n, parameter_paths=parameter_paths or ())
+    findings = find_waste(rows, origins, flow, n, parameter_paths=parameter_paths or (), platform=platform)
     memory: dict[str, int | None] = dict.fromkeys(
         ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes")
     )

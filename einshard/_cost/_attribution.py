@@ -101,6 +101,8 @@ def attributed_rows(
             arrays = [(piece.shape, piece.operand, piece.value) for piece in pieces]
         else:
             inputs = [s for s in (operand_shape(flow, o) for o in instruction.operands) if s is not None]
+            if instruction.opcode == "send":  # a megascale transfer: its array, not its token
+                inputs = [s for s in inputs if s.dtype != "token"]
             outputs = list(instruction.shapes)
             if instruction.opcode.endswith("-start") or len(outputs) != len(inputs):
                 outputs = [_output_of(collective.kind, s, instruction, group_size) for s in inputs]

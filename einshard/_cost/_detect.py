@@ -54,6 +54,7 @@ class Context:
     sizes: dict[str, int]  # each argument leaf's bytes, whole, by path
     table: Any = None  # the rule table that gave the arguments their shardings, or None
     loops: Sequence[Any] = ()  # the step's loops whose carry comes from the batch (LoopNote), kept or not
+    platform: str = "cpu"  # what the program was compiled for: 'cpu', 'gpu' or 'tpu' (the fixes' words)
 
     def producers(self, position: int) -> tuple[str, ...]:
         """The parameters the op that made a row's input reads (a matmul's weight)."""

@@ -60,8 +60,9 @@ def find_waste(
     sizes: Mapping[str, int] | None = None,
     table: Any = None,
     loops: Sequence[Any] = (),
+    platform: str = "cpu",
 ) -> list[Finding]:
-    """Every finding of a compiled step, the costliest first."""
+    """Every finding of a compiled step, the costliest first; ``platform``: what it was compiled for."""
     values = [origin.value for origin in origins]
     operands = [origin.operand for origin in origins]
     uses = Uses(flow)
@@ -78,6 +79,7 @@ def find_waste(
         dict(sizes or {}),
         table,
         loops,
+        platform,
     )
     extra: set[int] = set()  # rows whose whole traffic a finding counts already
     found: list[Finding] = []

@@ -43,6 +43,8 @@ __all__ = [
     "Shape",
     "chain_key",
     "device_groups",
+    "megascale",
+    "megascale_receiver",
     "parse_module",
     "parse_out_of_memory",
     "parse_remat",
@@ -63,6 +65,14 @@ COLLECTIVES = {
 }
 KINDS = tuple(dict.fromkeys(_COLLECTIVE_KINDS.values()))
 """The kinds of collective, in the order reports list them."""
+# A program compiled for several TPU slices is one slice's program; what crosses between slices
+# is a megascale transfer: a host-transfer send (and its recv) whose frontend attributes name
+# the collective it is (``_xla_megascale_transfer_type``) and the slices it joins
+# (``_xla_megascale_target="{1,2}x{0:7}"``: slices 1 and 2, every device 0-7 of each).
+_MEGASCALE_KINDS = {
+    "ALL_GATHER": "all-gather", "ALL_REDUCE": "all-reduce", "REDUCE_SCATTER": "reduce-scatter",
+    "ALL_TO_ALL": "all-to-all",
+}  # fmt: skip
 # The attribute naming the computations an instruction calls -> the role it calls them in.
 _CALL_ROLES = {
     "calls": "calls", "body": "body", "condition": "condition", "to_apply": "to_apply",
@@ -96,6 +106,10 @@ _ASYNC_DONE = re.compile(r"\s[\w\-]+-(?:done|update)\(")
 _TRIP = re.compile(r'"?known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)')
 _NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
 _COLLECTIVE_LINE = _opcode_line(frozenset(COLLECTIVES))
+_MEGASCALE_LINE = re.compile(r"\ssend\(.*_xla_megascale_transfer_type")
+_MEGASCALE_TYPE = re.compile(r'_xla_megascale_transfer_type="?(\w+)')
+_MEGASCALE_SLICES = re.compile(r'_xla_megascale_target="?\{([\d,\s]*)\}')
+_RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="?([^",}]+)')
 _COMPUTATION = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?.*\{\s*$")
 _SLICE = re.compile(r"\[(\d+):(\d+)(?::(\d+))?\]")
 _MESH_AXIS = re.compile(r"'?([^'=,\s\]]+)'?\s*=\s*(\d+)")
@@ -856,22 +870,62 @@ def chain_key(instruction: Instruction) -> tuple[str, str, str] | None:
     return kind, channel, chain.group(1)
 
 
+def megascale(instruction: Instruction) -> tuple[str, int] | None:
+    """``(kind, slices)`` of a send of a megascale transfer between TPU slices, else ``None``.
+
+    A transfer type the reader does not know is costed as a permute (its array sent once).
+    """
+    if instruction.opcode != "send":
+        return None
+    attributes = instruction.attribute("frontend_attributes") or ""
+    kind = _MEGASCALE_TYPE.search(attributes)
+    if kind is None:
+        return None
+    target = _MEGASCALE_SLICES.search(attributes)
+    slices = len([s for s in target.group(1).split(",") if s.strip()]) if target is not None else 2
+    return _MEGASCALE_KINDS.get(kind.group(1), "collective-permute"), max(slices, 2)
+
+
+def megascale_receiver(instructions: Sequence[Instruction]) -> dict[str, str]:
+    """Each megascale recv's name -> its send's (the same rendezvous), in one computation."""
+    sends: dict[str, str] = {}
+    recvs: dict[str, str] = {}
+    for instruction in instructions:
+        if instruction.opcode not in ("send", "recv"):
+            continue
+        key = _RENDEZVOUS.search(instruction.attribute("frontend_attributes") or "")
+        if key is not None:
+            (sends if instruction.opcode == "send" else recvs)[key.group(1)] = instruction.name
+    return {recv: sends[key] for key, recv in recvs.items() if key in sends}
+
+
 def collectives(module: Module) -> list[Collective]:
     """Every collective of the program that runs, with its groups and how often it runs.
 
     TPU's compiler splits one collective over several async collective fusions (each fusion
     carries a copy of the instruction, with the same ``channel_id`` and a ``chain_id``): such a
-    run is counted once, at its first copy in the text (:func:`chain_key`).
+    run is counted once, at its first copy in the text (:func:`chain_key`). A megascale
+    transfer between TPU slices (:func:`megascale`) is one too, at its send, over groups of a
+    device and its copies on the other slices (``d + k * num_partitions``: the program is one
+    slice's).
     """
     runs = module.times()
     out = []
     chained: set[tuple[str, str, str]] = set()
-    for computation in module.containing(_COLLECTIVE_LINE):
+    found = set(module.containing(_COLLECTIVE_LINE)) | set(module.containing(_MEGASCALE_LINE))
+    for computation in (name for name in module.computations.lines if name in found):
         times, known = runs.get(computation, (0, True))
         if times == 0:
             continue
         for instruction in module.computations[computation]:
             kind = COLLECTIVES.get(instruction.opcode)
+            between = megascale(instruction) if kind is None else None
+            if between is not None:
+                n = module.num_partitions
+                kind, slices = between
+                groups = tuple(tuple(d + k * n for k in range(slices)) for d in range(n))
+                out.append(Collective(instruction, kind, groups, times, known))
+                continue
             if kind is None:
                 continue
             key = chain_key(instruction)

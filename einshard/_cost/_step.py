@@ -56,6 +56,7 @@ def explain_step(
     rules: RulesLike | None = None,
     target: str = "cpu",
     hardware: Mapping[str, float] | None = None,
+    slices: int | None = None,
     bandwidth: float | None = None,
     latency: float | None = None,
     flops_per_second: float | None = None,
@@ -107,6 +108,9 @@ def explain_step(
             or a TPU generation (``'v5e'``, ``'v5p'``, ``'v6e'``, or a slice ``'v5e:2x4'``:
             needs ``tpu-target``). A target other than ``'cpu'`` is always compiled
             in a child process.
+        slices: With a TPU target: how many slices the ``n_devices`` chips are, each of
+            ``n_devices / slices`` (or the slice named, ``'v5e:4x4'``), joined by the data-center
+            network (MaxText's ``num_slices``); collectives between slices run at DCN's rate.
         hardware: Figures of the target to use instead of its own, by name
             (``{'efficiency': 0.6, 'nics_per_host': 4}``; see :class:`~einshard.Hardware`).
         bandwidth: Bytes per second each device sends, for the communication estimate (every
@@ -148,7 +152,7 @@ def explain_step(
     """
     if n_devices is not None:
         _check_devices(n_devices)
-    chosen = parse_target(target, n_devices)
+    chosen = parse_target(target, n_devices, slices)
     figures = resolve_figures(
         chosen, hardware, bandwidth=bandwidth, latency=latency, flops_per_second=flops_per_second
     )

@@ -36,6 +36,7 @@ from ._links import (
     OneLink,
     gpu_wiring,
 )
+from ._torus import TpuTorus
 from ._tpu import BOOK, GENERATIONS
 
 __all__ = [
@@ -90,6 +91,7 @@ LAUNCH_SECONDS = 2e-6
 LAUNCH_SOURCE = "assumed: a kernel's launch and tail on a GPU, about 2 us"
 # A GPU host's links (NVLink, its NICs, their latencies) are _links.gpu_wiring's, with their sources.
 ICI_LATENCY = 1e-6
+DCN_LATENCY = NETWORK_LATENCY  # between TPU slices: a GPU network's, assumed (TPU_ASSUMED)
 TPU_ASSUMED = "assumed, as for a GPU: no TPU time was measured"
 
 # A TPU's figures are Google's and the scaling book's (_tpu.GENERATIONS, each with its source).
@@ -149,16 +151,17 @@ class Hardware:
             type's rate is its peak times this).
         memory_efficiency: The fraction of ``memory_bandwidth`` a streaming kernel reaches.
         launch_seconds: What each kernel costs at least (its launch and tail).
-        bandwidth: Bytes per second each device sends to the devices of its host (NVLink) or
-            its slice (ICI).
+        bandwidth: Bytes per second each device sends to the devices of its host (NVLink); on a
+            TPU, what one ICI link carries one way (a collective runs on 1 or 2 links per torus
+            axis it spans: :mod:`~einshard._cost._torus`).
         network_bandwidth: Bytes per second one NIC sends to other hosts, as NCCL reaches it
-            (GPUs), or ``None`` (a TPU slice: ICI joins its hosts).
+            (GPUs); on a TPU, what a chip sends to other slices over the data-center network.
         devices_per_host: How many devices share a host's NVLink, or ``None``.
         nics_per_host: How many NICs each host sends to the other hosts on (GPUs: one per GPU on
             a DGX), or ``None``.
         sources: Where each figure comes from, by its name.
         latency: Seconds per ring step on the ``bandwidth`` link.
-        network_latency: Seconds per ring step across hosts, or ``None``.
+        network_latency: Seconds per ring step across hosts (or TPU slices), or ``None``.
         matmul_peaks: Peak FLOP/s of the matrix units per element type they run (``'bf16'``,
             ``'f16'``, ``'tf32'`` for f32 through TF32, ``'f32'`` at full precision,
             ``'f8e4m3fn'`` ...).
@@ -312,28 +315,46 @@ class Target:
         platform: ``'cpu'``, ``'gpu'`` or ``'tpu'``.
         n_devices: How many devices.
         topology: The topology ``jax.experimental.topologies`` is asked for (``'1x8x8'``:
-            8 hosts of 8 GPUs; ``'v5e:2x4'``), or ``None`` for CPU devices.
+            8 hosts of 8 GPUs; ``'v5e:2x4'``: one TPU slice), or ``None`` for CPU devices.
+        slices: How many TPU slices of ``topology``, joined by the data-center network (1
+            but for a TPU target given ``slices=``).
     """
 
     name: str
     platform: str
     n_devices: int
     topology: str | None
+    slices: int = 1
 
     @property
     def label(self) -> str:
-        """``'64 H100 (1x8x8)'``, for headlines."""
+        """``'64 H100 (1x8x8)'``, ``'32 V5E (2 slices of v5e:4x4)'``, for headlines."""
         if self.platform == "cpu":
             return f"{self.n_devices} CPU devices"
+        if self.slices > 1:
+            return f"{self.n_devices} {self.name.upper()} ({self.slices} slices of {self.topology})"
         return f"{self.n_devices} {self.name.upper()} ({self.topology})"
 
+    @property
+    def slice_shape(self) -> tuple[int, ...] | None:
+        """A TPU slice's torus, chips per axis (``(4, 4)``), or ``None`` (not a TPU)."""
+        if self.platform != "tpu" or self.topology is None:
+            return None
+        return tuple(int(size) for size in self.topology.partition(":")[2].split("x"))
 
-def parse_target(target: Any, n_devices: int | None) -> Target:
+
+def parse_target(target: Any, n_devices: int | None, slices: Any = None) -> Target:
     """The target a user named, with its topology for ``n_devices`` (checked, no JAX needed).
 
+    ``slices``: how many TPU slices the ``n_devices`` are, joined by the data-center network
+    (MaxText's ``num_slices``); each slice gets ``n_devices / slices`` chips (a named slice
+    ``'v5e:4x4'`` is each slice's shape). ``None``: one.
+
     Raises:
-        EinshardError: For an unknown name, a device count the topology cannot have, or a
-            ``'v5e:AxB'`` slice whose chip count is not ``n_devices``.
+        EinshardError: For an unknown name, a device count the topology cannot have, a
+            ``'v5e:AxB'`` slice whose chip count is not ``n_devices``, or ``slices`` that is not
+            a whole number above 0, given for a target that is not a TPU, or that does not
+            divide ``n_devices``.
     """
     if not isinstance(target, str):
         raise EinshardError(
@@ -341,6 +362,8 @@ def parse_target(target: Any, n_devices: int | None) -> Target:
             hint=_names_hint(),
         )
     name, _, shape = target.strip().lower().partition(":")
+    if slices is not None:
+        return _sliced(target, name, shape, n_devices, slices)
     if name == "cpu" and not shape:
         return Target("cpu", "cpu", n_devices or 0, None)
     if name in GPUS and not shape:
@@ -371,6 +394,42 @@ def parse_target(target: Any, n_devices: int | None) -> Target:
             sizes = _squarest(count, dims)
         return Target(name, "tpu", count, f"{name}:{'x'.join(map(str, sizes))}")
     raise EinshardError(f"unknown target {target!r}", hint=_names_hint())
+
+
+def _sliced(target: str, name: str, shape: str, n_devices: int | None, slices: Any) -> Target:
+    """A TPU target of ``slices`` slices (:func:`parse_target`'s ``slices=``)."""
+    if isinstance(slices, bool) or not isinstance(slices, numbers.Integral) or slices < 1:
+        raise EinshardError(
+            f"slices={short_repr(slices)} must be a whole number above 0",
+            hint="Give how many TPU slices the devices are, joined by the data-center network, e.g. "
+            "target='v5e', n_devices=32, slices=2 (two slices of 16 chips).",
+        )
+    slices = int(slices)
+    if name not in TPUS:
+        raise EinshardError(
+            f"slices={slices} needs a TPU target, not target={target!r}",
+            hint="Slices joined by the data-center network are TPUs' (MaxText's multi-slice training): "
+            "give target='v5e', 'v5p' or 'v6e'. A GPU target's hosts come from n_devices= (8 GPUs each).",
+        )
+    if shape:
+        one = parse_target(target, None)
+        if n_devices is not None and n_devices != one.n_devices * slices:
+            raise EinshardError(
+                f"target={target!r} with slices={slices} has {one.n_devices * slices} chips, not "
+                f"n_devices={n_devices}",
+                hint=f"Leave n_devices out, or give n_devices={one.n_devices * slices} ({slices} slices "
+                f"of {one.n_devices}).",
+            )
+    else:
+        count = _needs_count(target, n_devices)
+        if count % slices:
+            raise EinshardError(
+                f"n_devices={count} cannot be cut into slices={slices} slices of the same size",
+                hint=f"Give n_devices a multiple of {slices} (each slice gets n_devices / slices chips), "
+                f"e.g. n_devices={slices * max(1, count // slices)}.",
+            )
+        one = parse_target(target, count // slices)
+    return dataclasses.replace(one, n_devices=one.n_devices * slices, slices=slices)
 
 
 def _names_hint() -> str:
@@ -605,6 +664,11 @@ class Figures:
             else the bf16 rate a large gemm reaches (shown).
         flops_given: Whether ``flops_per_second`` was given.
         memory_per_device: Bytes each device has (a plan rejects candidates above it), or ``None``.
+        slice_shape: A TPU target's slice, chips per torus axis (``(4, 4)``): its collectives
+            run on the torus (:class:`~einshard._cost._torus.TpuTorus`); ``None`` otherwise,
+            and once a bandwidth is given (every collective's).
+        slices: How many TPU slices, joined by the data-center network at
+            ``network_bandwidth`` per chip.
     """
 
     target: str = "cpu"
@@ -616,6 +680,8 @@ class Figures:
     flops_per_second: float | None = None
     flops_given: bool = False
     memory_per_device: int | None = None
+    slice_shape: tuple[int, ...] | None = None
+    slices: int = 1
 
     @property
     def simulated(self) -> bool:
@@ -627,10 +693,22 @@ class Figures:
         """The devices' links every collective's time is asked of, or ``None`` without a bandwidth.
 
         See :mod:`~einshard._cost._links`: GPU hosts with their NICs where the target has them;
-        else (CPU devices, a TPU slice, a bandwidth given, which is every collective's) one link.
+        a TPU's slices, each a torus (:class:`~einshard._cost._torus.TpuTorus`); else (CPU
+        devices, a bandwidth given, which is every collective's) one link.
         """
         if self.bandwidth is None:
             return None
+        if self.slice_shape is not None and self.target in GENERATIONS:
+            dcn = self.network_bandwidth or GENERATIONS[self.target].dcn_per_chip
+            return TpuTorus(
+                self.target,
+                self.slice_shape,
+                self.slices,
+                self.bandwidth,
+                self.latency,
+                dcn,
+                self.network_latency,
+            )
         hardware = self.hardware
         per_host = hardware.devices_per_host if hardware is not None else None
         nics = hardware.nics_per_host if hardware is not None else None
@@ -665,7 +743,7 @@ class Figures:
         )
         changed: dict[str, Any] = {}
         if "bandwidth" in given:
-            changed.update(bandwidth=given["bandwidth"], network_bandwidth=None)
+            changed.update(bandwidth=given["bandwidth"], network_bandwidth=None, slice_shape=None)
         if "latency" in given:
             changed.update(latency=given["latency"], network_latency=given["latency"])
         if "flops_per_second" in given:
@@ -722,6 +800,8 @@ def resolve_figures(
             network_latency=device.latency if device.network_latency is None else device.network_latency,
             flops_per_second=device.flops_per_second,
             memory_per_device=device.memory_bytes,
+            slice_shape=target.slice_shape,
+            slices=target.slices,
         )
     return base.at(
         bandwidth=bandwidth,
@@ -771,11 +851,11 @@ def _tpu_hardware(name: str) -> Hardware:
         memory_bandwidth=chip.memory_bandwidth,
         peak_flops_per_second=peak,
         efficiency=DEFAULT_EFFICIENCY,
-        bandwidth=chip.ici_bidirectional / 2,
-        network_bandwidth=None,
+        bandwidth=chip.link_one_way,
+        network_bandwidth=chip.dcn_per_chip,
         devices_per_host=None,
         latency=ICI_LATENCY,
-        network_latency=None,
+        network_latency=DCN_LATENCY,
         matmul_peaks={
             **{k: v for k, v in chip.matmul_peaks.items() if k != "bf16"},
             "tf32": peak,
@@ -791,7 +871,10 @@ def _tpu_hardware(name: str) -> Hardware:
             "latency": f"{TPU_ASSUMED}: 1 us per ring step on ICI (the scaling book's worked example takes "
             f"0.5 us per hop on a v5e, as an example, not a measurement: {BOOK})",
             "matmul_peaks": f"{chip.sources['matmul_peaks']}; {passes}",
-            "bandwidth": f"{chip.sources['ici_bidirectional']}: half of it, what a chip sends",
+            "bandwidth": f"{chip.sources['link_one_way']}: a collective runs on 2 links per torus axis it "
+            "spans where the axis wraps around, 1 where not (_torus)",
+            "network_bandwidth": f"{chip.sources['dcn_per_chip']}: what a chip sends to other slices",
+            "network_latency": f"{TPU_ASSUMED}: 5 us per ring step between slices (a GPU network's)",
         },
     )
 
@@ -814,7 +897,7 @@ def target_devices(target: Target) -> list[Any]:
                 "", "cuda", topology=target.topology, target_config=gpu_spec_text(target.name)
             )
         else:
-            description = topologies.get_topology_desc(target.topology or "", "tpu")
+            description = topologies.get_topology_desc(target.topology or "", "tpu", num_slices=target.slices)
     except EinshardError:
         raise
     except Exception as error:

@@ -125,9 +125,20 @@ def _walk(
     starts: dict[str, str] = {}  # an async start's name -> its collective's
     carried = _carried_starts(module, instructions)
     chains = _chains(module, instructions, heads)
+    # A megascale transfer between TPU slices starts at its send and is waited for where its
+    # recv's data is (the recv's done); the recv and the send's done move nothing more.
+    received = _hlo.megascale_receiver(instructions)
     for instruction in instructions:
         opcode = instruction.opcode
         if opcode in _hlo_kernels.FREE_OPCODES:
+            continue
+        if opcode == "send" and _hlo.megascale(instruction) is not None:
+            items.append(Start(instruction.name))
+            continue
+        if opcode == "send-done" or (opcode == "recv" and instruction.name in received):
+            continue
+        if opcode == "recv-done" and instruction.operands and instruction.operands[0] in received:
+            items.append(Done(received[instruction.operands[0]]))
             continue
         collective = _hlo_kernels.async_collective(module, instruction)
         if collective is not None:

@@ -242,6 +242,7 @@ def plan_batches(
     min_bytes: int = DEFAULT_MIN_BYTES,
     target: str = "cpu",
     hardware: Mapping[str, float] | None = None,
+    slices: int | None = None,
     isolate: bool = False,
     quiet: bool = False,
     donate: bool = True,
@@ -289,6 +290,7 @@ def plan_batches(
         min_bytes: As for :func:`plan`.
         target: As for :func:`plan`.
         hardware: As for :func:`plan`.
+        slices: As for :func:`plan`.
         isolate: As for :func:`plan`.
         quiet: As for :func:`plan`.
         donate: As for :func:`plan`.
@@ -318,7 +320,7 @@ def plan_batches(
     (8, True, True)
     """
     where = where_to_plan(
-        target, n_devices, hardware, bandwidth, latency, flops_per_second, memory_per_device, isolate
+        target, n_devices, hardware, bandwidth, latency, flops_per_second, memory_per_device, isolate, slices
     )
     figures, count = where.figures, where.count
     limit = figures.memory_per_device

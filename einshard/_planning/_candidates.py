@@ -182,6 +182,7 @@ def where_to_plan(
     flops_per_second: float | None,
     memory_per_device: int | None,
     isolate: bool,
+    slices: int | None = None,
 ) -> Where:
     """The target, figures and device count of a plan, and where its candidates compile.
 
@@ -189,7 +190,7 @@ def where_to_plan(
         EinshardError: For a device count, target or figure that is not one.
     """
     given = count_to_plan(n_devices, hint="Give the device count to plan for, e.g. n_devices=64.")
-    chosen = parse_target(target, n_devices)
+    chosen = parse_target(target, n_devices, slices)
     figures = resolve_figures(
         chosen,
         hardware,

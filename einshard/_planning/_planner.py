@@ -297,6 +297,7 @@ def plan(
     min_bytes: int = DEFAULT_MIN_BYTES,
     target: str = "cpu",
     hardware: Mapping[str, float] | None = None,
+    slices: int | None = None,
     isolate: bool = False,
     quiet: bool = False,
     donate: bool = True,
@@ -345,6 +346,9 @@ def plan(
         target: What to compile each candidate for: ``'cpu'`` (the default), a GPU (``'h100'``
             ...) or a TPU (``'v5e'`` ...), as for :func:`~einshard.explain_step`; with a target
             the candidates rank by the step time simulated from each one's program.
+        slices: With a TPU target: how many slices the ``n_devices`` chips are, each of
+            ``n_devices / slices`` (or the slice named, ``'v5e:4x4'``), joined by the data-center
+            network (MaxText's ``num_slices``); collectives between slices run at DCN's rate.
         hardware: Figures of the target to use instead of its own, by name (see
             :class:`~einshard.Hardware`).
         isolate: Compile the candidates in a child process for this machine's device count
@@ -387,7 +391,7 @@ def plan(
     started = time.perf_counter()
     budget = _checked_seconds(max_seconds)
     where = where_to_plan(
-        target, n_devices, hardware, bandwidth, latency, flops_per_second, memory_per_device, isolate
+        target, n_devices, hardware, bandwidth, latency, flops_per_second, memory_per_device, isolate, slices
     )
     figures, count = where.figures, where.count
     # The step is resolved and its arguments named and flattened once, here, for the roles
