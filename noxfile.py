@@ -387,6 +387,7 @@ TARGET_TESTS = [
     # Every public verb on a GPU and a TPU target, in one child and in several.
     "tests/test_every_path.py::test_every_verb_on_a_target_in_one_child",
     "tests/test_every_path.py::test_a_target_s_plan_in_several_children_is_the_plan_of_one",
+    "tests/test_every_path.py::test_every_verb_on_two_tpu_slices",
     # Random einsums compiled for v5e, v5p, v6e and an H100: the same flops, the formula's (8
     # examples, 4 compiles each); the attention step on 8 v5p.
     "tests/test_matmul_flops.py::test_a_random_einsum_s_flops_on_each_tpu_are_the_h100_s_and_the_formula",

@@ -86,7 +86,7 @@ def _reported(placed: StepCall, compiled: Compiled, target: Target | None) -> St
         report,
         flops_source=f"the dots of the program XLA's compiler made for {target.label}",
         target=target.name,
-        topology=target.topology,
+        topology=target.topology if target.slices == 1 else f"{target.slices} slices of {target.topology}",
     )
 
 
@@ -184,7 +184,12 @@ def _read(call: StepCall, compiled: Compiled, *, matmul_flops: bool = False) -> 
     start = time.perf_counter()
     text = compiled.text()
     module = _hlo.parse_module(text)
+    # Several TPU slices run one slice's program each (its partitions), joined by transfers
+    # between slices: the report's devices, mesh and groups are all the slices'.
     n = module.num_partitions
+    devices = compiled.partition_devices()
+    if devices is not None and len(devices) > n and len(devices) % n == 0:
+        n = len(devices)
     mesh, positions = compiled.mesh(n)
     flow = Flow(module)
     parameter_paths = _parameter_paths(module, call)

@@ -212,7 +212,8 @@ class StepReport:
         target: What the step was compiled for: ``'cpu'`` (simulated CPU devices), a GPU
             (``'h100'``) or a TPU generation (``'v5e'``); the rows, bytes, findings and memory
             are that compiler's.
-        topology: The target's topology (``'1x8x8'``, ``'v5e:2x4'``), or ``None`` on CPU devices.
+        topology: The target's topology (``'1x8x8'``, ``'v5e:2x4'``, ``'2 slices of v5e:2x4'``), or
+            ``None`` on CPU devices.
         hardware: The target's figures (:class:`~einshard.Hardware`), with their sources, or
             ``None`` on CPU devices.
         flops_source: Where :attr:`flops` comes from when the compiled program has no cost

@@ -233,7 +233,7 @@ def _simulated_lines(report: Any) -> list[str]:
         f"  assumed: {rates}; memory at {hardware.memory_efficiency:g} of "
         f"{hardware.memory_bandwidth / 1e12:.3g} TB/s; {seconds_text(hardware.launch_seconds)} per kernel at "
         f"least; links: {links_text(report)}"
-        + (" (no TPU time was measured: these are a GPU's figures)" if "TPU" in hardware.device else ""),
+        + (" (no TPU time was measured)" if "TPU" in hardware.device else ""),
         "  ",
     )
     return lines
