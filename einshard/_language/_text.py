@@ -30,12 +30,12 @@ def seconds_text(value: float | None) -> str:
     """A time in seconds, to 3 significant digits in the largest unit below it; ``-`` for ``None``.
 
     >>> seconds_text(2.5), seconds_text(0.00125), seconds_text(None), seconds_text(3e-21)
-    ('2.5 s', '1.25 ms', '-', '0 s')
+    ('2.5 s', '1.25 ms', '-', '0 ns')
     """
     if value is None:
         return "-"
     if abs(value) < 1e-12:  # a difference of sums, zero but for rounding: not "6.78e-12 ns"
-        return "0 s"
+        value = 0.0
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9)):
         if value >= scale or unit == "ns":
             return f"{value / scale:.3g} {unit}"
