@@ -402,6 +402,7 @@ TARGET_TESTS = [
     # A TPU device's place as libtpu gives it, and a 2-slice FSDP program's megascale transfers.
     "tests/test_torus.py::test_a_device_s_place_is_libtpu_s_own",
     "tests/test_torus.py::test_two_slices_fsdp_program_sends_between_slices_at_dcn",
+    "tests/test_torus.py::test_a_tpu_target_s_figures_make_the_torus_and_a_bandwidth_given_is_every_collective_s",
     # Which host each compile-only GPU is on, and each GPU's links with their sources.
     "tests/test_links.py::test_the_compile_only_gpus_hosts_are_the_links_answer",
     "tests/test_links.py::test_each_gpu_s_links_come_with_their_sources",
