@@ -101,7 +101,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def compiles(monkeypatch) -> list:
     """The table of every step compiled in this process."""
-    from einshard._cost import _analysis
+    from einshard._cost.pipeline import _analysis
 
     seen: list = []
     compile_step = _analysis.compile_step
@@ -120,7 +120,7 @@ def side_by_side(monkeypatch) -> list:
     most), as on a larger machine; the threads that ran a child, one entry per child."""
     import threading
 
-    from einshard._cost import _child
+    from einshard._cost.child import _child
 
     threads: list[int] = []
     run_child = _child._run_child

@@ -47,7 +47,7 @@ unrolled twin is:
 - 70 B on 256: FSDP and at least one hybrid fit, and the plan's first candidate fits;
 - 70 B on 64: FSDP fits.
 - 70 B on 64 at 4 k tokens: FSDP first, or within the tie band of the first (its collectives
-  across the 8 hosts run on all of their NICs: ``_cost/_links.py``).
+  across the 8 hosts run on all of their NICs: ``_cost/hardware/_links.py``).
 
 Exits with status 1 when a bar is missed, unless ``--no-fail``.
 """

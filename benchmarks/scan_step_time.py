@@ -54,7 +54,7 @@ BAR = 1.15
 def explain(size_name: str, scanned: bool) -> dict:
     """One form's report under data parallel at the size's device count, as numbers."""
     import einshard
-    from einshard._cost import _timing
+    from einshard._cost.hardware import _timing
 
     size = models.SIZES[size_name]
     step = models.step_scanned if scanned else models.step_unrolled

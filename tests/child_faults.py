@@ -13,7 +13,7 @@ import sys
 
 import jax.numpy as jnp
 
-from einshard._cost import _analysis
+from einshard._cost.pipeline import _analysis
 
 
 def step(params, batch):

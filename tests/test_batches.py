@@ -15,7 +15,7 @@ from gpt_steps import S, gpt_params, step
 
 import einshard
 from einshard import strategies
-from einshard._planning import _batches
+from einshard._planning.search import _batches
 
 N = jax.device_count()
 TOKENS = jax.ShapeDtypeStruct((2 * N, S), jnp.int32)  # a multiple of every candidate's split

@@ -30,9 +30,9 @@ import pytest
 
 import einshard
 from einshard import strategies
-from einshard._cost._call import StepCall
 from einshard._language._text import size_text
-from einshard._planning._bounds import argument_bytes_per_device
+from einshard._planning.search._bounds import argument_bytes_per_device
+from einshard._tracing._call import StepCall
 from einshard._trees._strategy import with_batch
 
 N = jax.device_count()

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 import einshard
-from einshard._cost import _rerun
+from einshard._cost.child import _rerun
 
 ROOT = Path(__file__).resolve().parents[1]
 

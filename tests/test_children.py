@@ -19,8 +19,8 @@ import pytest
 
 import einshard
 from einshard import strategies
-from einshard._cost import _child
-from einshard._cost._progress import Progress
+from einshard._cost.child import _child
+from einshard._cost.child._progress import Progress
 from tests.test_planner import D
 from tests.test_planner import mlp_params as params
 

@@ -24,7 +24,7 @@ import pytest
 
 import einshard
 from einshard import strategies
-from einshard._cost import _child
+from einshard._cost.child import _child
 from tests.test_planner import D, mlp_params
 from tests.test_targets import needs_gpu, needs_tpu
 

@@ -30,8 +30,8 @@ import pytest
 
 import einshard
 from einshard import strategies
-from einshard._cost import _target
-from einshard._cost._call import StepCall
+from einshard._cost.hardware import _target
+from einshard._tracing._call import StepCall
 from tests.test_planner import D, mlp_params, sgd_step
 
 N = jax.device_count()

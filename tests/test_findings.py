@@ -187,7 +187,7 @@ def test_the_sliced_all_reduce_s_fix_on_a_tpu_sends_to_no_other_target():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from einshard._cost._analysis import report_of_text
+    from einshard._cost.pipeline._analysis import report_of_text
 
     mesh = jax.make_mesh((N,), ("d",))
     split = NamedSharding(mesh, P("d"))
@@ -210,7 +210,7 @@ def test_data_parallel_gradients_are_used_whole_so_no_sliced_all_reduce():
 
 def test_at_does_not_recompile(monkeypatch):
     report = _fsdp_report(bandwidth=1e9)
-    import einshard._cost._analysis as analysis
+    import einshard._cost.pipeline._analysis as analysis
 
     def no_compile(*args, **kwargs):
         raise AssertionError("recompiled")

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import einshard
-from einshard._cost import _target
-from einshard._cost._call import StepCall
+from einshard._cost.hardware import _target
+from einshard._tracing._call import StepCall
 from tests import gpt_steps as gpt
 from tests.test_targets import needs_gpu
 

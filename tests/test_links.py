@@ -22,8 +22,8 @@ import dataclasses
 import pytest
 
 import einshard
-from einshard._cost import _links, _target
-from einshard._cost._report import estimated
+from einshard._cost.hardware import _links, _target
+from einshard._cost.report._report import estimated
 from tests.test_targets import needs_gpu
 
 GiB = 2**30

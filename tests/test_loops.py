@@ -27,7 +27,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import einshard
-from einshard._cost import _hlo
+from einshard._cost.xla import _hlo
 from einshard._language import _sources
 from einshard._tracing import _batch_axes, _jaxprs, _loops
 from einshard._tracing._batch_axes import UNKNOWN

@@ -29,7 +29,7 @@ import pytest
 from hypothesis import given, settings
 from jax import lax
 
-from einshard._cost import _hlo, _hlo_kernels
+from einshard._cost.xla import _hlo, _hlo_kernels
 
 # ruff: noqa: E501  (the programs below are XLA's lines, as it prints them)
 
@@ -270,7 +270,7 @@ def one_device_each():
         pytest.skip("XLA's GPU and TPU compilers are not installed: nox -s targets installs them")
     import os
 
-    from einshard._cost import _target
+    from einshard._cost.hardware import _target
 
     os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
     return {name: _target.target_devices(_target.parse_target(name, 1))[0] for name in (*TPUS, "h100")}

@@ -23,9 +23,11 @@ import jax.numpy as jnp
 import pytest
 
 import einshard
-from einshard._cost import _analysis, _hlo, _target
-from einshard._cost._call import StepCall
-from einshard._planning import _batches, _candidates, _planner
+from einshard._cost.hardware import _target
+from einshard._cost.pipeline import _analysis
+from einshard._cost.xla import _hlo
+from einshard._planning.search import _batches, _candidates, _planner
+from einshard._tracing._call import StepCall
 from tests.test_targets import needs_gpu, needs_tpu
 
 # libtpu 0.0.50's message, and the older one (a v3-8, LargeWorldModel/LWM#60).

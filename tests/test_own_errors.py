@@ -18,7 +18,8 @@ import pytest
 
 import einshard
 from einshard import strategies
-from einshard._cost import _analysis, _child, _compile
+from einshard._cost.child import _child
+from einshard._cost.pipeline import _analysis, _compile
 from tests.child_faults import step
 
 N = jax.device_count()

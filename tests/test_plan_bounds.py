@@ -12,9 +12,9 @@ import pytest
 
 import einshard
 from einshard import strategies
-from einshard._cost._call import StepCall
 from einshard._language._text import size_text
-from einshard._planning._bounds import argument_bytes_per_device
+from einshard._planning.search._bounds import argument_bytes_per_device
+from einshard._tracing._call import StepCall
 from einshard._trees._strategy import with_batch
 from tests.test_planner import HIDDEN, D, sgd_step
 from tests.test_planner import mlp_params as params
@@ -104,7 +104,7 @@ def test_when_every_candidate_is_bounded_out_nothing_is_compiled(compiles):
 @pytest.mark.parametrize("name", ["dp", "fsdp", "tp_unfused", "derived_hybrid4"])
 def test_the_compile_only_gpu_options_leave_the_program_s_figures_unchanged(name, monkeypatch):
     """``_child.COMPILE_ONLY_GPU_FLAGS`` (each shortens the compile) against XLA's defaults for them."""
-    from einshard._cost._child import COMPILE_ONLY_GPU_FLAGS
+    from einshard._cost.child._child import COMPILE_ONLY_GPU_FLAGS
     from tests import gpt_steps as gpt
 
     defaults = {
@@ -145,7 +145,7 @@ def test_a_child_s_kernel_cache_leaves_the_figures_unchanged_and_is_removed(monk
     folder is gone with the plan."""
     import tempfile
 
-    from einshard._cost import _child
+    from einshard._cost.child import _child
     from tests import gpt_steps as gpt
 
     seen: list[tuple[str, dict[str, int]]] = []

@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import einshard
-from einshard._cost._call import StepCall
+from einshard._tracing._call import StepCall
 from einshard._trees._strategy import with_batch
 from tests import gpt_steps as gpt
 

@@ -15,9 +15,9 @@ import pytest
 
 import einshard
 from einshard import strategies
-from einshard._cost._call import StepCall
-from einshard._cost._target import Figures
-from einshard._planning._bounds import bounds, step_costs
+from einshard._cost.hardware._target import Figures
+from einshard._planning.search._bounds import bounds, step_costs
+from einshard._tracing._call import StepCall
 from einshard._trees._strategy import with_batch
 from tests import gpt_steps as gpt
 from tests.test_plan_opt_state import TX, tuple_step

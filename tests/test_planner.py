@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import einshard
 from einshard import strategies
-from einshard._planning._candidates import Rejection
+from einshard._planning.search._candidates import Rejection
 
 N = jax.device_count()
 D, HIDDEN = 32, 16 * N  # every split axis divides by the device count
@@ -704,7 +704,7 @@ def test_a_plan_resolves_the_step_and_flattens_the_params_once(monkeypatch):
     each candidate's one assignment (the compile's, which the split share reuses)."""
     import sys
 
-    from einshard._cost import _call
+    from einshard._tracing import _call
     from einshard._trees import _assign, _paths
 
     resolved, flattened, assigned = [], [], []

@@ -1,6 +1,6 @@
 """Every JAX primitive is accounted for by the roles reader: read, or a stop with its reason.
 
-The reader (``einshard/_planning/_jaxpr.py``) follows a parameter's axes through the primitives it
+The reader (``einshard/_planning/_parameter_axes.py``) follows a parameter's axes through the primitives it
 knows (``READ``: a handler of its own, or a set of ``_primitives``) and stops at the ones listed in
 ``_primitives.STOPS``, each with its reason. A primitive in neither would be guessed at (taken as
 elementwise when its shapes agree, else a stop with no reason), which is how ``jnp.stack`` once
@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from einshard._planning._jaxpr import HANDLED, READ
 from einshard._tracing import _primitives
+from einshard._tracing._parameter_axes import HANDLED, READ
 from einshard._tracing._primitives import STOPS
 from einshard.strategies import roles
 
@@ -140,7 +140,8 @@ def test_every_jax_primitive_is_read_or_stops_with_a_reason():
     missing = {name: module for name, module in primitives.items() if name not in READ and name not in STOPS}
     assert not missing, (
         f"JAX {jax.__version__} defines primitives the roles reader neither reads nor lists as a stop: "
-        f"{missing}. Add each to a set of einshard/_tracing/_primitives.py (or a handler in _jaxpr.py), "
+        f"{missing}. Add each to a set of einshard/_tracing/_primitives.py (or a handler in "
+        "_parameter_axes.py), "
         "or to STOPS with its reason."
     )
 

@@ -21,8 +21,8 @@ import pytest
 
 import einshard
 from einshard import strategies
-from einshard._cost import _progress
-from einshard._cost._progress import Progress
+from einshard._cost.child import _progress
+from einshard._cost.child._progress import Progress
 
 
 def step(params, batch):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import einshard
-from einshard._cost import _program
+from einshard._cost.pipeline import _program
 from einshard._tracing._constants import shared_constants
 
 LAYERS, BATCH, SEQ, DIM = 4, 48, 16, 8

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import einshard
-from einshard._cost import _hlo
+from einshard._cost.xla import _hlo
 
 N = jax.device_count()
 THIS = Path(__file__).name
@@ -512,8 +512,8 @@ def test_jax_s_private_device_assignment_that_the_report_reads_is_there():
     # The partition order of a compiled program (which device runs partition i) has no public
     # name in JAX: the report reads the shardings' _device_assignment. This fails loudly when
     # JAX renames it, instead of every report silently falling back to one axis of devices.
-    from einshard._cost._call import StepCall
-    from einshard._cost._compile import compile_step
+    from einshard._cost.pipeline._compile import compile_step
+    from einshard._tracing._call import StepCall
 
     n = jax.device_count()
     devices = np.array(jax.devices()[::-1])  # a device order that is not the ids' order

@@ -22,10 +22,11 @@ import jax.numpy as jnp
 import pytest
 
 import einshard
-from einshard._cost import _hlo, _hlo_kernels, _target, _timing
-from einshard._cost._analysis import report_of_text
-from einshard._cost._report import estimated
-from einshard._planning._planner import PlanRow, _ranked
+from einshard._cost.hardware import _target, _timing
+from einshard._cost.pipeline._analysis import report_of_text
+from einshard._cost.report._report import estimated
+from einshard._cost.xla import _hlo, _hlo_kernels
+from einshard._planning.search._planner import PlanRow, _ranked
 from tests import gpu_time_steps as measured
 from tests.test_targets import needs_gpu
 

@@ -26,8 +26,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from einshard._cost import _hlo, _hlo_kernels, _target, _timing
-from einshard._cost._analysis import report_of_text
+from einshard._cost.hardware import _target, _timing
+from einshard._cost.pipeline._analysis import report_of_text
+from einshard._cost.xla import _hlo, _hlo_kernels
 from tests.test_step_time_rules import _flops_walked
 from tests.test_targets import H200, STEPS, needs_gpu, needs_shared, needs_tpu
 

@@ -20,7 +20,16 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from einshard._cost._timing import Done, KernelRun, Loop, Rates, Start, Sync, kernel_seconds, simulate
+from einshard._cost.hardware._timing import (
+    Done,
+    KernelRun,
+    Loop,
+    Rates,
+    Start,
+    Sync,
+    kernel_seconds,
+    simulate,
+)
 
 COLLECTIVES = ("c0", "c1", "c2", "c3")
 TYPES = ("bf16", "f32", "tf32", "f8e4m3fn", "s8", "")

@@ -30,9 +30,10 @@ import textwrap
 
 import pytest
 
-from einshard._cost import _hlo, _hlo_kernels, _target, _timing
-from einshard._cost._analysis import report_of_text
-from einshard._cost._report import estimated
+from einshard._cost.hardware import _target, _timing
+from einshard._cost.pipeline._analysis import report_of_text
+from einshard._cost.report._report import estimated
+from einshard._cost.xla import _hlo, _hlo_kernels
 from tests import test_step_time as step_time
 
 # ruff: noqa: E501  (the programs below are XLA's lines, as it prints them)

@@ -306,7 +306,7 @@ def test_rules_keep_their_notes():
 
 
 def test_defaults_read_the_step_once_for_every_derived_table(monkeypatch):
-    from einshard._planning import _roles
+    from einshard._planning.tables import _roles
 
     calls = []
     read = _roles.read

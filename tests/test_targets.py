@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import pytest
 
 import einshard
-from einshard._cost import _target
-from einshard._cost._analysis import report_of_text
-from einshard._cost._call import StepCall
+from einshard._cost.hardware import _target
+from einshard._cost.pipeline._analysis import report_of_text
+from einshard._tracing._call import StepCall
 from tests import gpt_steps as gpt
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "accelerators"

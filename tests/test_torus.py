@@ -22,9 +22,9 @@ import itertools
 import pytest
 
 from einshard import EinshardError
-from einshard._cost import _target, _tpu
-from einshard._cost._links import OneLink
-from einshard._cost._torus import TpuTorus
+from einshard._cost.hardware import _target, _tpu
+from einshard._cost.hardware._links import OneLink
+from einshard._cost.hardware._torus import TpuTorus
 from tests.test_targets import needs_tpu
 
 GiB = 2**30
@@ -203,8 +203,8 @@ def test_two_slices_fsdp_program_sends_between_slices_at_dcn():
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from einshard._cost._analysis import report_of_text
-    from einshard._cost._report import estimated
+    from einshard._cost.pipeline._analysis import report_of_text
+    from einshard._cost.report._report import estimated
 
     devices = sorted(topologies.get_topology_desc("v5e:2x4", "tpu", num_slices=2).devices, key=lambda d: d.id)
     mesh = Mesh(np.array(devices), ("d",))

@@ -14,7 +14,7 @@ import dataclasses
 
 import pytest
 
-from einshard._cost import _target, _tpu
+from einshard._cost.hardware import _target, _tpu
 from tests.test_targets import needs_tpu
 
 # ruff: noqa: E501  (the program below is XLA's lines, as it prints them)
@@ -186,7 +186,7 @@ ENTRY %main (w: f32[1,8], v: f32[1,8], h: f32[2,8], x: f32[4,8]) -> f32[4,8] {
 
 
 def test_an_all_reduce_of_each_device_s_part_in_zeros_is_read_as_a_gather_and_said():
-    from einshard._cost._analysis import report_of_text
+    from einshard._cost.pipeline._analysis import report_of_text
 
     report = report_of_text(PADDED)
     assert [row.kind for row in report.rows] == ["all-reduce"] * 4
@@ -211,7 +211,7 @@ def test_xla_s_tpu_compiler_gathers_by_all_reduce_exactly_where_the_slice_wraps(
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from einshard._cost._analysis import report_of_text
+    from einshard._cost.pipeline._analysis import report_of_text
 
     name, _, shape = topology.partition(":")
     devices = sorted(topologies.get_topology_desc(topology, "tpu").devices, key=lambda d: d.id)

@@ -22,20 +22,21 @@ from typing import Any
 from .._language._errors import EinshardWarning
 from .._language._numbers import checked_count
 from .._tracing._batch_layout import marks
+from .._tracing._call import StepCall
 from .._trees._assign import as_rules
 from .._trees._rules import Rules, RulesLike
 from .._trees._strategy import with_batch
-from ._analysis import Answer, analyse, answer
-from ._call import StepCall
-from ._child import Order, child_error, in_child, in_turn
-from ._compile import forget_traces
-from ._progress import CompileEvents, Progress
-from ._report import Finding as Finding
-from ._report import StepReport as StepReport
-from ._report import StepRow as StepRow
-from ._report import estimated, refuses_accelerator
-from ._target import Hardware as Hardware
-from ._target import Target, parse_target, resolve_figures
+from ._entry import entry_point
+from .child._child import Order, child_error, in_child, in_turn
+from .child._progress import CompileEvents, Progress
+from .hardware._target import Hardware as Hardware
+from .hardware._target import Target, parse_target, resolve_figures
+from .pipeline._analysis import Answer, analyse, answer
+from .pipeline._compile import forget_traces
+from .report._report import Finding as Finding
+from .report._report import StepReport as StepReport
+from .report._report import StepRow as StepRow
+from .report._report import estimated
 
 __all__ = [
     "Finding",
@@ -48,7 +49,7 @@ __all__ = [
 ]
 
 
-@refuses_accelerator(step_kwargs=True)
+@entry_point(step_kwargs=True)
 def explain_step(
     fn: Callable[..., Any] | str,
     *args: Any,

@@ -5,7 +5,7 @@ layer's body); the layout comes from the strategy the step runs under: the candi
 :func:`~einshard.plan` compiles it, the one in a :func:`use_strategy` block when the user runs
 the step. Outside any, ``like_batch`` returns its argument: the model still runs on one device.
 
-``constrain_loops`` (in ``_cost/_program.py``, beside the program it rewrites) does the same for
+``constrain_loops`` (in ``_cost/pipeline/_program.py``, beside the program it rewrites) does the same for
 a step nobody marked: it finds the loops whose carry comes from the batch (``_loops``) and
 constrains their carries, so the step the user runs is the program ``plan`` ranked.
 """
