@@ -30,7 +30,7 @@ import pytest
 
 import einshard
 from einshard import strategies
-from einshard._cost.hardware import _target
+from einshard._cost.hardware import _figures, _target
 from einshard._tracing._call import StepCall
 from tests.test_planner import D, mlp_params, sgd_step
 
@@ -140,7 +140,7 @@ def test_a_bad_hardware_figure_is_refused_on_every_path(path, name, nothing_comp
     kind = KIND[name]
     for value in BAD[kind]:
         if path == "replace":  # a Hardware's figures replaced directly (a TPU's: no compiler needed)
-            hardware = _target._tpu_hardware("v5e")
+            hardware = _figures._tpu_hardware("v5e")
 
             def call(hardware=hardware, value=value):
                 return hardware.replace({name: value})
@@ -170,23 +170,23 @@ def test_an_unknown_hardware_name_lists_the_known_ones(nothing_compiled):
 
 def test_good_figures_are_taken_as_numbers_of_their_kind():
     """Whole floats are bytes (80e9 is 80,000,000,000), a latency of 0 is none, 1 is the whole peak."""
-    assert _target.checked_figure("memory_per_device", 80e9) == 80_000_000_000
-    assert type(_target.checked_figure("memory_per_device", 80e9)) is int
-    assert _target.checked_figure("memory_per_device", 80.5e9) == 80_500_000_000  # whole too
-    assert _target.checked_figure("memory_per_device", np.int64(1 << 30)) == 1 << 30
-    assert _target.checked_figure("memory_per_device", 2**70) == 2**70  # an int of any size is whole
-    assert _target.checked_figure("latency", 0) == 0.0
-    assert _target.checked_figure("bandwidth", np.float32(1e9)) == pytest.approx(1e9)
-    assert type(_target.checked_figure("bandwidth", 450)) is float
-    hardware = _target._tpu_hardware("v5e").replace({"efficiency": 1, "memory_bytes": 16e9})
+    assert _figures.checked_figure("memory_per_device", 80e9) == 80_000_000_000
+    assert type(_figures.checked_figure("memory_per_device", 80e9)) is int
+    assert _figures.checked_figure("memory_per_device", 80.5e9) == 80_500_000_000  # whole too
+    assert _figures.checked_figure("memory_per_device", np.int64(1 << 30)) == 1 << 30
+    assert _figures.checked_figure("memory_per_device", 2**70) == 2**70  # an int of any size is whole
+    assert _figures.checked_figure("latency", 0) == 0.0
+    assert _figures.checked_figure("bandwidth", np.float32(1e9)) == pytest.approx(1e9)
+    assert type(_figures.checked_figure("bandwidth", 450)) is float
+    hardware = _figures._tpu_hardware("v5e").replace({"efficiency": 1, "memory_bytes": 16e9})
     assert hardware.efficiency == 1.0 and hardware.memory_bytes == 16_000_000_000
     assert type(hardware.memory_bytes) is int
     assert hardware.flops_per_second == hardware.peak_flops_per_second  # at the whole peak
     assert (
-        _target.checked_figure("nics_per_host", 4.0) == 4
-        and type(_target.checked_figure("nics_per_host", 4.0)) is int
+        _figures.checked_figure("nics_per_host", 4.0) == 4
+        and type(_figures.checked_figure("nics_per_host", 4.0)) is int
     )
-    assert _target.checked_figure("nics_per_host", np.int64(16)) == 16
+    assert _figures.checked_figure("nics_per_host", np.int64(16)) == 16
 
 
 # --- .at(): one report and one plan, compiled once -------------------------------------------------
@@ -229,7 +229,7 @@ def test_at_takes_whole_float_bytes_and_a_latency_of_zero(report, planned):
 def test_a_given_network_latency_of_zero_is_kept(monkeypatch):
     """hardware={'network_latency': 0} is a figure (a time may be 0), not a missing one: it is not
     replaced by the NVLink latency. A device without a network (a TPU slice) takes its link's."""
-    gpu = _target.Hardware(
+    gpu = _figures.Hardware(
         device="a GPU",
         memory_bytes=80 << 30,
         memory_bandwidth=3e12,
@@ -242,12 +242,12 @@ def test_a_given_network_latency_of_zero_is_kept(monkeypatch):
         latency=1e-6,
         network_latency=5e-6,
     )
-    tpu = _target.Hardware(**{**gpu.__dict__, "network_bandwidth": None, "network_latency": None})
-    monkeypatch.setattr(_target, "check_compiler", lambda target: None)
-    monkeypatch.setattr(_target, "_gpu_hardware", lambda name: gpu)
-    monkeypatch.setattr(_target, "_tpu_hardware", lambda name: tpu)
+    tpu = _figures.Hardware(**{**gpu.__dict__, "network_bandwidth": None, "network_latency": None})
+    monkeypatch.setattr(_figures, "check_compiler", lambda target: None)
+    monkeypatch.setattr(_figures, "_gpu_hardware", lambda name: gpu)
+    monkeypatch.setattr(_figures, "_tpu_hardware", lambda name: tpu)
     h100 = _target.parse_target("h100", 16)
-    given = _target.resolve_figures(h100, {"network_latency": 0})
+    given = _figures.resolve_figures(h100, {"network_latency": 0})
     assert (given.network_latency, given.latency) == (0.0, 1e-6)
-    assert _target.resolve_figures(h100).network_latency == 5e-6
-    assert _target.resolve_figures(_target.parse_target("v5e", 8)).network_latency == 1e-6
+    assert _figures.resolve_figures(h100).network_latency == 5e-6
+    assert _figures.resolve_figures(_target.parse_target("v5e", 8)).network_latency == 1e-6

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import einshard
-from einshard._cost.hardware import _target
+from einshard._cost.hardware import _compilers, _target
 from einshard._tracing._call import StepCall
 from tests import gpt_steps as gpt
 from tests.test_targets import needs_gpu
@@ -81,7 +81,7 @@ def collectives(text: str) -> list[tuple[str, list[list[int]]]]:
 def _program(strategy: einshard.strategies.Strategy) -> tuple[str, list[int]]:
     """The program XLA's GPU compiler makes for 16 H100s, and each partition's host."""
     os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
-    devices = _target.target_devices(_target.parse_target("h100", 16))
+    devices = _compilers.target_devices(_target.parse_target("h100", 16))
     call = StepCall.of(gpt.step, (gpt.gpt_params(), TOKENS16), {})
     with einshard.use_devices(devices):
         placed = call.with_rules(gpt.table(strategy, strategy.batch))

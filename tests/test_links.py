@@ -22,7 +22,7 @@ import dataclasses
 import pytest
 
 import einshard
-from einshard._cost.hardware import _links, _target
+from einshard._cost.hardware import _compilers, _figures, _links, _target
 from einshard._cost.report._report import estimated
 from tests.test_targets import needs_gpu
 
@@ -176,7 +176,7 @@ def test_the_footer_s_words_say_what_was_assumed():
 
 # --- the figures, and the report's rows asked with their groups ----------------------------------------
 
-H100 = _target.Hardware(
+H100 = _figures.Hardware(
     device="an H100 by hand",
     memory_bytes=80 * 10**9,
     memory_bandwidth=3.35e12,
@@ -190,8 +190,8 @@ H100 = _target.Hardware(
 )
 
 
-def figures(hardware: _target.Hardware = H100) -> _target.Figures:
-    return _target.Figures(
+def figures(hardware: _figures.Hardware = H100) -> _figures.Figures:
+    return _figures.Figures(
         target="h100",
         hardware=hardware,
         bandwidth=hardware.bandwidth,
@@ -210,7 +210,7 @@ def test_figures_make_gpu_hosts_and_nics_given_change_them():
     # A bandwidth given is every collective's: one link, the hosts still known.
     at = figures().at(bandwidth=100e9).links
     assert at == _links.OneLink(100e9, 1e-6, 8)
-    assert _target.Figures().links is None  # no bandwidth, no time
+    assert _figures.Figures().links is None  # no bandwidth, no time
     with pytest.raises(
         einshard.EinshardError, match=r"hardware=\{'nics_per_host': 2.5\} must be a whole number"
     ):
@@ -331,9 +331,9 @@ def test_the_compile_only_gpus_hosts_are_the_links_answer():
     os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
     target = _target.parse_target("h100", 24)
     assert target.topology == "1x3x8"
-    devices = _target.target_devices(target)
+    devices = _compilers.target_devices(target)
     assert [device.id for device in devices] == list(range(24))
-    model = _target.resolve_figures(target).links
+    model = _figures.resolve_figures(target).links
     assert isinstance(model, _links.GpuHosts)
     assert [device.process_index for device in devices] == [model.host(device.id) for device in devices]
 
@@ -344,7 +344,7 @@ def test_the_compile_only_gpus_hosts_are_the_links_answer():
     [("a100", 300e9, 24e9), ("h100", 450e9, 48e9), ("h200", 450e9, 48e9), ("b200", 900e9, 48e9)],
 )
 def test_each_gpu_s_links_come_with_their_sources(gpu, nvlink, nic):
-    hardware = _target.hardware_of(_target.parse_target(gpu, 16))
+    hardware = _figures.hardware_of(_target.parse_target(gpu, 16))
     assert hardware is not None
     assert (hardware.bandwidth, hardware.network_bandwidth, hardware.nics_per_host) == (nvlink, nic, 8)
     assert (hardware.devices_per_host, hardware.latency, hardware.network_latency) == (8, 1e-6, 5e-6)
@@ -358,5 +358,5 @@ def test_each_gpu_s_links_come_with_their_sources(gpu, nvlink, nic):
     ):
         assert hardware.sources[name], name
     assert "nccl-tests" in hardware.sources["network_bandwidth"]
-    given = _target.hardware_of(_target.parse_target(gpu, 16), {"nics_per_host": 4})
+    given = _figures.hardware_of(_target.parse_target(gpu, 16), {"nics_per_host": 4})
     assert given is not None and given.nics_per_host == 4 and given.sources["nics_per_host"] == "given"

@@ -270,10 +270,10 @@ def one_device_each():
         pytest.skip("XLA's GPU and TPU compilers are not installed: nox -s targets installs them")
     import os
 
-    from einshard._cost.hardware import _target
+    from einshard._cost.hardware import _compilers, _target
 
     os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
-    return {name: _target.target_devices(_target.parse_target(name, 1))[0] for name in (*TPUS, "h100")}
+    return {name: _compilers.target_devices(_target.parse_target(name, 1))[0] for name in (*TPUS, "h100")}
 
 
 @st.composite

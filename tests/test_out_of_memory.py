@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import pytest
 
 import einshard
-from einshard._cost.hardware import _target
+from einshard._cost.hardware import _compilers, _figures, _target
 from einshard._cost.pipeline import _analysis
-from einshard._cost.xla import _hlo
+from einshard._cost.xla import _messages
 from einshard._planning.search import _batches, _candidates, _planner
 from einshard._tracing._call import StepCall
 from tests.test_targets import needs_gpu, needs_tpu
@@ -48,8 +48,8 @@ G = 2**30
     [(NEWER, 23.84 * G, 15.75 * G), (OLDER, 21.95 * G, 15.48 * G)],
 )
 def test_libtpu_s_refusal_is_read_with_its_figures(message, needed, available):
-    refusal = _hlo.parse_out_of_memory(message)
-    assert refusal == _hlo.OutOfMemory(round(needed), round(available), "HBM")
+    refusal = _messages.parse_out_of_memory(message)
+    assert refusal == _messages.OutOfMemory(round(needed), round(available), "HBM")
 
 
 @pytest.mark.parametrize(
@@ -61,11 +61,11 @@ def test_libtpu_s_refusal_is_read_with_its_figures(message, needed, available):
     ],
 )
 def test_other_messages_are_no_refusal(message):
-    assert _hlo.parse_out_of_memory(message) is None
+    assert _messages.parse_out_of_memory(message) is None
 
 
 def _refused() -> _analysis.DoesNotFitError:
-    refusal = _hlo.parse_out_of_memory(NEWER)
+    refusal = _messages.parse_out_of_memory(NEWER)
     assert refusal is not None
     return _analysis.does_not_fit(refusal, _target.parse_target("v5e", 8))
 
@@ -106,7 +106,7 @@ def test_a_plan_rejects_the_refused_candidate_for_memory_with_the_figures():
     )
     # At other figures (Plan.at), a refusal has no report to decide from again: it stays.
     row = _planner.PlanRow(einshard.strategies.data_parallel(), None, rejection)
-    assert _planner._rejected_at(row, _target.Figures(memory_per_device=10**15), changed=True) is rejection
+    assert _planner._rejected_at(row, _figures.Figures(memory_per_device=10**15), changed=True) is rejection
     assert row.argument_bytes is None  # not a rejection by its bounds
 
 
@@ -137,7 +137,7 @@ def test_a_step_libtpu_refuses_is_a_verdict_in_this_process():
 
     target = _target.parse_target("v5e", 1)
     call = StepCall.of(_square, (TOO_LARGE,), {})
-    with use_devices(_target.target_devices(target)), pytest.raises(einshard.DoesNotFitError) as info:
+    with use_devices(_compilers.target_devices(target)), pytest.raises(einshard.DoesNotFitError) as info:
         _analysis.analyse(call, None, target)
     error = info.value
     assert error.headline.startswith("the step does not fit 1 V5E (v5e:1x1): XLA's compiler for it needs")

@@ -15,7 +15,7 @@ import pytest
 
 import einshard
 from einshard import strategies
-from einshard._cost.hardware._target import Figures
+from einshard._cost.hardware._figures import Figures
 from einshard._planning.search._bounds import bounds, step_costs
 from einshard._tracing._call import StepCall
 from einshard._trees._strategy import with_batch

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import einshard
-from einshard._cost.xla import _hlo
+from einshard._cost.xla import _collectives, _hlo
 
 N = jax.device_count()
 THIS = Path(__file__).name
@@ -307,7 +307,7 @@ def test_the_named_mesh_form_of_this_jax_is_read_as_xla_prints_it():
     x = jax.device_put(jnp.ones((8, 4 * N)), NamedSharding(mesh, P(None, "model")))
     compiled = jax.jit(lambda x: x.sum(1), out_shardings=NamedSharding(mesh, P())).lower(x).compile()
     module = _hlo.parse_module(compiled.as_text())
-    (found,) = _hlo.collectives(module)
+    (found,) = _collectives.collectives(module)
     assert found.kind == "all-reduce"
     assert sorted(found.groups) == [tuple(range(0, N // 2)), tuple(range(N // 2, N))]
 
@@ -336,7 +336,7 @@ def test_the_named_mesh_form_of_this_jax_is_read_as_xla_prints_it():
     ],
 )
 def test_replica_groups_in_every_printed_form(text, n, groups):
-    assert sorted(_hlo.parse_replica_groups(text, n)) == sorted(groups)
+    assert sorted(_collectives.parse_replica_groups(text, n)) == sorted(groups)
     line = (
         f"  %ar = f32[8]{{0}} all-reduce(%a), channel_id=1, replica_groups={text}, use_global_device_ids=true"
     )
@@ -381,7 +381,7 @@ ENTRY %main (a: f32[8], b: bf16[2,16]) -> f32[8] {
 
 def test_old_style_text_loops_async_pairs_and_inline_sources():
     module = _hlo.parse_module(OLD_STYLE)
-    found = {c.instruction.name: c for c in _hlo.collectives(module)}
+    found = {c.instruction.name: c for c in _collectives.collectives(module)}
     assert set(found) == {"ars", "ag", "cp"}  # the -done half is not counted
     assert (found["ars"].kind, found["ars"].times, found["ars"].groups) == ("all-reduce", 3, ((0, 1), (2, 3)))
     assert module.source(found["ars"].instruction) == (
@@ -428,7 +428,7 @@ ENTRY %main.1_spmd (param: f32[128,256], param.1: f32[4,128]) -> (f32[256,128], 
 
 def test_new_style_text_stack_frames_and_combined_all_reduce():
     module = _hlo.parse_module(NEW_STYLE)
-    (found,) = _hlo.collectives(module)
+    (found,) = _collectives.collectives(module)
     assert found.groups == (tuple(range(8)),)
     assert module.source(found.instruction) == ("jit(step)/transpose(jvp())/dot_general", "/src/train.py", 19)
     assert [str(s) for s in found.instruction.shapes] == ["f32[128,256]", "f32[64,256]"]

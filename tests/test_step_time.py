@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import pytest
 
 import einshard
-from einshard._cost.hardware import _target, _timing
+from einshard._cost.hardware import _figures, _timing
 from einshard._cost.pipeline._analysis import report_of_text
 from einshard._cost.report._report import estimated
 from einshard._cost.xla import _hlo, _hlo_kernels
@@ -132,7 +132,7 @@ REDUCED = textwrap.dedent(
     """
 )
 # Round figures: 1e14 FLOP/s for every dot, 1e12 B/s of memory, 1e11 B/s of link, no floors.
-HARDWARE = _target.Hardware(
+HARDWARE = _figures.Hardware(
     device="round",
     memory_bytes=2**40,
     memory_bandwidth=1e12,
@@ -147,7 +147,7 @@ HARDWARE = _target.Hardware(
     latency=0.0,
     network_latency=None,
 )
-FIGURES = _target.Figures(target="round", hardware=HARDWARE, bandwidth=1e11, flops_per_second=1e14)
+FIGURES = _figures.Figures(target="round", hardware=HARDWARE, bandwidth=1e11, flops_per_second=1e14)
 
 
 def _simulated(text: str):

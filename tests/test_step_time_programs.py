@@ -26,7 +26,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from einshard._cost.hardware import _target, _timing
+from einshard._cost.hardware import _compilers, _target, _timing
 from einshard._cost.pipeline._analysis import report_of_text
 from einshard._cost.xla import _hlo, _hlo_kernels
 from tests.test_step_time_rules import _flops_walked
@@ -78,7 +78,7 @@ def _scanned_program(target: str, split: bool) -> str:
     """The scanned step's program for 8 compile-only devices: its weights split on their rows
     (FSDP) or replicated, the batch split."""
     os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
-    devices = _target.target_devices(_target.parse_target(target, 8))
+    devices = _compilers.target_devices(_target.parse_target(target, 8))
     mesh = Mesh(np.array(devices), ("d",))
     weights = NamedSharding(mesh, P(None, "d") if split else P())
     params = {

@@ -30,7 +30,7 @@ import textwrap
 
 import pytest
 
-from einshard._cost.hardware import _target, _timing
+from einshard._cost.hardware import _figures, _timing
 from einshard._cost.pipeline._analysis import report_of_text
 from einshard._cost.report._report import estimated
 from einshard._cost.xla import _hlo, _hlo_kernels
@@ -44,9 +44,9 @@ US = 1e-6
 HARDWARE = dataclasses.replace(step_time.HARDWARE, matmul_peaks={"f32": 1e13, "tf32": 5e13, "f8e4m3fn": 2e14})
 
 
-def figures(**changes) -> _target.Figures:
+def figures(**changes) -> _figures.Figures:
     hardware = dataclasses.replace(HARDWARE, **changes)
-    return _target.Figures(
+    return _figures.Figures(
         target="round",
         hardware=hardware,
         bandwidth=hardware.bandwidth,

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import pytest
 
 import einshard
-from einshard._cost.hardware import _target
+from einshard._cost.hardware import _compilers, _figures, _target
 from einshard._cost.pipeline._analysis import report_of_text
 from einshard._tracing._call import StepCall
 from tests import gpt_steps as gpt
@@ -118,7 +118,7 @@ def hand_count(text: str) -> dict[str, int]:
 def _program(target: str, n: int, params, rules, batch, tokens) -> str:
     """The target's program text, compiled here (this process) for compile-only devices."""
     os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
-    devices = _target.target_devices(_target.parse_target(target, n))
+    devices = _compilers.target_devices(_target.parse_target(target, n))
     call = StepCall.of(gpt.step, (params, tokens), {})
     with einshard.use_devices(devices):
         placed = call.with_rules(gpt.table(rules, batch))
@@ -163,11 +163,11 @@ def test_the_real_fsdp_program_reduce_scatters_and_has_no_sliced_all_reduce():
 
 @needs_shared
 def test_the_spec_figures_are_read_from_the_spec_text():
-    figures = _target.spec_figures((SHARED / "specs" / "h200.txtpb").read_text())
+    figures = _compilers.spec_figures((SHARED / "specs" / "h200.txtpb").read_text())
     assert figures["device_memory_size"] == 151397597184 and figures["memory_bandwidth"] == 4.8e12
     # 2 x 1.8295201 GHz x 4 units x 512 ops x 132 cores: NVIDIA's 989 TFLOP/s dense bf16.
     assert round(figures["peak_flops_per_second"] / 1e12) == 989 and figures["active_links"] == 18
-    a100 = _target.spec_figures((SHARED / "specs" / "a100_sxm_80.txtpb").read_text())
+    a100 = _compilers.spec_figures((SHARED / "specs" / "a100_sxm_80.txtpb").read_text())
     assert round(a100["peak_flops_per_second"] / 1e12) == 312 and "active_links" not in a100
 
 
@@ -175,7 +175,7 @@ def test_the_spec_figures_are_read_from_the_spec_text():
 @needs_shared
 def test_the_plugins_specs_are_the_shared_ones():
     for name, file in [("a100", "a100_sxm_80"), ("h100", "h100_sxm"), ("h200", "h200"), ("b200", "b200")]:
-        assert _target.gpu_spec_text(name) == (SHARED / "specs" / f"{file}.txtpb").read_text()
+        assert _compilers.gpu_spec_text(name) == (SHARED / "specs" / f"{file}.txtpb").read_text()
 
 
 @needs_gpu
@@ -294,7 +294,7 @@ def _raw_peak(target: str, n: int, rules) -> int:
     """The peak of ``jax.jit(step).lower(...).compile()`` for the target's compile-only devices,
     with every argument replicated there (``rules=None``) or laid out by the rules."""
     os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
-    devices = _target.target_devices(_target.parse_target(target, n))
+    devices = _compilers.target_devices(_target.parse_target(target, n))
     params = gpt.gpt_params()
     if rules is None:
         mesh = jax.sharding.Mesh(devices, ("d",))
@@ -393,15 +393,15 @@ def test_a_wrong_target_is_an_einshard_error(target, n, message):
 
 @needs_tpu
 def test_figures_can_be_given_and_say_so():
-    hardware = _target.hardware_of(_target.parse_target("v5e", 8), {"efficiency": 0.5, "bandwidth": 1e11})
+    hardware = _figures.hardware_of(_target.parse_target("v5e", 8), {"efficiency": 0.5, "bandwidth": 1e11})
     assert hardware.efficiency == 0.5 and hardware.flops_per_second == 197e12 * 0.5
     assert (
         hardware.sources["efficiency"] == "given" and "cloud.google.com" in hardware.sources["memory_bytes"]
     )
     with pytest.raises(einshard.EinshardError, match="is not a figure"):
-        _target.hardware_of(_target.parse_target("v5e", 8), {"flops": 1.0})
+        _figures.hardware_of(_target.parse_target("v5e", 8), {"flops": 1.0})
     with pytest.raises(einshard.EinshardError, match="must be a fraction above 0 and at most 1"):
-        _target.hardware_of(_target.parse_target("v5e", 8), {"efficiency": 0})
+        _figures.hardware_of(_target.parse_target("v5e", 8), {"efficiency": 0})
 
 
 def test_no_message_installs_einshard_from_the_package_index():
@@ -426,7 +426,7 @@ def test_without_the_compilers_a_target_names_its_extra_and_nothing_else_breaks(
     with pytest.raises(
         einshard.EinshardError, match=re.escape("pip install '.[tpu-target]' in einshard's source")
     ):
-        _target.check_compiler(_target.parse_target("v5e", 8))
+        _compilers.check_compiler(_target.parse_target("v5e", 8))
     w = einshard.einshard(jnp.ones((8 * jax.device_count(), 32)), "x y -> x* y")
     report = einshard.explain_step(lambda w: w.sum(0), w)  # the CPU report is untouched
     assert report.target == "cpu" and report.hardware is None and report.bytes_by_kind == {"all-reduce": 128}

@@ -22,7 +22,7 @@ import itertools
 import pytest
 
 from einshard import EinshardError
-from einshard._cost.hardware import _target, _tpu
+from einshard._cost.hardware import _figures, _target, _tpu
 from einshard._cost.hardware._links import OneLink
 from einshard._cost.hardware._torus import TpuTorus
 from tests.test_targets import needs_tpu
@@ -39,7 +39,7 @@ def torus(name: str, sizes: tuple[int, ...], slices: int = 1) -> TpuTorus:
     """
     chip = _tpu.GENERATIONS[name]
     return TpuTorus(
-        name, sizes, slices, chip.link_one_way, _target.ICI_LATENCY, chip.dcn_per_chip, _target.DCN_LATENCY
+        name, sizes, slices, chip.link_one_way, _figures.ICI_LATENCY, chip.dcn_per_chip, _figures.DCN_LATENCY
     )
 
 
@@ -129,13 +129,13 @@ def test_where_a_device_is_slices_hosts_and_the_bounds():
 
 @needs_tpu
 def test_a_tpu_target_s_figures_make_the_torus_and_a_bandwidth_given_is_every_collective_s():
-    figures = _target.resolve_figures(_target.parse_target("v5p", 64))
+    figures = _figures.resolve_figures(_target.parse_target("v5p", 64))
     assert figures.links == TpuTorus("v5p", (4, 4, 4), 1, 90e9, 1e-6, 6.25e9, 5e-6)
-    two_slices = _target.resolve_figures(_target.parse_target("v5e:4x4", None, 2)).links
+    two_slices = _figures.resolve_figures(_target.parse_target("v5e:4x4", None, 2)).links
     assert two_slices == torus("v5e", (4, 4), slices=2)  # the table's torus is the target's
     given = figures.at(bandwidth=100e9)
     assert given.links == OneLink(100e9, 1e-6, None)
-    link = _target.resolve_figures(_target.parse_target("v5e", 16), {"bandwidth": 40e9}).links
+    link = _figures.resolve_figures(_target.parse_target("v5e", 16), {"bandwidth": 40e9}).links
     assert isinstance(link, TpuTorus) and link.link == 40e9  # hardware= changes the link's rate
 
 
@@ -221,7 +221,7 @@ def test_two_slices_fsdp_program_sends_between_slices_at_dcn():
     assert all(row.groups[0] == (0, 8) for row in across)  # a chip and its copy on slice 1
     gather = next(row for row in across if row.kind == "all-gather")
     assert gather.bytes == 2 * 64 * 1024 * 4  # the gathered result of two slices' rows
-    figures = _target.resolve_figures(_target.parse_target("v5e:2x4", None, 2))
+    figures = _figures.resolve_figures(_target.parse_target("v5e:2x4", None, 2))
     timed = estimated(report, figures)
     row = next(r for r in timed.rows if r.kind == "all-gather" and r.group_size == 2)
     assert row.seconds == pytest.approx(row.times * (1 / 2 * row.bytes / 3.125e9 + 5 * US))

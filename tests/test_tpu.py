@@ -14,7 +14,7 @@ import dataclasses
 
 import pytest
 
-from einshard._cost.hardware import _target, _tpu
+from einshard._cost.hardware import _figures, _tpu
 from tests.test_targets import needs_tpu
 
 # ruff: noqa: E501  (the program below is XLA's lines, as it prints them)
@@ -46,7 +46,7 @@ def test_each_generation_has_its_published_figures_each_with_its_source(name):
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_a_tpu_target_s_hardware_carries_the_figures_and_says_what_is_assumed(name):
-    hardware = _target._tpu_hardware(name)
+    hardware = _figures._tpu_hardware(name)
     chip = _tpu.GENERATIONS[name]
     assert (hardware.memory_bytes, hardware.memory_bandwidth) == (chip.memory_bytes, chip.memory_bandwidth)
     assert (
@@ -58,7 +58,7 @@ def test_a_tpu_target_s_hardware_carries_the_figures_and_says_what_is_assumed(na
         chip.dcn_per_chip,
     )  # _torus
     for assumed in ("efficiency", "memory_efficiency", "launch_seconds", "latency"):
-        assert _target.TPU_ASSUMED in hardware.sources[assumed]
+        assert _figures.TPU_ASSUMED in hardware.sources[assumed]
 
 
 @pytest.mark.parametrize(

@@ -29,8 +29,9 @@ from .._trees._strategy import with_batch
 from ._entry import entry_point
 from .child._child import Order, child_error, in_child, in_turn
 from .child._progress import CompileEvents, Progress
-from .hardware._target import Hardware as Hardware
-from .hardware._target import Target, parse_target, resolve_figures
+from .hardware._figures import Hardware as Hardware
+from .hardware._figures import resolve_figures
+from .hardware._target import Target, parse_target
 from .pipeline._analysis import Answer, analyse, answer
 from .pipeline._compile import forget_traces
 from .report._report import Finding as Finding

@@ -30,7 +30,8 @@ from ..._sharding._devices import use_devices
 from ..._tracing._batch_layout import current_batch, use_strategy
 from ..._tracing._call import StepCall, abstract
 from ..._trees._rules import RulesLike
-from ..hardware._target import Target, target_devices
+from ..hardware._compilers import target_devices
+from ..hardware._target import Target
 from ..pipeline._analysis import Answer, answer
 from ._progress import CompileEvents
 from ._rerun import Script, defined, pickled, run_script, script_of_main, undefined_error

@@ -6,7 +6,7 @@ import math
 
 from ..._language._expression import split_expression
 from ..report._report import Finding
-from ..xla import _hlo
+from ..xla import _hlo, _messages
 from ._detect import REMAT, Context, only_sliced, rows_traffic
 
 
@@ -15,7 +15,7 @@ def find_remats(context: Context, excluded: set[int]) -> tuple[list[Finding], se
     claimed: set[int] = set()
     by_place: dict[tuple, list[tuple[str, str, str | None, str | None, list[int], int]]] = {}
     for message in dict.fromkeys(context.messages):
-        remat = _hlo.parse_remat(message)
+        remat = _messages.parse_remat(message)
         if remat is None:
             continue
         before, after, operation = remat.before_splits, remat.after_splits, remat.operation

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from ..xla import _hlo, _hlo_kernels, _hlo_loops
+from ..xla import _collectives, _hlo, _hlo_kernels, _hlo_loops
 
 __all__ = [
     "Done",
@@ -102,8 +102,8 @@ Schedule = tuple[Item, ...]
 def schedule_of(module: _hlo.Module) -> Schedule:
     """The program's kernels and collectives in the order they run."""
     heads: dict[tuple[str, str, str], str] = {}  # a chain of TPU copies -> the copy the rows name
-    for collective in _hlo.collectives(module):
-        key = _hlo.chain_key(collective.instruction)
+    for collective in _collectives.collectives(module):
+        key = _collectives.chain_key(collective.instruction)
         if key is not None:
             heads[key] = collective.instruction.name
     return _walk(module, module.entry, frozenset(), heads)
@@ -127,12 +127,12 @@ def _walk(
     chains = _chains(module, instructions, heads)
     # A megascale transfer between TPU slices starts at its send and is waited for where its
     # recv's data is (the recv's done); the recv and the send's done move nothing more.
-    received = _hlo.megascale_receiver(instructions)
+    received = _collectives.megascale_receiver(instructions)
     for instruction in instructions:
         opcode = instruction.opcode
         if opcode in _hlo_kernels.FREE_OPCODES:
             continue
-        if opcode == "send" and _hlo.megascale(instruction) is not None:
+        if opcode == "send" and _collectives.megascale(instruction) is not None:
             items.append(Start(instruction.name))
             continue
         if opcode == "send-done" or (opcode == "recv" and instruction.name in received):
@@ -228,12 +228,12 @@ def _chains(
         return {}
     members: dict[tuple[str, str, str], list[str]] = {}
     for instruction, collective in fused:
-        key = _hlo.chain_key(collective)
+        key = _collectives.chain_key(collective)
         if key is not None:
             members.setdefault(key, []).append(instruction.name)
     out: dict[str, tuple[Item, ...]] = {}
     for instruction, collective in fused:
-        key = _hlo.chain_key(collective)
+        key = _collectives.chain_key(collective)
         run = _kernel_run(module, instruction)
         work: tuple[Item, ...] = (run,) if run.flops else ()
         if key is None:

@@ -15,12 +15,13 @@ from ..._tracing._call import StepCall
 from ..._trees._rules import Rules, RulesLike
 from ..findings._findings import find_waste
 from ..hardware import _timing
-from ..hardware._target import Target, hardware_of
+from ..hardware._figures import hardware_of
+from ..hardware._target import Target
 from ..hardware._tpu import GENERATIONS
 from ..reading._attribution import attributed_rows
 from ..reading._flow import Flow, Origin
 from ..report._report import StepReport, StepRow, report_of
-from ..xla import _hlo, _hlo_kernels
+from ..xla import _hlo, _hlo_kernels, _messages
 from ._compile import Compiled, compile_step
 
 __all__ = [
@@ -96,12 +97,12 @@ def compiled_or_refused(placed: StepCall, target: Target | None) -> Compiled:
 
     Raises:
         DoesNotFitError: The compiler refused the program for its memory per device (libtpu's
-            ``RESOURCE_EXHAUSTED: ... CompileTimeHbmOom``, read by ``_hlo.parse_out_of_memory``).
+            ``RESOURCE_EXHAUSTED: ... CompileTimeHbmOom``, read by ``_messages.parse_out_of_memory``).
     """
     try:
         return compile_step(placed)
     except Exception as error:
-        refusal = _hlo.parse_out_of_memory(str(error))
+        refusal = _messages.parse_out_of_memory(str(error))
         if refusal is None:
             raise
         raise does_not_fit(refusal, target) from None
@@ -138,7 +139,7 @@ def _rebuilt(headline: str, needed: int, available: int, target: str, kwargs: di
 DoesNotFitError.__module__ = "einshard"
 
 
-def does_not_fit(refusal: _hlo.OutOfMemory, target: Target | None) -> DoesNotFitError:
+def does_not_fit(refusal: _messages.OutOfMemory, target: Target | None) -> DoesNotFitError:
     """The verdict of a compile the compiler refused for memory, with its figures and the fixes."""
     label = target.label if target is not None else "these devices"
     # A TPU's memory is its generation's figure: the verdict needs no compiler (only TPU's refuses).

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from ..hardware._links import sent_fraction
 from ..report._report import StepRow
-from ..xla import _hlo
+from ..xla import _collectives, _hlo
 from ._flow import THROUGH, Flow, Origin, operand_shape
 
 __all__ = ["attributed_rows", "mesh_axes"]
@@ -79,7 +79,7 @@ def attributed_rows(
     array put into the buffer (:meth:`Flow.pieces`). ``devices``: the device id of each
     partition, for the rows' :attr:`~StepRow.groups` (``None``: partition ``p`` is device ``p``).
     """
-    found = _hlo.collectives(module)
+    found = _collectives.collectives(module)
     origins: list[Origin] = []
     # A backward pass shows as op names 'transpose(jvp(...))'; the raw text is enough to tell.
     has_grad = module.op_names_mention("transpose(")

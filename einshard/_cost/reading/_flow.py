@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from fractions import Fraction
 
-from ..xla import _hlo
+from ..xla import _collectives, _hlo
 
 __all__ = ["THROUGH", "Flow", "Origin", "Piece", "operand_shape"]
 
@@ -67,7 +67,7 @@ class Piece:
 class Origin:
     """Where a row comes from: its collective, the array's index, its operand and reduced value."""
 
-    collective: _hlo.Collective
+    collective: _collectives.Collective
     index: int
     operand: str | None
     value: _hlo.Instruction | None

@@ -10,8 +10,9 @@ from typing import Any, NoReturn, TypeVar
 
 from ..._language._errors import EinshardError
 from ..._tracing._loops import LoopNote
+from ..hardware._figures import Figures, Hardware
 from ..hardware._links import spanned_hosts
-from ..hardware._target import FROM_SOURCE, GPU_EXTRA, GPUS, TPU_EXTRA, TPUS, Figures, Hardware
+from ..hardware._target import FROM_SOURCE, GPU_EXTRA, GPUS, TPU_EXTRA, TPUS
 from ..hardware._timing import Rates, Schedule, collectives_of, simulate, unknown_loops
 from ..xla._hlo import KINDS
 from ._report_text import finding_headline, findings_text, report_text
@@ -219,7 +220,7 @@ class StepReport:
             (``layers/0/kernel``, as ``shard_pytree(params, rules)`` sees it): anchored with
             ``^``, they miss the step's paths; ``(^|/)`` matches both.
         figures: The figures the estimate was made at
-            (:func:`~einshard._cost.hardware._target.resolve_figures`).
+            (:func:`~einshard._cost.hardware._figures.resolve_figures`).
         schedule: The target program's kernels and collectives in the order they run (what the
             step time is simulated from), or ``()`` on CPU devices.
         simulated_seconds: The simulated step time of a GPU or TPU target's program, or ``None``.

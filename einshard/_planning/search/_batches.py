@@ -19,7 +19,7 @@ from ..._arrays._leaves import is_traced
 from ..._cost._entry import entry_point
 from ..._cost._step import reports
 from ..._cost.child._progress import Progress
-from ..._cost.hardware._target import Figures, Hardware
+from ..._cost.hardware._figures import Figures, Hardware
 from ..._cost.report._report import StepReport, estimated
 from ..._language._errors import EinshardError
 from ..._language._layout import compile_layout

@@ -29,8 +29,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..._arrays._leaves import is_traced, itemsize
+from ..._cost.hardware._figures import Figures
 from ..._cost.hardware._links import Links
-from ..._cost.hardware._target import Figures
 from ..._tracing._call import StepCall, trace
 from ..._tracing._jaxprs import CALL, SCAN, inner_jaxpr, is_backward, runs, scan_counts, var_nbytes, var_shape
 from ..._trees._rules import RulesLike

@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 from ..._cost._step import reports
 from ..._cost.child._child import Crash
 from ..._cost.child._progress import Progress
-from ..._cost.hardware._target import Figures, Target, parse_target, resolve_figures
+from ..._cost.hardware._figures import Figures, resolve_figures
+from ..._cost.hardware._target import Target, parse_target
 from ..._cost.pipeline._analysis import Answer, DoesNotFitError
 from ..._language._errors import EinshardError
 from ..._language._text import seconds_text, size_text

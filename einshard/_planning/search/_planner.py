@@ -18,7 +18,7 @@ from ..._arrays._leaves import nbytes
 from ..._cost._entry import entry_point
 from ..._cost._step import warn_if_only_catch_all
 from ..._cost.child._progress import Progress
-from ..._cost.hardware._target import Figures, Hardware
+from ..._cost.hardware._figures import Figures, Hardware
 from ..._cost.report._report import StepReport, estimated, refuses_accelerator
 from ..._language._errors import EinshardError
 from ..._language._expression import parse
