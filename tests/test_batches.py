@@ -15,7 +15,7 @@ from gpt_steps import S, gpt_params, step
 
 import einshard
 from einshard import strategies
-from einshard._planning.search import _batches
+from einshard._planning.search import _batch_sizes, _batches
 
 N = jax.device_count()
 TOKENS = jax.ShapeDtypeStruct((2 * N, S), jnp.int32)  # a multiple of every candidate's split
@@ -153,6 +153,6 @@ def test_a_size_not_on_a_candidates_split_names_the_multiple():
     with pytest.raises(einshard.EinshardError, match="batch_sizes= holds a batch of"):
         _bad(batch_sizes=[N, N + 1])
     # A candidate that copies the batch takes any size; a hybrid's, multiples of its data axis.
-    assert _batches._granularity(strategies.tensor_parallel(), [TOKENS], N) == 1
+    assert _batch_sizes.granularity(strategies.tensor_parallel(), [TOKENS], N) == 1
     if N % 2 == 0 and N > 2:
-        assert _batches._granularity(strategies.hybrid(model=N // 2), [TOKENS], N) == 2
+        assert _batch_sizes.granularity(strategies.hybrid(model=N // 2), [TOKENS], N) == 2

@@ -26,7 +26,7 @@ import einshard
 from einshard._cost.hardware import _compilers, _figures, _target
 from einshard._cost.pipeline import _analysis
 from einshard._cost.xla import _messages
-from einshard._planning.search import _batches, _candidates, _planner
+from einshard._planning.search import _batch_sizes, _candidates, _planner
 from einshard._tracing._call import StepCall
 from tests.test_targets import needs_gpu, needs_tpu
 
@@ -111,11 +111,11 @@ def test_a_plan_rejects_the_refused_candidate_for_memory_with_the_figures():
 
 
 def test_a_batch_search_takes_a_refused_size_as_too_large_not_as_a_failed_candidate():
-    search = _batches._Search(unit=2, start=64, ladder=None, limit=16 * G, budget=8)
+    search = _batch_sizes.SizeSearch(unit=2, start=64, ladder=None, limit=16 * G, budget=8)
     search.record(64, None, _candidates.rejection_of(_refused()))
     assert search.failed is None and search.hi == 32  # searched below, not rejected
     assert search.next_size() is not None and search.next_size() < 64
-    other = _batches._Search(unit=2, start=64, ladder=None, limit=16 * G, budget=8)
+    other = _batch_sizes.SizeSearch(unit=2, start=64, ladder=None, limit=16 * G, budget=8)
     other.record(64, None, _candidates.Rejection(_candidates.COMPILE, "a failed check"))
     assert other.failed is not None and other.next_size() is None  # another failure rejects it
 
