@@ -1,6 +1,6 @@
 """Every JAX primitive is accounted for by the roles reader: read, or a stop with its reason.
 
-The reader (``einshard/_planning/_parameter_axes.py``) follows a parameter's axes through the primitives it
+The reader (``einshard/_tracing/_parameter_axes.py``) follows a parameter's axes through the primitives it
 knows (``READ``: a handler of its own, or a set of ``_primitives``) and stops at the ones listed in
 ``_primitives.STOPS``, each with its reason. A primitive in neither would be guessed at (taken as
 elementwise when its shapes agree, else a stop with no reason), which is how ``jnp.stack`` once

@@ -78,12 +78,12 @@ class Mutant:
     meet: bool = False
 
 
-REPORT = "einshard/_cost/_report.py"
-ATTRIBUTION = "einshard/_cost/_attribution.py"
-LINKS = "einshard/_cost/_links.py"
-PLANNER = "einshard/_planning/_planner.py"
-CANDIDATES = "einshard/_planning/_candidates.py"
-STRATEGIES = "einshard/_planning/_strategies.py"
+REPORT = "einshard/_cost/report/_report.py"
+ATTRIBUTION = "einshard/_cost/reading/_attribution.py"
+LINKS = "einshard/_cost/hardware/_links.py"
+PLANNER = "einshard/_planning/search/_planner.py"
+CANDIDATES = "einshard/_planning/search/_candidates.py"
+STRATEGIES = "einshard/_planning/tables/_strategies.py"
 STRATEGY = "einshard/_trees/_strategy.py"
 MESH = "einshard/_sharding/_mesh.py"
 VOLUMES = ("tests/test_volumes.py", "tests/test_step.py")
@@ -218,7 +218,7 @@ MUTANTS = [
     ),
     Mutant(
         "planner-time-without-compute",
-        "einshard/_cost/_report.py",
+        "einshard/_cost/report/_report.py",
         "        known = [p for p in (self.communication_seconds, self.compute_seconds) if p is not None]",
         "        known = [p for p in (self.communication_seconds,) if p is not None]",
         PLANNING,
@@ -340,9 +340,9 @@ MUTANTS = [
 
 # --- the tensor-parallel roles read from the step's dataflow, the tables derived from them, and the
 # planner's split share ---
-JAXPR = "einshard/_planning/_jaxpr.py"
-ROLES = "einshard/_planning/_roles.py"
-DERIVED = "einshard/_planning/_derived.py"
+JAXPR = "einshard/_tracing/_parameter_axes.py"
+ROLES = "einshard/_planning/tables/_roles.py"
+DERIVED = "einshard/_planning/tables/_derived.py"
 READING = ("tests/test_roles.py", "tests/test_strategies.py")
 DATAFLOW_ROLES = [
     Mutant(
@@ -460,9 +460,9 @@ DATAFLOW_ROLES += [
 ]
 
 # --- the findings and the loop reading: what would make a finding's bytes wrong ---
-DETECT_REDUCTIONS = "einshard/_cost/_detect_reductions.py"
-DETECT_LAYOUTS = "einshard/_cost/_detect_layouts.py"
-HLO = "einshard/_cost/_hlo.py"
+DETECT_REDUCTIONS = "einshard/_cost/findings/_detect_reductions.py"
+DETECT_LAYOUTS = "einshard/_cost/findings/_detect_layouts.py"
+HLO = "einshard/_cost/xla/_hlo.py"
 FINDINGS = ("tests/test_findings.py", "tests/test_finding_fixes.py", "tests/test_finding_properties.py")
 FINDING_MUTANTS = [
     Mutant(
@@ -491,7 +491,7 @@ FINDING_MUTANTS = [
     ),
     Mutant(
         "loop-users-read-in-the-entry",
-        "einshard/_cost/_flow.py",
+        "einshard/_cost/reading/_flow.py",
         "            body = start[0].computation\n            users = self.users_in(body)",
         "            body = start[0].computation\n            users = self.users_in(self.module.entry)",
         (*FINDINGS, "tests/test_step.py"),
@@ -508,9 +508,9 @@ FINDING_MUTANTS = [
 ]
 
 # --- the simulated step time, the kernels' costs and the plan's memory bound ---
-TIMING = "einshard/_cost/_timing.py"
-KERNELS = "einshard/_cost/_hlo_kernels.py"
-BOUNDS = "einshard/_planning/_bounds.py"
+TIMING = "einshard/_cost/hardware/_timing.py"
+KERNELS = "einshard/_cost/xla/_hlo_kernels.py"
+BOUNDS = "einshard/_planning/search/_bounds.py"
 STEP_TIME = (
     "tests/test_step_time_rules.py",
     "tests/test_step_time_properties.py",
@@ -546,16 +546,16 @@ TIMING_MUTANTS = [
     Mutant(
         "async-done-never-waits",
         TIMING,
-        "            finish = finishes.pop(item.collective, clock)",
-        "            finish = min(finishes.pop(item.collective, clock), clock)",
+        "            finish = run.finishes.pop(item.collective, run.clock)",
+        "            finish = min(run.finishes.pop(item.collective, run.clock), run.clock)",
         STEP_TIME,
         "an async collective never makes the step wait at its -done",
     ),
     Mutant(
         "loop-body-once",
         TIMING,
-        "            clock += inner[0] * item.times",
-        "            clock += inner[0]",
+        "    end = now + sum(trip.clock * count for trip, count in trips)",
+        "    end = now + sum(trip.clock for trip, count in trips)",
         STEP_TIME,
         "a loop body's time counted once instead of its trip count",
     ),
@@ -570,36 +570,36 @@ TIMING_MUTANTS = [
     Mutant(
         "start-does-not-queue",
         TIMING,
-        "            begin = max(clock, link_free)\n            link_free = begin + seconds\n"
-        "            finishes[item.collective] = link_free",
-        "            begin = clock\n            link_free = begin + seconds\n"
-        "            finishes[item.collective] = link_free",
+        "            begin = max(run.clock, run.link_free)\n            run.link_free = begin + seconds\n"
+        "            run.finishes[item.collective] = run.link_free",
+        "            begin = run.clock\n            run.link_free = begin + seconds\n"
+        "            run.finishes[item.collective] = run.link_free",
         STEP_TIME,
         "an async collective does not queue behind those in flight on the link",
     ),
     Mutant(
         "sync-does-not-queue",
         TIMING,
-        "            begin = max(clock, link_free)\n            link_free = begin + seconds\n"
-        "            exposed += link_free - clock",
-        "            begin = clock\n            link_free = begin + seconds\n"
-        "            exposed += link_free - clock",
+        "            begin = max(run.clock, run.link_free)\n            run.link_free = begin + seconds\n"
+        "            run.exposed += run.link_free - run.clock",
+        "            begin = run.clock\n            run.link_free = begin + seconds\n"
+        "            run.exposed += run.link_free - run.clock",
         STEP_TIME,
         "a sync collective does not queue behind those in flight on the link",
     ),
     Mutant(
         "sync-not-waited-for",
         TIMING,
-        "            exposed += link_free - clock\n            clock = link_free",
-        "            exposed += link_free - clock",
+        "            run.exposed += run.link_free - run.clock\n            run.clock = run.link_free",
+        "            run.exposed += run.link_free - run.clock",
         STEP_TIME,
         "the step does not wait for a sync collective (its time exposed, the clock unmoved)",
     ),
     Mutant(
         "hidden-is-all-communication",
         TIMING,
-        "hidden_seconds=max(communication - exposed, 0.0)",
-        "hidden_seconds=communication",
+        "hidden_seconds=max(run.communication - exposed, 0.0)",
+        "hidden_seconds=run.communication",
         STEP_TIME,
         "hidden communication counts the exposed too",
     ),
@@ -615,7 +615,7 @@ TIMING_MUTANTS = [
     ),
     Mutant(
         "unknown-trip-count-said-known",
-        "einshard/_cost/_hlo_loops.py",
+        "einshard/_cost/xla/_hlo_loops.py",
         "        if trip_count is None:\n            return 1, False",
         "        if trip_count is None:\n            return 1, True",
         STEP_TIME,
