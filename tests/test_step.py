@@ -5,6 +5,7 @@ computations; the HLO reader on captured snippets of every format XLA prints."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import pickle
 import warnings
@@ -450,8 +451,13 @@ def test_rules_that_match_no_path_of_the_step_are_listed_and_a_table_that_misses
     }
     x = jax.ShapeDtypeStruct((4, 16), jnp.float32)
     anchored = [(r"^up/kernel$", "i o -> i o*"), (r"^down/kernel$", "i o -> i* o"), (r".*", "... -> * ...")]
-    with pytest.warns(einshard.EinshardWarning, match=r"no rule of the table given to explain_step matched"):
+    with pytest.warns(
+        einshard.EinshardWarning, match=r"no rule of the table given to explain_step matched"
+    ) as seen:
         report = einshard.explain_step(step, params, x, rules=anchored)
+    # The warning names the line that called explain_step, not one of einshard's own frames
+    # (its entry point's decorators stand between).
+    assert [(w.filename, w.lineno) for w in seen] == [(__file__, inspect.currentframe().f_lineno - 3)]
     assert report.unmatched_rules == ("^up/kernel$", "^down/kernel$")
     assert "2 rules match no path of the step's arguments" in str(report)
     assert "'^up/kernel$'" in str(report) and not report.rows  # everything replicated: no collective

@@ -21,6 +21,7 @@ from typing import Any
 
 from .._language._errors import EinshardWarning
 from .._language._numbers import checked_count
+from .._language._sources import user_stacklevel
 from .._tracing._batch_layout import marks
 from .._tracing._call import StepCall
 from .._trees._assign import as_rules
@@ -209,7 +210,7 @@ def warn_if_only_catch_all(
         f"no rule of the table given to {caller} matched a path of the step's arguments but its "
         f"catch-all: {listed} matched nothing; {fix}",
         EinshardWarning,
-        stacklevel=3,
+        stacklevel=user_stacklevel(),
     )
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Sequence
 
-__all__ = ["is_library_file", "user_frame"]
+__all__ = ["is_library_file", "user_frame", "user_stacklevel"]
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # einshard's own folder
 # Installed packages, Python's own library (``/usr/lib/python3.12/contextlib.py``), and the source
@@ -52,3 +53,16 @@ def user_frame(frames: Sequence[tuple[str, int]]) -> tuple[str, int] | None:
 def _is_own(path: str) -> bool:
     """Whether a file is JAX's, jaxlib's or einshard's: never a line a user wrote."""
     return path.startswith(_PACKAGE) or bool(_OWN.search(path))
+
+
+def user_stacklevel() -> int:
+    """``warnings.warn``'s ``stacklevel`` for the user's line: the first frame outside einshard.
+
+    Asked where the warning is raised (not in a helper that calls it): however many of einshard's
+    own frames stand between (an entry point's decorators, the child's pool), the warning names
+    the line that called einshard.
+    """
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        level, frame = level + 1, frame.f_back
+    return level

@@ -16,6 +16,7 @@ from typing import Any
 
 from .._arrays._leaves import is_jax_array, is_traced, nbytes
 from .._language._errors import EinshardError, EinshardWarning
+from .._language._sources import user_stacklevel
 from .._sharding._devices import call_devices
 from .._trees._assign import TableAssignment, as_rules, assign_leaves
 from .._trees._paths import flatten_with_paths
@@ -82,7 +83,7 @@ def _warn_if_wide(paths: list[str], leaves: list[Any]) -> None:
             f"{len(wide)} of the step's arguments are {dtype} (the first: {path!r}), which JAX computes "
             f"as {np.dtype(traced_dtype(dtype))} without jax_enable_x64: the report is of that step",
             EinshardWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
 
 

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..._language._errors import EinshardError, EinshardWarning
+from ..._language._sources import user_stacklevel
 from ..._language._text import seconds_text, size_text
 from ..._tracing._batch_layout import current_batch
 from ..._tracing._call import abstract
@@ -333,17 +334,8 @@ def _warn_slow_rerun(script: Script, seconds: float) -> None:
         f"took {seconds_text(seconds)}: put the script's work under `if __name__ == '__main__':`, or "
         "define the step in a module the script imports",
         EinshardWarning,
-        stacklevel=_caller_level(),
+        stacklevel=user_stacklevel(),
     )
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside einshard: the user's call."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        level, frame = level + 1, frame.f_back
-    return level
 
 
 def _run_child(compiles: _Compiles, first: int) -> tuple[int, Crash] | None:
