@@ -74,7 +74,7 @@ def test_a_script_written_as_jaxs_docs_show_explains_and_plans_at_any_device_cou
     call run here and again in each of the three children, those after it only here."""
     source = HEADER + textwrap.dedent(
         """
-        from einshard._cost import _child
+        from einshard._cost.child import _child
         _child.SLOW_RERUN_SECONDS = 0.0  # every second run is announced
         with open('runs.txt', 'a') as log:
             log.write(f'before {__name__}\\n')
