@@ -60,24 +60,26 @@ class KernelRun:
 
 
 @dataclasses.dataclass(frozen=True)
-class Start:
-    """An async collective begins (``collective``: its instruction, as the report's rows name it)."""
+class _CollectiveEvent:
+    """What the schedule says of one collective (``collective``: its instruction, as the rows name it).
+
+    Its kinds are its subclasses, which compare unequal to each other (a dataclass's ``==``
+    checks the class).
+    """
 
     collective: str
 
 
-@dataclasses.dataclass(frozen=True)
-class Done:
+class Start(_CollectiveEvent):
+    """An async collective begins."""
+
+
+class Done(_CollectiveEvent):
     """The program waits for an async collective."""
 
-    collective: str
 
-
-@dataclasses.dataclass(frozen=True)
-class Sync:
+class Sync(_CollectiveEvent):
     """A collective the program waits for where it stands."""
-
-    collective: str
 
 
 @dataclasses.dataclass(frozen=True)
