@@ -41,29 +41,13 @@ _MEGASCALE_KINDS = {
 
 
 _COLLECTIVE_LINE = opcode_line(frozenset(COLLECTIVES))
-
-
 _MEGASCALE_LINE = re.compile(r"\ssend\(.*_xla_megascale_transfer_type")
-
-
 _MEGASCALE_TYPE = re.compile(r'_xla_megascale_transfer_type="?(\w+)')
-
-
 _MEGASCALE_SLICES = re.compile(r'_xla_megascale_target="?\{([\d,\s]*)\}')
-
-
 _RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="?([^",}]+)')
-
-
 _MESH_AXIS = re.compile(r"'?([^'=,\s\]]+)'?\s*=\s*(\d+)")
-
-
 _SUB_AXIS = re.compile(r"'([^']+)'(?::\((\d+)\)(\d+))?")
-
-
 _CHAIN = re.compile(r'chain_id="?(\d+)')
-
-
 _NAMED_SHARDING = re.compile(r"mesh\[(?P<mesh>[^\]]*)\][^\[]*\[(?P<dims>.*)\]")
 
 

@@ -55,6 +55,7 @@ COLLECTIVES = {
 }
 KINDS = tuple(dict.fromkeys(_COLLECTIVE_KINDS.values()))
 """The kinds of collective, in the order reports list them."""
+
 # The attribute naming the computations an instruction calls -> the role it calls them in.
 _CALL_ROLES = {
     "calls": "calls", "body": "body", "condition": "condition", "to_apply": "to_apply",
