@@ -16,7 +16,7 @@ several slices (``num_slices=2``), ``slice_index`` (absent with one slice); devi
 when libtpu stops giving them.
 
 No TPU time was measured: the efficiencies, the launch floor and the ICI latency of a TPU target
-are a GPU's, and the report says so (``_target.TPU_ASSUMED``).
+are a GPU's, and the report says so (``_figures.TPU_ASSUMED``).
 """
 
 from __future__ import annotations

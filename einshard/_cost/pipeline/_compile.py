@@ -75,7 +75,7 @@ class Compiled:
     def device_ids(self, n: int) -> list[int] | None:
         """The id of each partition's device, or ``None`` when unknown.
 
-        Which host each is on is the links' answer (:mod:`._links`).
+        Which host each is on is the links' answer (:mod:`~einshard._cost.hardware._links`).
         """
         devices = self.partition_devices(n)
         return None if devices is None else [int(device.id) for device in devices]
