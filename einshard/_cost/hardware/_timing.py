@@ -1,19 +1,19 @@
 """A simulated step time: the target's program walked in the order it runs.
 
-The compiled program's text lists each computation's instructions in the order they run. The
-walk goes through the entry computation (a ``while`` body its trip count times, a called
-computation where it is called, every branch of a conditional: how many times each runs is
-:func:`~einshard._cost.xla._hlo_loops.runs_per_call`'s one answer, which the program's flops
-follow too) and gives each kernel (a fusion, an async fusion's start, a library gemm, a copy, a
-sort ...) ``max(matrix flops / the rate of its element type, bytes read and written / the
-memory's bandwidth)`` plus a launch floor. A kernel moves what it touches: an in-place update
-its update, a sliced read its slice (:func:`~einshard._cost.xla._hlo_kernels.kernel`), so a
-scanned layer's loop costs its layer per trip, not its stack. A loop whose trip count XLA does not know is walked once, and the report names it
-(:attr:`Loop.known`). A collective costs its ring formula at its link (the report's rows, with a
-latency per hop); an async one (``-start`` ... ``-done``, or TPU's async collective fusions) runs
-beside the kernels scheduled between its start and its done, and costs only what they do not
-cover; one launched inside a fusion is on the schedule too. One link per device: collectives in
-flight at once queue on it. Every row of the report is a collective of the schedule
+The compiled program's text lists each computation's instructions in the order they run. The walk
+goes through the entry computation (a ``while`` body its trip count times, a called computation
+where it is called, every branch of a conditional: how many times each runs is
+:func:`~einshard._cost.xla._hlo_loops.runs_per_call`'s one answer, which the program's flops follow
+too) and gives each kernel (a fusion, an async fusion's start, a library gemm, a copy, a sort ...)
+``max(matrix flops / the rate of its element type, bytes read and written / the memory's
+bandwidth)`` plus a launch floor. A kernel moves what it touches: an in-place update its update, a
+sliced read its slice (:func:`~einshard._cost.xla._hlo_kernels.kernel`), so a scanned layer's loop
+costs its layer per trip, not its stack. A loop whose trip count XLA does not know is walked once,
+and the report names it (:attr:`Loop.known`). A collective costs its ring formula at its link (the
+report's rows, with a latency per hop); an async one (``-start`` ... ``-done``, or TPU's async
+collective fusions) runs beside the kernels scheduled between its start and its done, and costs only
+what they do not cover; one launched inside a fusion is on the schedule too. One link per device:
+collectives in flight at once queue on it. Every row of the report is a collective of the schedule
 (:func:`collectives_of`).
 
 What is assumed (``Hardware``'s figures, each with its source): the fraction of the matrix
@@ -215,8 +215,9 @@ def _chains(
     """What each fusion that runs a collective inside it is on the schedule, by its name.
 
     A collective copied over TPU's async collective fusions
-    (:func:`~einshard._cost.xla._collectives.chain_key`) starts at the fusion that starts it and is waited for at the one that ends it (their markers, else
-    the first and last fusion of its chain here); the fusions between are kernels that run
+    (:func:`~einshard._cost.xla._collectives.chain_key`) starts at the fusion that starts it and
+    is waited for at the one that ends it (their markers, else the first and last fusion of its
+    chain here); the fusions between are kernels that run
     beside it. Named as the report's row names it (``heads``: its first copy in the text). A
     collective fused with other work and no chain (an all-reduce and its slice) is waited for
     where it stands, beside the fusion's matrix work if it has any.

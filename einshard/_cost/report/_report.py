@@ -399,13 +399,13 @@ def _totals(rows: Sequence[StepRow]) -> dict[str, Any]:
 def estimated(report: StepReport, figures: Figures) -> StepReport:
     """The report with its rows' times and the totals estimated at these figures.
 
-    Each collective's time is the links' model's (:attr:`Figures.links`), asked with its kind,
-    its arrays' bytes and its device groups: one run of a combined collective carries its arrays
-    together (its latency paid once), and each array's row has its share by its bytes. A GPU or
-    TPU target's step time is simulated from its program
-    (:mod:`~einshard._cost.hardware._timing`), each collective at that time per run; CPU devices keep ``flops / flops_per_second`` plus the collectives,
-    without overlap: simulated CPU devices share one host's cores, and a schedule of them
-    describes no hardware.
+    Each collective's time is the links' model's (:attr:`Figures.links`), asked with its kind, its
+    arrays' bytes and its device groups: one run of a combined collective carries its arrays
+    together (its latency paid once), and each array's row has its share by its bytes. A GPU or TPU
+    target's step time is simulated from its program (:mod:`~einshard._cost.hardware._timing`), each
+    collective at that time per run; CPU devices keep ``flops / flops_per_second`` plus the
+    collectives, without overlap: simulated CPU devices share one host's cores, and a schedule of
+    them describes no hardware.
     """
     bandwidth = figures.bandwidth
     links = figures.links
