@@ -125,6 +125,10 @@ class StepCall:
             ``.batch``), when the step has a batch argument: the compile keeps the step's
             batch-major loop carries in it (``_tracing._loops``); else ``None``.
         donate: Whether the compile donates the first argument when the step returns it updated.
+        traces: The step's programs as traced under a strategy, kept by the compile
+            (``_cost.pipeline._program``) and shared by every call made from this one
+            (``with_rules``, ``with_leaves``): a plan traces the step once, not once per
+            candidate, unless ``like_batch`` in it follows each candidate's strategy.
     """
 
     given: Callable[..., Any] | str
@@ -141,6 +145,7 @@ class StepCall:
     unmatched: tuple[Any, ...] = ()
     batch_layout: str | None = None
     donate: bool = True
+    traces: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def donating(self, donate: Any) -> StepCall:
         """The call with ``donate=`` as given: ``True`` or ``False``, nothing else.

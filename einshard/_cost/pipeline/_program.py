@@ -2,7 +2,11 @@
 
 A plain step is traced once (``jax.jit(...).trace``), under its strategy when a strategy laid
 its arguments out (so that :func:`~einshard.like_batch` in the model constrains to that
-strategy's batch). Then, before lowering:
+strategy's batch). A plan traces it once for all its candidates: a trace in which no
+``like_batch`` met the strategy is every strategy's program (the arguments' shardings are given
+when it is lowered), kept on the call (:attr:`StepCall.traces
+<einshard._tracing._call.StepCall>`) and lowered again for each candidate; a step whose
+``like_batch`` follows the strategy is traced per candidate. Then, before lowering:
 
 * **Constants.** Equal constants, and equal equations on them (a table each unrolled layer
   gathers again), are kept once (``_tracing._constants``): XLA would fold each copy on its own,
@@ -78,24 +82,44 @@ def step_program(call: StepCall, *, own: bool = True) -> Program:
         own_program = _own_program(call)
         if own_program is not None:
             return own_program
-    flat, outputs = _flat(call)
     arrays = [call.leaves[i] for i in call.arrays]
-    marked = marks()
-    traced = jax.jit(traced_under(call.batch_layout, flat), keep_unused=True).trace(*arrays)
-    donated = _updated_first_argument(call, outputs) if call.donate else None
-    outputs.clear()  # the traced values: not kept
-    closed = shared_constants(traced.jaxpr)
-    jaxpr, loops = _constrained(call, closed, marked=marked)
-    if closed is traced.jaxpr and jaxpr is closed.jaxpr and donated is None:
-        return Program(traced.lower, loops)
+    key = _trace_key(call)
+    kept = call.traces.get(key)
+    if kept is not None:  # traced for another strategy, with no like_batch to follow it
+        closed, donated = kept
+        jaxpr, loops = _constrained(call, closed, marked=marks())
+    else:
+        flat, outputs = _flat(call)
+        marked = marks()
+        traced = jax.jit(traced_under(call.batch_layout, flat), keep_unused=True).trace(*arrays)
+        donated = _updated_first_argument(call, outputs) if call.donate else None
+        outputs.clear()  # the traced values: not kept
+        closed = shared_constants(traced.jaxpr)
+        if call.batch_layout is not None and marks() == marked:
+            # No like_batch met the strategy: the program is every strategy's (the arguments'
+            # shardings are given when it is lowered, not traced into it).
+            call.traces[key] = (closed, donated)
+        jaxpr, loops = _constrained(call, closed, marked=marked)
+        if closed is traced.jaxpr and jaxpr is closed.jaxpr and donated is None:
+            return Program(traced.lower, loops)
     donate = _argument_arrays(call, 0) if donated is not None else ()
 
     def run(*arrays: Any) -> Any:
         return evaluate(jaxpr, closed.consts, *arrays)
 
-    run.__name__ = flat.__name__
+    run.__name__ = getattr(call.fn, "__name__", "step")
     program = jax.jit(run, keep_unused=True, donate_argnums=donate)
     return Program(lambda: program.lower(*arrays), loops, donated)
+
+
+def _trace_key(call: StepCall) -> tuple:
+    """What a step's trace depends on besides the strategy: its arrays' types, and the donation."""
+    arrays = [call.leaves[i] for i in call.arrays]
+    types = [
+        (getattr(leaf, "shape", None), str(getattr(leaf, "dtype", type(leaf).__name__))) for leaf in arrays
+    ]
+    weak = [bool(getattr(leaf, "weak_type", False)) for leaf in arrays]
+    return call.donate, tuple(types), tuple(weak)
 
 
 def _flat(call: StepCall) -> tuple[Callable[..., list[Any]], list[Any]]:
