@@ -38,6 +38,7 @@ __all__ = [
 
 _BATCH: contextvars.ContextVar[str | None] = contextvars.ContextVar("einshard_batch", default=None)
 _MARKED = 0  # how many times like_batch met a strategy in this process
+_CALLED = 0  # how many times like_batch was called in this process, with a strategy or without
 
 
 def marks() -> int:
@@ -48,6 +49,15 @@ def marks() -> int:
     count moved, so that each candidate's trace is its own.
     """
     return _MARKED
+
+
+def like_batch_calls() -> int:
+    """How many times :func:`like_batch` has been called in this process, under a strategy or not.
+
+    A trace in which this count did not move is every strategy's program: ``like_batch`` is how
+    a strategy reaches into a step.
+    """
+    return _CALLED
 
 
 def current_batch() -> str | None:
@@ -152,10 +162,11 @@ def like_batch(x: Any) -> Any:
             f"like_batch takes one array (its first axis the batch), not {kind} ({short_repr(x)})",
             hint="For a pytree of batch-major arrays, lay out each: jax.tree.map(einshard.like_batch, x).",
         )
+    global _CALLED, _MARKED
+    _CALLED += 1
     expression = _BATCH.get()
     if expression is None:
         return x
-    global _MARKED
     _MARKED += 1
     rank = len(getattr(x, "shape", ()))
     if rank == 0:

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._arrays._leaves import is_jax_array, is_traced, nbytes
@@ -22,6 +22,7 @@ from .._trees._assign import TableAssignment, as_rules, assign_leaves
 from .._trees._paths import flatten_with_paths
 from .._trees._pytrees import assignment_shardings
 from .._trees._rules import RulesLike
+from ._batch_layout import like_batch_calls
 
 __all__ = ["StepCall", "abstract", "resolve_step", "trace"]
 
@@ -125,10 +126,11 @@ class StepCall:
             ``.batch``), when the step has a batch argument: the compile keeps the step's
             batch-major loop carries in it (``_tracing._loops``); else ``None``.
         donate: Whether the compile donates the first argument when the step returns it updated.
-        traces: The step's programs as traced under a strategy, kept by the compile
-            (``_cost.pipeline._program``) and shared by every call made from this one
-            (``with_rules``, ``with_leaves``): a plan traces the step once, not once per
-            candidate, unless ``like_batch`` in it follows each candidate's strategy.
+        traces: The step's programs traced with no ``like_batch`` in them (every strategy's),
+            by their arrays' types (:func:`trace_key`), each a :class:`Trace`: kept by
+            :func:`trace` and by the compile (``_cost.pipeline._program``), and shared by every
+            call made from this one (``with_rules``, ``with_leaves``), so that a plan traces the
+            step once, not once per candidate.
     """
 
     given: Callable[..., Any] | str
@@ -313,8 +315,33 @@ class StepCall:
         return [i in inside for i in self.arrays]
 
 
+@dataclasses.dataclass(frozen=True)
+class Trace:
+    """A step's program as traced, kept in :attr:`StepCall.traces` for the compile to lower again.
+
+    Attributes:
+        jaxpr: The program over the array leaves (a ``ClosedJaxpr``).
+        result: The step's result tree, and its leaves (``ShapeDtypeStruct`` for the arrays).
+    """
+
+    jaxpr: Any
+    result: tuple[Any, list[Any]]
+
+
+def trace_key(donate: bool, arrays: Sequence[Any]) -> tuple:
+    """What a step's trace depends on besides the strategy: its arrays' types, and the donation."""
+    types = [
+        (getattr(leaf, "shape", None), str(getattr(leaf, "dtype", type(leaf).__name__))) for leaf in arrays
+    ]
+    weak = [bool(getattr(leaf, "weak_type", False)) for leaf in arrays]
+    return donate, tuple(types), tuple(weak)
+
+
 def trace(call: StepCall) -> Any:
     """``jax.make_jaxpr`` of the step over its array leaves (as ``ShapeDtypeStruct``s), in order.
+
+    Under no strategy: when no :func:`~einshard.like_batch` ran in it, the program is every
+    strategy's, and it is kept in ``call.traces`` (a :class:`Trace`) for the compile.
 
     Raises:
         EinshardError: When tracing the step fails (it branches on array values, say).
@@ -322,15 +349,19 @@ def trace(call: StepCall) -> Any:
     import jax
     import numpy as np
 
+    result: list[Any] = []
+
     def flat(*arrays: Any) -> Any:
         args, kwargs = call.rebuilt(arrays)
         out = call.fn(*args, **kwargs)
-        return [leaf for leaf in jax.tree_util.tree_leaves(out) if is_jax_array(leaf)]
+        result[:] = [jax.tree_util.tree_structure(out), jax.tree_util.tree_leaves(out)]
+        return [leaf for leaf in result[1] if is_jax_array(leaf)]
 
     leaves = call.leaves
     abstract = [jax.ShapeDtypeStruct(np.shape(leaves[i]), traced_dtype(leaves[i].dtype)) for i in call.arrays]
+    called = like_batch_calls()
     try:
-        return jax.make_jaxpr(flat)(*abstract)
+        closed = jax.make_jaxpr(flat)(*abstract)
     except Exception as error:
         if isinstance(error, EinshardError):  # the step's own einshard call: its message stands
             raise
@@ -341,3 +372,8 @@ def trace(call: StepCall) -> Any:
             "Python on array values or read them (float(x), x.item()). Or give the table by layer "
             "names: einshard.strategies.tensor_parallel(column=[...], row=[...]).",
         ) from None
+    if like_batch_calls() == called:
+        structure, outs = result
+        kept = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) if is_jax_array(x) else x for x in outs]
+        call.traces.setdefault(trace_key(call.donate, abstract), Trace(closed, (structure, kept)))
+    return closed

@@ -3,10 +3,10 @@
 A plain step is traced once (``jax.jit(...).trace``), under its strategy when a strategy laid
 its arguments out (so that :func:`~einshard.like_batch` in the model constrains to that
 strategy's batch). A plan traces it once for all its candidates: a trace in which no
-``like_batch`` met the strategy is every strategy's program (the arguments' shardings are given
-when it is lowered), kept on the call (:attr:`StepCall.traces
-<einshard._tracing._call.StepCall>`) and lowered again for each candidate; a step whose
-``like_batch`` follows the strategy is traced per candidate. Then, before lowering:
+``like_batch`` ran is every strategy's program (the arguments' shardings are given when it is
+lowered), kept on the call (:attr:`StepCall.traces <einshard._tracing._call.StepCall>`, the
+plan's first trace: its roles' and bounds') and lowered again for each candidate; a step that
+calls ``like_batch`` is traced under each candidate's strategy. Then, before lowering:
 
 * **Constants.** Equal constants, and equal equations on them (a table each unrolled layer
   gathers again), are kept once (``_tracing._constants``): XLA would fold each copy on its own,
@@ -46,8 +46,15 @@ from ..._arrays._arrays import einshard
 from ..._arrays._leaves import is_jax_array
 from ..._language._errors import EinshardError, EinshardWarning
 from ..._sharding._devices import call_devices
-from ..._tracing._batch_layout import batch_expression_for, batch_split, marks, strategy_batch, traced_under
-from ..._tracing._call import StepCall
+from ..._tracing._batch_layout import (
+    batch_expression_for,
+    batch_split,
+    like_batch_calls,
+    marks,
+    strategy_batch,
+    traced_under,
+)
+from ..._tracing._call import StepCall, Trace, trace_key
 from ..._tracing._constants import shared_constants
 from ..._tracing._jaxprs import evaluate, inner_jaxpr, is_backward, runs, user_line
 from ..._tracing._loops import LoopNote, constrained_jaxpr, has_loop, misplaced_marks
@@ -83,22 +90,24 @@ def step_program(call: StepCall, *, own: bool = True) -> Program:
         if own_program is not None:
             return own_program
     arrays = [call.leaves[i] for i in call.arrays]
-    key = _trace_key(call)
+    key = trace_key(call.donate, arrays)
     kept = call.traces.get(key)
-    if kept is not None:  # traced for another strategy, with no like_batch to follow it
-        closed, donated = kept
+    if kept is not None:  # traced before (the roles' trace, another candidate's), with no like_batch
+        closed = shared_constants(kept.jaxpr)
+        donated = _updated_first_argument(call, kept.result) if call.donate else None
         jaxpr, loops = _constrained(call, closed, marked=marks())
     else:
         flat, outputs = _flat(call)
+        called = like_batch_calls()
         marked = marks()
         traced = jax.jit(traced_under(call.batch_layout, flat), keep_unused=True).trace(*arrays)
         donated = _updated_first_argument(call, outputs) if call.donate else None
+        if like_batch_calls() == called:
+            # No like_batch in the step: the program is every strategy's (the arguments'
+            # shardings are given when it is lowered, not traced into it).
+            call.traces[key] = Trace(traced.jaxpr, (outputs[0], _abstract(outputs[1])))
         outputs.clear()  # the traced values: not kept
         closed = shared_constants(traced.jaxpr)
-        if call.batch_layout is not None and marks() == marked:
-            # No like_batch met the strategy: the program is every strategy's (the arguments'
-            # shardings are given when it is lowered, not traced into it).
-            call.traces[key] = (closed, donated)
         jaxpr, loops = _constrained(call, closed, marked=marked)
         if closed is traced.jaxpr and jaxpr is closed.jaxpr and donated is None:
             return Program(traced.lower, loops)
@@ -112,14 +121,11 @@ def step_program(call: StepCall, *, own: bool = True) -> Program:
     return Program(lambda: program.lower(*arrays), loops, donated)
 
 
-def _trace_key(call: StepCall) -> tuple:
-    """What a step's trace depends on besides the strategy: its arrays' types, and the donation."""
-    arrays = [call.leaves[i] for i in call.arrays]
-    types = [
-        (getattr(leaf, "shape", None), str(getattr(leaf, "dtype", type(leaf).__name__))) for leaf in arrays
-    ]
-    weak = [bool(getattr(leaf, "weak_type", False)) for leaf in arrays]
-    return call.donate, tuple(types), tuple(weak)
+def _abstract(leaves: list[Any]) -> list[Any]:
+    """A result's leaves with each array's shape and dtype alone (a kept trace holds no traced value)."""
+    import jax
+
+    return [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) if is_jax_array(leaf) else leaf for leaf in leaves]
 
 
 def _flat(call: StepCall) -> tuple[Callable[..., list[Any]], list[Any]]:
@@ -463,9 +469,12 @@ def _updated_first_argument(call: StepCall, outputs: list[Any]) -> str | None:
 
 def _same_array(given: Any, result: Any) -> bool:
     """Whether a result leaf can take a given leaf's buffer: both arrays of one shape and dtype."""
+    import jax
+
     shape = getattr(given, "shape", None)
-    if shape is None or not is_jax_array(result):
-        return not is_jax_array(result) and shape is None
+    array = is_jax_array(result) or isinstance(result, jax.ShapeDtypeStruct)  # a kept trace's result
+    if shape is None or not array:
+        return not array and shape is None
     from ..._tracing._call import traced_dtype
 
     return tuple(shape) == tuple(result.shape) and traced_dtype(given.dtype) == result.dtype
