@@ -340,8 +340,8 @@ def trace_key(donate: bool, arrays: Sequence[Any]) -> tuple:
 def trace(call: StepCall) -> Any:
     """``jax.make_jaxpr`` of the step over its array leaves (as ``ShapeDtypeStruct``s), in order.
 
-    Under no strategy: when no :func:`~einshard.like_batch` ran in it, the program is every
-    strategy's, and it is kept in ``call.traces`` (a :class:`Trace`) for the compile.
+    When no :func:`~einshard.like_batch` ran in it, the program is every strategy's: it is kept
+    in ``call.traces`` (a :class:`Trace`), and each candidate's compile lowers it.
 
     Raises:
         EinshardError: When tracing the step fails (it branches on array values, say).
