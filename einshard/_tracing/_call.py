@@ -327,6 +327,16 @@ class Trace:
     jaxpr: Any
     result: tuple[Any, list[Any]]
 
+    @classmethod
+    def of(cls, jaxpr: Any, structure: Any, leaves: list[Any]) -> Trace:
+        """The trace kept with its result's arrays as shapes and dtypes alone (no traced value)."""
+        import jax
+
+        kept = [
+            jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) if is_jax_array(leaf) else leaf for leaf in leaves
+        ]
+        return cls(jaxpr, (structure, kept))
+
 
 def trace_key(donate: bool, arrays: Sequence[Any]) -> tuple:
     """What a step's trace depends on besides the strategy: its arrays' types, and the donation."""
@@ -373,7 +383,5 @@ def trace(call: StepCall) -> Any:
             "names: einshard.strategies.tensor_parallel(column=[...], row=[...]).",
         ) from None
     if like_batch_calls() == called:
-        structure, outs = result
-        kept = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) if is_jax_array(x) else x for x in outs]
-        call.traces.setdefault(trace_key(call.donate, abstract), Trace(closed, (structure, kept)))
+        call.traces.setdefault(trace_key(call.donate, abstract), Trace.of(closed, *result))
     return closed

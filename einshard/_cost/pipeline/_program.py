@@ -105,7 +105,7 @@ def step_program(call: StepCall, *, own: bool = True) -> Program:
         if like_batch_calls() == called:
             # No like_batch in the step: the program is every strategy's (the arguments'
             # shardings are given when it is lowered, not traced into it).
-            call.traces[key] = Trace(traced.jaxpr, (outputs[0], _abstract(outputs[1])))
+            call.traces[key] = Trace.of(traced.jaxpr, *outputs)
         outputs.clear()  # the traced values: not kept
         closed = shared_constants(traced.jaxpr)
         jaxpr, loops = _constrained(call, closed, marked=marked)
@@ -119,13 +119,6 @@ def step_program(call: StepCall, *, own: bool = True) -> Program:
     run.__name__ = getattr(call.fn, "__name__", "step")
     program = jax.jit(run, keep_unused=True, donate_argnums=donate)
     return Program(lambda: program.lower(*arrays), loops, donated)
-
-
-def _abstract(leaves: list[Any]) -> list[Any]:
-    """A result's leaves with each array's shape and dtype alone (a kept trace holds no traced value)."""
-    import jax
-
-    return [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) if is_jax_array(leaf) else leaf for leaf in leaves]
 
 
 def _flat(call: StepCall) -> tuple[Callable[..., list[Any]], list[Any]]:
