@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import einshard
+from einshard import strategies
 from einshard._tracing._batch_layout import current_batch
 from tests.test_planner import CANDIDATES, D, mlp_params
 
@@ -82,3 +83,21 @@ def test_plan_batches_traces_the_step_once_per_batch_size():
     assert len(sizes) >= 2 and batches.compiles > len(sizes)  # candidates shared sizes
     # plan_batches reads no roles (its candidates are given): one trace per size, under a strategy.
     assert len(traces) == len(sizes) and None not in traces, (traces, sizes)
+
+
+@pytest.mark.skipif(N < 2, reason="a split needs two devices")
+def test_inside_a_use_strategy_block_each_candidate_is_traced_under_its_own_strategy():
+    """The user's block is not the candidates': a step calling like_batch follows each candidate's
+    batch expression, and one that does not is still traced once."""
+    outer = strategies.hybrid(model=2)
+    for constrain, expected in ((True, 1 + len(CANDIDATES)), (False, 1)):
+        step, traces = _counted(constrain=constrain)
+        with einshard.use_strategy(outer):
+            plan = einshard.plan(
+                step, mlp_params(), BATCH, candidates=CANDIDATES, quiet=True, exhaustive=True
+            )
+        assert len(traces) == expected, traces
+        assert traces[0] == outer.batch  # the roles' trace runs in the user's block
+        if constrain:
+            assert sorted(traces[1:]) == sorted(strategy.batch for strategy in CANDIDATES)
+        _same_as_alone(step, plan)
