@@ -187,6 +187,7 @@ COMPILES_STEPS = [
     "tests/test_own_errors.py",
     "tests/test_loops.py",
     "tests/test_one_trace.py",
+    "tests/test_plan_layers.py",
     # The pages' examples in fresh interpreters (at 8 devices only): 3.13 has 3.12's JAX.
     "tests/test_pasted_examples.py",
 ]

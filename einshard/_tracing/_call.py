@@ -23,8 +23,9 @@ from .._trees._paths import flatten_with_paths
 from .._trees._pytrees import assignment_shardings
 from .._trees._rules import RulesLike
 from ._batch_layout import like_batch_calls
+from ._blocks import Blocks, repeated_blocks
 
-__all__ = ["StepCall", "abstract", "resolve_step", "trace"]
+__all__ = ["StepCall", "Trace", "abstract", "kept_trace", "resolve_step", "trace", "trace_key"]
 
 
 def resolve_step(fn: Callable[..., Any] | str) -> Callable[..., Any]:
@@ -337,6 +338,16 @@ class Trace:
         ]
         return cls(jaxpr, (structure, kept))
 
+    @functools.cached_property
+    def blocks(self) -> Blocks | str:
+        """The program's repeated layers, or why it has none to cut (``repeated_blocks``), found once."""
+        return repeated_blocks(self.jaxpr)
+
+    @functools.cached_property
+    def depths(self) -> dict[int, Any]:
+        """The step's calls at smaller depths made from this trace, by depth (``_depth.call_at_depth``)."""
+        return {}
+
 
 def trace_key(donate: bool, arrays: Sequence[Any]) -> tuple:
     """What a step's trace depends on besides the strategy: its arrays' types, and the donation."""
@@ -385,3 +396,22 @@ def trace(call: StepCall) -> Any:
     if like_batch_calls() == called:
         call.traces.setdefault(trace_key(call.donate, abstract), Trace.of(closed, *result))
     return closed
+
+
+def kept_trace(call: StepCall) -> Trace | None:
+    """The step's trace that every strategy shares (traced now if it was not), or ``None``.
+
+    ``None`` when the step calls :func:`~einshard.like_batch`: each strategy's program is then its own.
+
+    Raises:
+        EinshardError: As :func:`trace`.
+    """
+    import jax
+    import numpy as np
+
+    leaves = call.leaves
+    abstract = [jax.ShapeDtypeStruct(np.shape(leaves[i]), traced_dtype(leaves[i].dtype)) for i in call.arrays]
+    key = trace_key(call.donate, abstract)
+    if key not in call.traces:
+        trace(call)
+    return call.traces.get(key)

@@ -12,6 +12,7 @@ from ..._language._errors import EinshardError
 from ..._language._expression import REPLICATE
 from ..._language._text import size_text
 from ..._tracing._call import StepCall
+from ..._tracing._depth import AtDepth, call_at_depth
 from ..._trees._rules import Rules, RulesLike
 from ..findings._findings import find_waste
 from ..hardware import _timing
@@ -301,16 +302,21 @@ class Answer:
     error: EinshardError | str | None = None
 
 
-def answer(call: StepCall, rules: RulesLike | None, target: Target | None = None) -> Answer:
+def answer(call: StepCall, rules: RulesLike | AtDepth | None, target: Target | None = None) -> Answer:
     """The step's report under one table; an error is kept, so one table that fails loses no other.
 
     What the table or the step does wrong is the answer: an ``EinshardError`` (the table does not
     fit the shapes or the devices), or the error the compile raised (the step does not compile
     under it). An error of einshard's own, reading the compiled program (its "please report it"
-    assertions), is no verdict on the table: it is raised.
+    assertions), is no verdict on the table: it is raised. An :class:`~einshard._tracing._depth.AtDepth`
+    table compiles the step at that depth of its repeated layers (a plan's sample).
     """
     try:
-        placed = _placed(call, rules, target)
+        if isinstance(rules, AtDepth):
+            call, table = call_at_depth(call, rules.depth), rules.rules
+        else:
+            table = rules
+        placed = _placed(call, table, target)
         compiled = compiled_or_refused(placed, target)
     except EinshardError as error:  # DoesNotFitError among them: a verdict on the table
         return Answer(None, error)

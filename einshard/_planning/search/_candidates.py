@@ -56,6 +56,7 @@ KILLED_HERE = "killed here"
 NOT_COMPILED = "not compiled"
 CANNOT_WIN = "cannot win"
 BUDGET = "budget"
+FROM_LAYERS = "sampled"  # ranked from compiles at two small depths (_sampled), not compiled whole
 _LEADS = {
     MEMORY: "does not fit memory",
     SHAPES: "does not fit the shapes or devices",
@@ -64,6 +65,7 @@ _LEADS = {
     NOT_COMPILED: "not compiled",
     BUDGET: "not compiled",
     CANNOT_WIN: "",  # its detail names the winner: "cannot beat fsdp: at least 97 ms"
+    FROM_LAYERS: "",  # "cannot beat fsdp: about 512 ms, extrapolated from 2 and 3 of its 32 layers"
 }
 
 
@@ -409,7 +411,9 @@ class Timings:
         reading: Reading each compiled program (each one's: its report's ``analysis_seconds``).
         other: The rest (sending the step, waiting for the child, ranking).
         child_peak_bytes: The largest resident memory a child process reached (0 in this process).
-        compiled: How many candidates were compiled.
+        compiled: How many candidates were compiled (whole).
+        samples: How many compiles of the step at small depths ranked them (a plan from a few
+            layers; their time is in ``other``).
         children: How many child processes compiled them (0: compiled in this process). More
             than one where the first compile was long and the machine's cores and available
             memory (twice the first child's peak per child) held them side by side; one where
@@ -427,9 +431,12 @@ class Timings:
     child_peak_bytes: int = 0
     compiled: int = 0
     children: int = 0
+    samples: int = 0
 
     @classmethod
-    def of(cls, ready: Prepared, progress: Progress, rows: Sequence[Any], seconds: float) -> Timings:
+    def of(
+        cls, ready: Prepared, progress: Progress, rows: Sequence[Any], seconds: float, samples: int = 0
+    ) -> Timings:
         """A plan's timings from its preparation, its progress (the child's records) and its rows."""
         reports_ = [row.report for row in rows if row.report is not None]
         compiles = sum(report.compile_seconds for report in reports_)
@@ -448,4 +455,5 @@ class Timings:
             progress.child_peak_bytes,
             len(reports_),
             len(progress.child_seconds),
+            samples,
         )

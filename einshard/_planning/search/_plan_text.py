@@ -196,6 +196,7 @@ def _footer(plan: Any) -> list[str]:
         compiled_for = f"the program XLA's compiler makes for the {plan.hardware.device}"
     return [
         *rejected,
+        *([plan.sampling] if plan.sampling else []),
         *_findings_lines(plan),
         *_hosts_lines(plan),
         f"{len(plan.rows)} candidates on {devices} ({given}); "
@@ -219,6 +220,9 @@ _LEFT = {
     "gradients its layout must sum) is slower than the winner's beyond the tie; exhaustive=True compiles "
     "them",
     "budget": "max_seconds was spent before their turn (what each needs at least is in its row)",
+    "sampled": "their step time extrapolated from compiles at two small depths (in each row) cannot beat "
+    "the winner's whole compile beyond the tie and the extrapolation's band; sample=False compiles "
+    "them whole",
     "not compiled": "they were not compiled at the figures planned with; plan again at these",
 }
 

@@ -29,6 +29,7 @@ from ..._trees._strategy import DEFAULT_MIN_BYTES, Strategy
 from ._bounds import Bounds
 from ._candidates import (
     CANNOT_WIN,
+    FROM_LAYERS,
     MEMORY,
     NOT_COMPILED,
     TIE,
@@ -44,6 +45,15 @@ from ._candidates import (
     where_to_plan,
 )
 from ._plan_text import plan_text
+from ._sampled import (
+    BAND,
+    DEPTHS,
+    Extrapolated,
+    cannot_win_sampled,
+    compile_sampled,
+    layers_to_sample,
+    sampled_rejection,
+)
 
 __all__ = ["Plan", "PlanRow", "plan"]
 
@@ -62,7 +72,7 @@ class PlanRow:
         rejected: Why the candidate cannot be used, or ``None``: a :class:`Rejection
             <einshard._planning.search._candidates.Rejection>`, a ``str`` whose ``kind`` says why
             (``'memory'``, ``'shapes'``, ``'compile'``, ``'killed here'``, ``'cannot win'``,
-            ``'budget'``, ``'not compiled'``) and whose text says it in full.
+            ``'budget'``, ``'not compiled'``, ``'sampled'``) and whose text says it in full.
         index: The candidate's position in the list given (ties go to the earlier one).
         split_share: The share of the parameters' bytes split over the candidate's model axis
             (tensor parallelism, hybrids), or over all devices (data parallel, FSDP: no model
@@ -73,6 +83,8 @@ class PlanRow:
         bounds: What the candidate needs at least, known before compiling it (its arguments'
             bytes per device, its memory and step time at least), or ``None`` when its table
             does not fit the arguments.
+        extrapolated: Its step time and peak extrapolated from compiles of the step at two
+            small depths (a plan from a few layers: see ``plan(sample=...)``), or ``None``.
     """
 
     strategy: Strategy
@@ -82,6 +94,7 @@ class PlanRow:
     split_share: float | None = None
     unmatched_rules: tuple[Any, ...] = ()
     bounds: Bounds | None = None
+    extrapolated: Extrapolated | None = None
 
     @property
     def argument_bytes(self) -> int | None:
@@ -124,7 +137,9 @@ class PlanRow:
 
         ``'memory'``, ``'shapes'``, ``'compile'``, ``'killed here'`` (this machine's memory ended
         its compile: no verdict on the step), ``'cannot win'`` (its bound is slower than a
-        candidate compiled: not compiled), ``'budget'`` (``max_seconds`` was spent first) or
+        candidate compiled: not compiled), ``'sampled'`` (its time extrapolated from compiles at
+        two small depths cannot beat the winner: not compiled whole), ``'budget'`` (``max_seconds``
+        was spent first) or
         ``'not compiled'`` (ranked at other figures than it was planned with: see :meth:`Plan.at`);
         ``'rejected'`` for a reason given as plain text.
         """
@@ -185,6 +200,9 @@ class Plan:
         timings: Where the plan's time went (:class:`~einshard._planning.search._candidates.Timings`):
             the child process's start, tracing the step, reading its roles, each compile and
             reading each program; and the child's peak memory.
+        sampling: How the candidates were ranked when the plan could sample the step's layers,
+            or was asked to (``sample=True``): from compiles at two small depths, or why they were
+            compiled whole (one line of the footer); ``None`` otherwise.
     """
 
     rows: tuple[PlanRow, ...]
@@ -198,6 +216,7 @@ class Plan:
     network_bandwidth: float | None = None
     figures: Figures = dataclasses.field(default_factory=Figures, repr=False)
     timings: Timings = dataclasses.field(default_factory=Timings, repr=False)
+    sampling: str | None = None
 
     tie: ClassVar[float] = TIE
     """Estimated step times within this share of each other count as equal."""
@@ -277,7 +296,7 @@ class Plan:
         )
         changed = figures != self.figures
         rows = [dataclasses.replace(row, rejected=_rejected_at(row, figures, changed)) for row in self.rows]
-        return _ranked(rows, self.n_devices, figures, self.timings)
+        return _ranked(rows, self.n_devices, figures, self.timings, self.sampling)
 
     def __str__(self) -> str:
         return plan_text(self)
@@ -304,6 +323,7 @@ def plan(
     donate: bool = True,
     exhaustive: bool = False,
     max_seconds: float | None = None,
+    sample: bool | None = None,
 ) -> Plan:
     """Compiles ``step(params, batch)`` under each candidate strategy and ranks them.
 
@@ -368,6 +388,11 @@ def plan(
         max_seconds: Stop compiling when this many seconds have passed (a compile that has
             started runs to its end): the candidates compiled are ranked, the others are
             named with their bounds (``'budget'``). Default: no limit.
+        sample: Rank the candidates from compiles of the step at 2 and 3 of its repeated layers
+            (an unrolled model's, found in its program), each figure extrapolated to its depth,
+            and compile whole only the winner and those that could beat it. Default (``None``):
+            for a step of 24 or more repeated layers, unless ``exhaustive``. ``True``: whenever
+            the step has 4 or more (the plan says why not, otherwise); ``False``: never.
 
     Returns:
         A :class:`Plan`; ``plan.best`` is the winning :class:`~einshard.strategies.Strategy`.
@@ -400,6 +425,7 @@ def plan(
     call = StepCall.of(step, (params, batch), {}).donating(donate)
     ready = prepared(call, candidates, where, min_bytes)
     strategies, tables, bounds = ready.strategies, ready.tables, ready.bounds
+    layers, sampling = layers_to_sample(call, sample, exhaustive)
     memory = figures.memory_per_device
     over = {
         i: bounded_over(bound, memory)
@@ -420,26 +446,63 @@ def plan(
     with Progress("plan", names, quiet=quiet) as progress:
         for i, rejection in over.items():
             progress.left_out(i, rejection.kind)
-        answers, left = compile_in_order(
-            call, tables, bounds, over, where, progress, estimate, exhaustive=exhaustive, max_seconds=budget
-        )
+        extrapolated: dict[int, Extrapolated] = {}
+        samples = 0
+        if layers is not None:
+            answers, extrapolated, left, samples = compile_sampled(
+                call,
+                tables,
+                bounds,
+                over,
+                where,
+                progress,
+                lambda r: _figures_at(r, figures),
+                layers,
+                max_seconds=budget,
+            )
+        else:
+            answers, left = compile_in_order(
+                call,
+                tables,
+                bounds,
+                over,
+                where,
+                progress,
+                estimate,
+                exhaustive=exhaustive,
+                max_seconds=budget,
+            )
     param_paths = [call.paths[i] for i in call.argument_leaves(0)]
     rows = []
     for index, (strategy, table) in enumerate(zip(strategies, tables, strict=True)):
         share = _split_share(strategy, call, table, count)
         unmatched = strategy.unmatched_rules(param_paths)
         answer = answers.get(index)
+        sampled = extrapolated.get(index)
         if answer is None:  # not compiled: over the memory, cannot win, or out of time
-            rejected = over.get(index) or left[index]
-            rows.append(PlanRow(strategy, None, rejected, index, share, unmatched, bounds[index]))
+            rejected = over.get(index) or left.get(index)
+            if rejected is None:  # ranked from its samples (its winner named below)
+                assert sampled is not None, "a candidate neither compiled nor left"
+                rejected = sampled_rejection(sampled, None, memory)
+            rows.append(PlanRow(strategy, None, rejected, index, share, unmatched, bounds[index], sampled))
             continue
         rejected = None if answer.report is not None else rejection_of(answer.error)
-        rows.append(PlanRow(strategy, answer.report, rejected, index, share, unmatched, bounds[index]))
+        rows.append(
+            PlanRow(strategy, answer.report, rejected, index, share, unmatched, bounds[index], sampled)
+        )
         if candidates is not None and answer.report is not None:  # a table the user wrote
             caller = f"plan (candidate {strategy.name!r})"
             warn_if_only_catch_all(strategy, answer.report, caller, relative_only=True)
-    timings = Timings.of(ready, progress, rows, time.perf_counter() - started)
-    ranked = _ranked(rows, count, figures, timings)
+    timings = Timings.of(ready, progress, rows, time.perf_counter() - started, samples)
+    if layers is not None:
+        whole = sum(1 for row in rows if row.report is not None)
+        sampling = (
+            f"Ranked from compiles at {DEPTHS[0]} and {DEPTHS[1]} of the step's {layers} repeated layers, "
+            f"each candidate's time and peak extrapolated to {layers} (within ±{BAND:.0%}); {whole} "
+            f"compiled whole to confirm the winner ({samples} small compiles; sample=False compiles "
+            "each whole)."
+        )
+    ranked = _ranked(rows, count, figures, timings, sampling)
     return dataclasses.replace(ranked, rows=_winner_named(ranked.rows))
 
 
@@ -460,6 +523,16 @@ def _measure(report: StepReport, figures: Figures) -> float:
     return seconds if seconds is not None else float(report.traffic or 0)
 
 
+def _figures_at(report: StepReport, figures: Figures) -> tuple[float, float | None, int | None]:
+    """A sample's (measure, step time, peak) at the plan's figures."""
+    priced = estimated(report, figures)
+    return (
+        _measure(priced, figures),
+        priced.seconds if figures.bandwidth is not None else None,
+        priced.peak_bytes,
+    )
+
+
 def _winner_named(rows: tuple[PlanRow, ...]) -> tuple[PlanRow, ...]:
     """The candidates left uncompiled because they cannot win, named against the plan's winner.
 
@@ -472,6 +545,10 @@ def _winner_named(rows: tuple[PlanRow, ...]) -> tuple[PlanRow, ...]:
     return tuple(
         dataclasses.replace(row, rejected=cannot_win(winner.name, row.bounds.seconds, row.bounds.traffic))
         if isinstance(row.rejected, Rejection) and row.rejected.kind == CANNOT_WIN and row.bounds is not None
+        else dataclasses.replace(row, rejected=cannot_win_sampled(row.extrapolated, winner.name))
+        if isinstance(row.rejected, Rejection)
+        and row.rejected.kind == FROM_LAYERS
+        and row.extrapolated is not None
         else row
         for row in rows
     )
@@ -494,6 +571,12 @@ def _rejected_at(row: PlanRow, figures: Figures, changed: bool) -> str | None:
             NOT_COMPILED,
             f"at the memory planned with: it needs at least {size_text(bounds.memory_bytes)} per device, "
             "over the memory it was planned with; plan again with this memory_per_device to compile it",
+        )
+    if rejected.kind == FROM_LAYERS and changed:
+        return Rejection(
+            NOT_COMPILED,
+            "at the figures planned with: ranked from its layers there, it could not beat the winner; "
+            "plan again with these figures to rank it",
         )
     if rejected.kind == CANNOT_WIN and changed and bounds is not None:
         least = seconds_text(bounds.seconds) if bounds.seconds is not None else size_text(bounds.traffic)
@@ -545,7 +628,13 @@ def _split_share(strategy: Strategy, call: StepCall, table: RulesLike, n_devices
     return split / total if total else 0.0
 
 
-def _ranked(rows: list[PlanRow], n_devices: int, figures: Figures, timings: Timings | None = None) -> Plan:
+def _ranked(
+    rows: list[PlanRow],
+    n_devices: int,
+    figures: Figures,
+    timings: Timings | None = None,
+    sampling: str | None = None,
+) -> Plan:
     memory_per_device = figures.memory_per_device
     priced = []
     for row in rows:
@@ -583,6 +672,7 @@ def _ranked(rows: list[PlanRow], n_devices: int, figures: Figures, timings: Timi
         figures.network_bandwidth if figures.bandwidth is not None else None,
         figures,
         timings if timings is not None else Timings(),
+        sampling,
     )
 
 
