@@ -255,7 +255,7 @@ def parameter_count(size: Size) -> int:
 # --- one plan, in a fresh process -------------------------------------------------------------------
 
 
-def one(name: str, n_candidates: int | None, exhaustive: bool = False) -> dict:
+def one(name: str, n_candidates: int | None, exhaustive: bool = False, sample: bool = False) -> dict:
     """Plans one model in this process; its figures as a dict (the last line printed, as JSON)."""
     import einshard
 
@@ -275,7 +275,14 @@ def one(name: str, n_candidates: int | None, exhaustive: bool = False) -> dict:
         candidates = candidates[:n_candidates]
     exhaustive = exhaustive or name in EXHAUSTIVE
     plan = einshard.plan(
-        step, state, batch, n_devices=devices, target=TARGET, candidates=candidates, exhaustive=exhaustive
+        step,
+        state,
+        batch,
+        n_devices=devices,
+        target=TARGET,
+        candidates=candidates,
+        exhaustive=exhaustive,
+        sample=sample,
     )
     wall = time.perf_counter() - start
     timings = plan.timings
@@ -294,6 +301,9 @@ def one(name: str, n_candidates: int | None, exhaustive: bool = False) -> dict:
         "exhaustive": exhaustive,
         "candidates": len(plan.rows),
         "compiled": sum(row.report is not None for row in plan.rows),
+        # A plan from a few layers: its compiles at small depths, and its footer's line.
+        "samples": timings.samples,
+        "sampling": plan.sampling,
         "breakdown": {
             "child_start": timings.child_start,
             "tracing": timings.tracing,
@@ -331,6 +341,10 @@ def one(name: str, n_candidates: int | None, exhaustive: bool = False) -> dict:
                 "exposed_seconds": row.report.exposed_seconds if row.report is not None else None,
                 "rank": rank.get(row.name),
                 "sent_bytes": row.traffic,
+                # Extrapolated from the samples; against the whole compile where there is one.
+                "extrapolated_seconds": None if row.extrapolated is None else row.extrapolated.measure,
+                "extrapolated_least_seconds": None if row.extrapolated is None else row.extrapolated.least,
+                "extrapolated_peak_bytes": None if row.extrapolated is None else row.extrapolated.peak_bytes,
                 "loops_kept": sum(bool(loop.constrained) for loop in row.report.batch_loops)
                 if row.report is not None
                 else None,
@@ -347,10 +361,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=RUNS, help="plan these only")
     parser.add_argument("--candidates", type=int, help="the first K default candidates only")
     parser.add_argument("--exhaustive", action="store_true", help="compile every candidate (no pruning)")
+    parser.add_argument(
+        "--sample", action="store_true", help="plan(sample=True): each candidate at 2 and 3 layers first"
+    )
     parser.add_argument("--one", choices=RUNS, help=argparse_hidden())
     args = parser.parse_args(argv)
     if args.one is not None:
-        print(json.dumps(one(args.one, args.candidates, args.exhaustive)))
+        print(json.dumps(one(args.one, args.candidates, args.exhaustive, args.sample)))
         return 0
     results = _common.Results(Path(__file__).name, args)
     print(_common.environment(1))
@@ -365,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         extra = ["--candidates", str(args.candidates)] if args.candidates else []
         extra += ["--exhaustive"] if args.exhaustive else []
+        extra += ["--sample"] if args.sample else []
         figures = _common.run_child(__file__, ["--one", name, *extra], env, timeout=4 * 3600)
         bar = BARS.get(name) if not (args.candidates or args.exhaustive) else None
         ok = bar is None or figures["seconds"] <= bar

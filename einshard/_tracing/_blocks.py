@@ -30,6 +30,7 @@ MIN_BLOCKS = 4
 """The fewest repeated layers a step needs to be planned from smaller depths (two of them, and
 the whole)."""
 
+
 class NotLayers(Exception):
     """The blocks found do not cut as layers (einshard's own signal: the plan compiles the step whole)."""
 

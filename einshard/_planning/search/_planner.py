@@ -45,15 +45,7 @@ from ._candidates import (
     where_to_plan,
 )
 from ._plan_text import plan_text
-from ._sampled import (
-    BAND,
-    DEPTHS,
-    Extrapolated,
-    cannot_win_sampled,
-    compile_sampled,
-    layers_to_sample,
-    sampled_rejection,
-)
+from ._sampled import DEPTHS, Extrapolated, cannot_win_sampled, compile_sampled, layers_to_sample
 
 __all__ = ["Plan", "PlanRow", "plan"]
 
@@ -323,7 +315,7 @@ def plan(
     donate: bool = True,
     exhaustive: bool = False,
     max_seconds: float | None = None,
-    sample: bool | None = None,
+    sample: bool = False,
 ) -> Plan:
     """Compiles ``step(params, batch)`` under each candidate strategy and ranks them.
 
@@ -388,11 +380,11 @@ def plan(
         max_seconds: Stop compiling when this many seconds have passed (a compile that has
             started runs to its end): the candidates compiled are ranked, the others are
             named with their bounds (``'budget'``). Default: no limit.
-        sample: Rank the candidates from compiles of the step at 2 and 3 of its repeated layers
-            (an unrolled model's, found in its program), each figure extrapolated to its depth,
-            and compile whole only the winner and those that could beat it. Default (``None``):
-            for a step of 24 or more repeated layers, unless ``exhaustive``. ``True``: whenever
-            the step has 4 or more (the plan says why not, otherwise); ``False``: never.
+        sample: Compile each candidate first at 2 and 3 of the step's repeated layers (an
+            unrolled model's, found in its program, 4 or more; the plan says why not otherwise),
+            then whole in the order of their extrapolated times, leaving out those whose exactly
+            extrapolated kernels alone are slower than a whole compile (see "Plans from a few
+            layers" in the strategies guide). Every row ranked is a whole compile's.
 
     Returns:
         A :class:`Plan`; ``plan.best`` is the winning :class:`~einshard.strategies.Strategy`.
@@ -483,7 +475,7 @@ def plan(
             rejected = over.get(index) or left.get(index)
             if rejected is None:  # ranked from its samples (its winner named below)
                 assert sampled is not None, "a candidate neither compiled nor left"
-                rejected = sampled_rejection(sampled, None, memory)
+                rejected = cannot_win_sampled(sampled, None)
             rows.append(PlanRow(strategy, None, rejected, index, share, unmatched, bounds[index], sampled))
             continue
         rejected = None if answer.report is not None else rejection_of(answer.error)
@@ -497,10 +489,9 @@ def plan(
     if layers is not None:
         whole = sum(1 for row in rows if row.report is not None)
         sampling = (
-            f"Ranked from compiles at {DEPTHS[0]} and {DEPTHS[1]} of the step's {layers} repeated layers, "
-            f"each candidate's time and peak extrapolated to {layers} (within ±{BAND:.0%}); {whole} "
-            f"compiled whole to confirm the winner ({samples} small compiles; sample=False compiles "
-            "each whole)."
+            f"Sampled: each candidate compiled at {DEPTHS[0]} and {DEPTHS[1]} of the step's {layers} "
+            f"repeated layers first ({samples} small compiles), then {whole} whole, in the order of their "
+            "extrapolated times; ranked from the whole compiles only."
         )
     ranked = _ranked(rows, count, figures, timings, sampling)
     return dataclasses.replace(ranked, rows=_winner_named(ranked.rows))
@@ -523,13 +514,22 @@ def _measure(report: StepReport, figures: Figures) -> float:
     return seconds if seconds is not None else float(report.traffic or 0)
 
 
-def _figures_at(report: StepReport, figures: Figures) -> tuple[float, float | None, int | None]:
-    """A sample's (measure, step time, peak) at the plan's figures."""
+def _figures_at(report: StepReport, figures: Figures) -> tuple[float, float, int | None, str]:
+    """A compile's (measure, what it needs at least, peak, what that is) at the plan's figures.
+
+    The least is linear in the depth: a simulated step's kernels alone (its overlap is not); on
+    CPU devices its time (communication plus compute); without a bandwidth, its bytes sent.
+    """
     priced = estimated(report, figures)
+    measure = _measure(priced, figures)
+    kernels = priced.compute_seconds
+    if figures.bandwidth is not None and priced.simulated_seconds is not None and kernels is not None:
+        return measure, kernels, priced.peak_bytes, "its kernels alone"
     return (
-        _measure(priced, figures),
-        priced.seconds if figures.bandwidth is not None else None,
+        measure,
+        measure,
         priced.peak_bytes,
+        "its step time" if figures.bandwidth is not None else "its bytes",
     )
 
 
