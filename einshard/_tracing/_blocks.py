@@ -18,6 +18,7 @@ fast as it is.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -34,6 +35,9 @@ the whole)."""
 class NotLayers(Exception):
     """The blocks found do not cut as layers (einshard's own signal: the plan compiles the step whole)."""
 
+
+_MOST_PAIRS = 16  # pairs of runs tried as the forward and backward passes, the largest first
+_MOST_ALIGNMENTS = 1024  # ways to cut one pair into blocks
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
@@ -401,9 +405,13 @@ def repeated_blocks(closed: Any) -> Blocks | str:
             for second in stretches
             if first[3] - second[3] in (0, 1) and second[0] >= first[0] + first[2] * first[3]
         ),
-        key=lambda pair: (-(pair[0][2] + pair[1][2]) * pair[0][3], pair[0][0], pair[1][0]),
+        key=lambda pair: (-(pair[0][2] * pair[0][3] + pair[1][2] * pair[1][3]), pair[0][0], pair[1][0]),
     )
-    for first, second in pairs:
+    chains = functools.lru_cache(maxsize=None)(lambda run: _chains(eqns, run))
+    layers = functools.lru_cache(maxsize=None)(lambda run: _forward_layers(eqns, run))
+    for first, second in pairs[:_MOST_PAIRS]:
+        if len(_alignments(*first)) * len(_alignments(*second)) > _MOST_ALIGNMENTS:
+            continue  # layers are cut where their runs begin, give or take a few equations
         cuts = [
             (
                 _crossing(eqns, forward) + _crossing(eqns, backward),
@@ -414,11 +422,11 @@ def repeated_blocks(closed: Any) -> Blocks | str:
                 last,
             )
             for forward in _alignments(*first)
-            if _chains(eqns, forward)
+            if chains(forward)
             for backward in _alignments(*second)
-            if _chains(eqns, backward)
+            if chains(backward)
             for last in _last_layers(forward, backward)
-            if _pairs_reversed(eqns, forward, backward, last)
+            if _pairs_reversed(eqns, layers(forward), backward, last)
         ]
         for *_, forward, backward, last in sorted(cuts, key=lambda cut: cut[:3]):
             blocks = Blocks(closed, forward, backward, last)
@@ -443,7 +451,12 @@ def _stretches(sequence: Sequence[int]) -> list[tuple[int, int, int, int]]:
             count = length // period
             if count >= MIN_BLOCKS:
                 found.append((int(begin), length, period, count))
-    return found
+    # A stretch of period p is one of period 2p, 3p ... too: only the shortest period is a layer.
+    return [
+        (begin, length, period, count)
+        for begin, length, period, count in found
+        if not any(b == begin and n == length and q < period and period % q == 0 for b, n, q, _ in found)
+    ]
 
 
 def _last_layers(forward: Run, backward: Run) -> tuple[int, ...]:
@@ -456,14 +469,21 @@ def _last_layers(forward: Run, backward: Run) -> tuple[int, ...]:
     return (n - 1,) if backward.count == n else (n - 1, n - 2)
 
 
-def _pairs_reversed(eqns: Sequence[Any], forward: Run, backward: Run, last: int) -> bool:
+def _forward_layers(eqns: Sequence[Any], forward: Run) -> tuple[dict[int, int], set[int]]:
+    """Each value of a forward run's blocks by its layer, and the values each block passes on."""
+    layer_of = {id(v): i for i in range(forward.count) for e in forward.block(i) for v in eqns[e].outvars}
+    return layer_of, _passed_on(eqns, forward)
+
+
+def _pairs_reversed(
+    eqns: Sequence[Any], forward: tuple[dict[int, int], set[int]], backward: Run, last: int
+) -> bool:
     """Whether backward block ``j`` reads forward layer ``last − j``'s values, and no other layer's.
 
     Of the layer before it, only what that one passed on (a layer's derivative needs its input).
+    ``forward``: :func:`_forward_layers` of the forward run.
     """
-    n = forward.count
-    layer_of = {id(v): i for i in range(n) for e in forward.block(i) for v in eqns[e].outvars}
-    passed = _passed_on(eqns, forward)
+    layer_of, passed = forward
     for j in range(backward.count):
         own = last - j
         read = {id(v) for e in backward.block(j) for v in eqns[e].invars if _is_var(v) and id(v) in layer_of}
