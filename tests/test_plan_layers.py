@@ -22,7 +22,7 @@ from einshard._tracing._call import StepCall
 from einshard._tracing._depth import AtDepth, repeated_layers
 
 N = jax.device_count()
-D, H, VOCAB, SEQ = 32, 64, 64, 8
+D, H, VOCAB, SEQ = 48, 96, 96, 8  # divisible by 6, 8 and 16 devices
 OPTIMIZER = optax.adamw(1e-3)
 CANDIDATES = [
     strategies.data_parallel(),
