@@ -10,6 +10,7 @@ process with simulated CPU devices for all candidates). Ranking needs no recompi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -440,30 +441,12 @@ def plan(
             progress.left_out(i, rejection.kind)
         extrapolated: dict[int, Extrapolated] = {}
         samples = 0
+        ordered = (call, tables, bounds, over, where, progress)  # what both ways of compiling take
         if layers is not None:
-            answers, extrapolated, left, samples = compile_sampled(
-                call,
-                tables,
-                bounds,
-                over,
-                where,
-                progress,
-                lambda r: _figures_at(r, figures),
-                layers,
-                max_seconds=budget,
-            )
+            at = functools.partial(_figures_at, figures=figures)
+            answers, extrapolated, left, samples = compile_sampled(*ordered, at, layers, max_seconds=budget)
         else:
-            answers, left = compile_in_order(
-                call,
-                tables,
-                bounds,
-                over,
-                where,
-                progress,
-                estimate,
-                exhaustive=exhaustive,
-                max_seconds=budget,
-            )
+            answers, left = compile_in_order(*ordered, estimate, exhaustive=exhaustive, max_seconds=budget)
     param_paths = [call.paths[i] for i in call.argument_leaves(0)]
     rows = []
     for index, (strategy, table) in enumerate(zip(strategies, tables, strict=True)):
