@@ -273,7 +273,9 @@ def test_like_batch_on_another_axis_than_the_batch_s_warns_and_the_values_stay_r
     with pytest.warns(einshard.EinshardWarning, match=warned) as record:
         got = jax.jit(einshard.constrain_loops(step, FSDP))(w, batch)
     assert any("test_loops.py:" in str(w.message) for w in record)
-    np.testing.assert_allclose(got, jax.jit(step)(w, batch), rtol=1e-5, atol=1e-6)
+    # float32 sums in another order across devices: a few ulps (2e-6 on one of 192 values on
+    # some CPUs); a layout that changed the values would be off by far more.
+    np.testing.assert_allclose(got, jax.jit(step)(w, batch), rtol=1e-4, atol=1e-5)
 
 
 @needs_devices
