@@ -400,6 +400,8 @@ TARGET_TESTS = [
     "tests/test_plan_bounds.py::test_a_child_s_kernel_cache_leaves_the_figures_unchanged_and_is_removed",
     # The bounds against simulated programs, the same winner pruned.
     "tests/test_plan_pruning.py::test_on_a_gpu_target_the_bounds_hold_and_the_winner_is_the_same",
+    # A plan from a few layers on a GPU and a TPU target: the winner of whole compiles, kernels extrapolated.
+    "tests/test_plan_layers.py::test_a_sampled_plan_on_a_target_picks_the_winner_of_whole_compiles",
     # A kept loop's activations gathered in place of weights: reduce-scattered on a GPU, as its finding says.
     "tests/test_finding_fixes.py::test_activations_gathered_in_place_of_weights_are_reduce_scattered_on_the_target_the_fix_names",
     # A TPU's scanned step (its loops, async collective fusions) and a GPU's, compiled here.

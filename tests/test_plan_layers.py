@@ -16,10 +16,11 @@ import pytest
 import einshard
 from einshard import strategies
 from einshard._cost.pipeline._analysis import answer
-from einshard._planning.search._sampled import DEPTHS, EXACT
+from einshard._planning.search._sampled import DEPTHS
 from einshard._tracing._blocks import MIN_BLOCKS, _needed, _signature, repeated_blocks
 from einshard._tracing._call import StepCall
 from einshard._tracing._depth import AtDepth, repeated_layers
+from tests.test_targets import needs_gpu, needs_tpu
 
 N = jax.device_count()
 D, H, VOCAB, SEQ = 48, 96, 96, 8  # divisible by 6, 8 and 16 devices
@@ -145,11 +146,11 @@ def test_a_sampled_plan_picks_the_exhaustive_plan_s_winner_and_ranks_whole_compi
         full = by_name[row.name]
         assert full.seconds is not None
         # On CPU devices the time (communication plus compute) adds up per layer: exact.
-        assert row.extrapolated.least == pytest.approx(full.seconds, rel=EXACT), row.name
+        assert row.extrapolated.least == pytest.approx(full.seconds, rel=1e-3), row.name
         if row.report is not None:  # compiled whole: the figures the exhaustive plan has
             assert row.seconds == pytest.approx(full.seconds, rel=1e-9)
             assert row.peak_bytes == full.peak_bytes
-        else:  # left out: slower than the winner's whole compile, exactly, and its row says so
+        else:  # left out: slower than the winner's whole compile, and its row says so
             left_out += 1
             assert row.rejected_for == "sampled"
             assert f"cannot beat {sampled.best.name}: at least" in row.rejected
@@ -289,3 +290,36 @@ def test_an_equinox_or_nnx_model_s_layers_are_found_and_cut_to_the_program_of_fe
         fewer = jax.make_jaxpr(fewer_step)(fewer_model, batch)
         assert len(cut.inputs) == len(fewer.jaxpr.invars) and len(cut.outputs) == len(fewer.jaxpr.outvars)
         assert _program(cut.jaxpr.jaxpr) == _program(fewer.jaxpr)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None, 0.0, float("nan"), []])
+def test_sample_takes_true_or_false_only(bad):
+    with pytest.raises(einshard.EinshardError, match=r"sample= takes True or False"):
+        einshard.plan(adamw_step, _state(6), _batch(), candidates=CANDIDATES[:1], sample=bad, quiet=True)
+
+
+@pytest.mark.parametrize(
+    "target", [pytest.param("h100", marks=needs_gpu), pytest.param("v5e", marks=needs_tpu)]
+)
+def test_a_sampled_plan_on_a_target_picks_the_winner_of_whole_compiles(target):
+    """In the child that compiles for the target, under a use_strategy block (which a plan ignores).
+
+    At 6 layers a v5e's kernels took 79 % longer extrapolated from 2 and 3 than whole: a target's
+    samples only order the whole compiles.
+    """
+    args = (adamw_step, _state(6), _batch())
+    candidates = CANDIDATES[:2]
+    with einshard.use_strategy(strategies.fsdp()):
+        sampled = einshard.plan(
+            *args, n_devices=8, target=target, candidates=candidates, sample=True, quiet=True
+        )
+    whole = einshard.plan(
+        *args, n_devices=8, target=target, candidates=candidates, exhaustive=True, quiet=True
+    )
+    assert sampled.best.name == whole.best.name
+    assert sampled.timings.samples == len(DEPTHS) * len(candidates) and sampled.timings.children >= 1
+    full = {row.name: row for row in whole.rows}
+    for row in sampled.rows:
+        # A target's kernels are no line in the depth: nothing is left out, every row is whole.
+        assert row.extrapolated is not None and row.extrapolated.least == 0.0
+        assert row.report is not None and row.seconds == pytest.approx(full[row.name].seconds, rel=1e-9)

@@ -220,9 +220,9 @@ _LEFT = {
     "gradients its layout must sum) is slower than the winner's beyond the tie; exhaustive=True compiles "
     "them",
     "budget": "max_seconds was spent before their turn (what each needs at least is in its row)",
-    "sampled": "what each needs at least (its kernels alone on a target, its time on CPU devices), "
-    "extrapolated exactly from its compiles at two small depths, is slower than the winner's whole "
-    "compile beyond the tie; sample=False compiles them whole",
+    "sampled": "what each needs at least (its time on CPU devices, its bytes without a bandwidth), "
+    "extrapolated from its compiles at two small depths, is slower than the winner's whole compile "
+    "beyond the tie; sample=False compiles them whole",
     "not compiled": "they were not compiled at the figures planned with; plan again at these",
 }
 
