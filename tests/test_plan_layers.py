@@ -323,3 +323,11 @@ def test_a_sampled_plan_on_a_target_picks_the_winner_of_whole_compiles(target):
         # A target's kernels are no line in the depth: nothing is left out, every row is whole.
         assert row.extrapolated is not None and row.extrapolated.least == 0.0
         assert row.report is not None and row.seconds == pytest.approx(full[row.name].seconds, rel=1e-9)
+
+
+def test_a_sampled_plan_out_of_time_names_every_candidate_left_for_the_budget():
+    plan = einshard.plan(
+        adamw_step, _state(6), _batch(), candidates=CANDIDATES[:2], sample=True, max_seconds=1e-9, quiet=True
+    )
+    assert [row.rejected_for for row in plan.rows] == ["budget", "budget"]
+    assert not any("cannot beat" in row.rejected for row in plan.rows)

@@ -201,7 +201,7 @@ def compile_sampled(
                 continue  # it cannot win: the caller's row says so
             if spent():
                 for _, rest in contenders:
-                    if rest not in answers and rest not in compiling and rest not in extrapolated:
+                    if rest not in answers and rest not in compiling:  # not proven: out of time
                         left[rest] = out_of_time(max_seconds or 0.0, bounded[rest])
                 return None
             return i
