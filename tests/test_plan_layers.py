@@ -331,3 +331,11 @@ def test_a_sampled_plan_out_of_time_names_every_candidate_left_for_the_budget():
     )
     assert [row.rejected_for for row in plan.rows] == ["budget", "budget"]
     assert not any("cannot beat" in row.rejected for row in plan.rows)
+
+
+def test_an_exhaustive_plan_is_not_sampled_and_says_so():
+    plan = einshard.plan(
+        adamw_step, _state(6), _batch(), candidates=CANDIDATES[:1], sample=True, exhaustive=True, quiet=True
+    )
+    assert plan.timings.samples == 0 and plan.rows[0].report is not None
+    assert plan.sampling is not None and "exhaustive=True" in plan.sampling

@@ -121,7 +121,7 @@ class Blocks:
             inputs = set(self.at_depth(2).inputs)
         except NotLayers:
             return False
-        kept = (0, *range(self.count - 1, self.count))
+        kept = (0, self.count - 1)
         return all(own[i] <= inputs for i in kept) and not any(
             own[i] & inputs for i in range(1, self.count - 1)
         )

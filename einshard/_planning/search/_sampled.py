@@ -94,6 +94,11 @@ def layers_to_sample(call: Any, sample: bool, exhaustive: bool) -> tuple[int | N
     """
     if not sample:
         return None, None
+    if exhaustive:
+        return (
+            None,
+            "Each candidate compiled whole: exhaustive=True compiles every one (sample=True skips none).",
+        )
     found = repeated_layers(call)
     if isinstance(found, str):
         return None, f"Each candidate compiled whole: the step's layers cannot be sampled: {found}."
@@ -107,7 +112,7 @@ def _line(a: float | None, b: float | None, depths: tuple[int, int], layers: int
     return a + (b - a) * (layers - k1) / (k2 - k1)
 
 
-Figures = Callable[[Any], "tuple[float, float, int | None, str] | None"]
+FiguresOf = Callable[[Any], "tuple[float, float, int | None, str] | None"]
 """A report's (measure, least, peak, what least is) at the plan's figures (see :class:`Extrapolated`)."""
 
 
@@ -118,7 +123,7 @@ def compile_sampled(
     skip: Mapping[int, Rejection],
     where: Where,
     progress: Progress,
-    figures_of: Figures,
+    figures_of: FiguresOf,
     layers: int,
     *,
     max_seconds: float | None = None,
@@ -213,7 +218,7 @@ def compile_sampled(
     return whole, extrapolated, left, samples
 
 
-def _usable(answer: Answer, figures_of: Figures, memory: int | None) -> float | None:
+def _usable(answer: Answer, figures_of: FiguresOf, memory: int | None) -> float | None:
     """A whole compile's measure, or ``None`` when it has none or is over the memory."""
     found = figures_of(answer.report) if answer.report is not None else None
     if found is None:
